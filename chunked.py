@@ -1,0 +1,255 @@
+"""
+Mini-sequence MLP and chunked LM head + cross-entropy, as autograd Functions.
+
+Two tensors grow with the number of tokens S and dwarf everything else in a long-context step
+(b = bytes per element: 2 in bf16, 4 in fp32; D = width, I = MLP intermediate size, V = vocabulary):
+
+  SwiGLU MLP   y = (silu(x W1ᵀ) * x W3ᵀ) W2ᵀ. Autograd keeps x W1ᵀ, x W3ᵀ, silu(x W1ᵀ) and the
+               product: 4·I·b bytes per token per layer (Llama 3 8B: I = 14,336 -> 115 KB/token in bf16).
+               mini-sequence: keep only x (which the block's norm produced anyway); forward and
+               backward walk ceil(S/M)-token chunks, backward recomputes each chunk's intermediates.
+               S·4·I·b kept  ->  0 kept, (S/M)·~5·I·b transient inside the layer.
+  LM head+loss logits = h Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32 log-softmax
+               for backward, and backward makes an fp32 gradient of the same size:
+               S·V·(b + 4 + 4) bytes (V = 128,256, S = 8,192: 4.2 GB per fp32 copy).
+               chunked: one (S/M)×V fp32 buffer at a time, reused; kept from forward to backward
+               only dh (S·D·b) and the fp32 weight gradient (V·D·4).
+               S·V·(b + 8)  ->  (S/M)·V·4 (+ (S/M)·V·b for a low-precision copy in bf16).
+
+How many chunks (mlp_chunks = 0 / loss_chunks = 0 in the config): make one chunk's transient about
+the size of a tensor we hold anyway, so chunking never sets the peak:
+    loss:  M = ceil(V / D)   -> one chunk's logits (S/M)·V ≈ S·D elements, the size of h
+    MLP:   M = ceil(I / D)   -> one chunk's intermediate (S/M)·I ≈ S·D, the size of the block input
+both clamped to [1, S]. Llama 3 8B: M = 32 for the loss, 4 for the MLP. Or from a memory budget:
+    M = ceil(S · bytes_per_token / budget).
+
+Where it comes from: the Mini-Sequence Transformer (Luo et al. 2024, arXiv 2407.15892) chunks both
+and, with activation recomputation, trains Llama 3 8B at 60K tokens on one 80 GB A100. Its public
+code drops the last S mod M tokens of the loss and chunks the MLP with split + cat (which saves
+nothing, see below); we do neither. The loss gradient computed in forward and handed to autograd is
+Liger's fused linear cross-entropy (FLCE), also torch's `F.linear_cross_entropy(options=...)`.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- how many chunks
+
+def auto_mlp_chunks(n_tokens, dim, intermediate):
+    """M = ceil(I / D): a chunk's S/M × I intermediate is about the S × D block input."""
+    return max(1, min(n_tokens, math.ceil(intermediate / dim)))
+
+
+def auto_loss_chunks(n_tokens, dim, vocab):
+    """M = ceil(V / D): a chunk's S/M × V logits are about the S × D hidden state."""
+    return max(1, min(n_tokens, math.ceil(vocab / dim)))
+
+
+def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
+    """M such that one chunk's transient, (S/M) · bytes_per_token, fits in budget_bytes."""
+    return max(1, min(n_tokens, math.ceil(n_tokens * bytes_per_token / budget_bytes)))
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+def _autocast_dtype(device_type):
+    # Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up front,
+    # to what autocast would have used (as F.linear would), and switch autocast off inside.
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _mm_f32(a, b, out):
+    """out (fp32) = a @ b. cuBLAS writes fp32 straight from bf16 inputs; the CPU has no such mm,
+    so there we round the product to bf16 first (what the plain path's bf16 logits do anyway)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return out.copy_(torch.mm(a, b))
+
+
+def _acc_mm_(acc, a, b):
+    """acc (fp32) += a @ b. Weight gradients are sums over every token: summing chunk after chunk
+    in bf16 loses the small contributions, so the running sum is fp32 whatever the weights are.
+    (A bf16 a @ b is rounded once per chunk, then added in fp32.)"""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(torch.mm(a, b))
+
+
+# ----------------------------------------------------------------------------- mini-sequence MLP
+#
+# Why not simply `torch.cat([mlp(c) for c in x.split(n)])`? Autograd records every chunk's forward
+# and keeps that chunk's x W1ᵀ, x W3ᵀ, silu and product until backward: summed over the chunks, the
+# same S × 4I the plain MLP keeps (tests/test_chunked.py counts the bytes). Chunking saves memory
+# only if the intermediates are *not* kept: run forward under no_grad, recompute them in backward.
+# The price is two of the nine matmuls again (x W1ᵀ and x W3ᵀ), about 20% more MLP FLOPs.
+
+class _ChunkedMLP(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, chunks):
+        ctx.save_for_backward(x, w1, w3, w2)  # all we keep: the input (and the weights, kept anyway)
+        ctx.chunks = chunks
+        x2 = x.reshape(-1, x.shape[-1])  # tokens of every batch row, flattened: [N, D]
+        y = x2.new_empty(x2.shape[0], w2.shape[0])
+        n = max(1, math.ceil(x2.shape[0] / chunks))
+        with torch.autocast(x.device.type, enabled=False):
+            for s in range(0, x2.shape[0], n):
+                xc = x2[s:s + n]
+                a = F.silu(torch.mm(xc, w1.t()), inplace=True)
+                a.mul_(torch.mm(xc, w3.t()))
+                torch.mm(a, w2.t(), out=y[s:s + n])
+        return y.view(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, w1, w3, w2 = ctx.saved_tensors
+        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        x2, gy2 = x.reshape(-1, x.shape[-1]), gy.reshape(-1, gy.shape[-1])
+        # weight gradients accumulate over the chunks in fp32 (see _acc_mm_), cast back at the end
+        acc = lambda w, need: torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need else None
+        g1, g3, g2 = acc(w1, need_w1), acc(w3, need_w3), acc(w2, need_w2)
+        dx = torch.empty_like(x2) if need_x else None
+        n = max(1, math.ceil(x2.shape[0] / ctx.chunks))
+        with torch.autocast(x.device.type, enabled=False):
+            for s in range(0, x2.shape[0], n):
+                xc, gyc = x2[s:s + n], gy2[s:s + n]
+                a, b = torch.mm(xc, w1.t()), torch.mm(xc, w3.t())  # recompute this chunk only
+                sig = torch.sigmoid(a)
+                silu = a * sig
+                if need_w2:
+                    _acc_mm_(g2, gyc.t(), silu * b)  # dW2 += gyᵀ (silu(a) b)
+                dz = torch.mm(gyc, w2)  # d(silu(a) b)
+                db = silu.mul_(dz)  # d(x W3ᵀ) = dz silu(a)
+                # d(x W1ᵀ) = dz b silu'(a), silu'(a) = sig (1 + a (1 - sig))
+                da = dz.mul_(b).mul_(a.mul_(1 - sig).add_(1).mul_(sig))
+                if need_w1:
+                    _acc_mm_(g1, da.t(), xc)
+                if need_w3:
+                    _acc_mm_(g3, db.t(), xc)
+                if need_x:
+                    torch.mm(da, w1, out=dx[s:s + n])
+                    dx[s:s + n].addmm_(db, w3)
+        cast = lambda g, w: None if g is None else g.to(w.dtype)
+        return (None if dx is None else dx.view(x.shape)), cast(g1, w1), cast(g3, w3), cast(g2, w2), None
+
+
+def chunked_mlp(x, w1, w3, w2, chunks):
+    """SwiGLU MLP F.linear(silu(F.linear(x, w1)) * F.linear(x, w3), w2) over x [..., S, D] in
+    ceil(tokens / chunks)-token pieces (all tokens of all batch rows, flattened), keeping only x for
+    backward. Weights in nn.Linear layout [out, in], no biases. chunks = 0 picks auto_mlp_chunks."""
+    if chunks == 0:
+        chunks = auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
+    if chunks <= 1:
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+    dt = _autocast_dtype(x.device.type)
+    if dt is not None:
+        x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
+    return _ChunkedMLP.apply(x, w1, w3, w2, chunks)
+
+
+# ----------------------------------------------------------------------------- chunked LM head + loss
+#
+# loss = Σ_i valid_i · (logsumexp(h_i Wᵀ) - h_i W_{t_i}ᵀ) / count; with g_i = softmax(h_i Wᵀ) - onehot(t_i)
+# (zero where t_i is ignored): dL/dh = g W / count, dL/dW = gᵀ h / count. Per chunk that is one matmul
+# for the logits and two for the gradients. We compute the gradients in forward, while the chunk's
+# logits are at hand, and hand them to autograd from backward (scaled by the incoming gradient):
+# 3 matmuls in all. Recomputing in backward instead would redo the logits matmul, 4 in all, a third
+# more of the dominant cost, for no memory gain (dh and dW are held either way at the start of
+# backward, when every activation is still alive). Eval under no_grad does only the logits.
+
+def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w):
+    """h [N, D], weight [V, D], targets [N] -> (loss sum, count, dh·count or None, dW·count or None)."""
+    N, V = h.shape[0], weight.shape[0]
+    n = max(1, math.ceil(N / chunks))  # tokens per chunk; the last chunk takes what is left
+    valid = targets != ignore_index
+    count = valid.sum()  # a tensor: no host sync, here or per chunk
+    tgt = torch.where(valid, targets, 0).unsqueeze(1)  # ignored rows point at class 0, masked below
+    mask = valid.to(h.dtype).unsqueeze(1)
+    target_logp = h.new_empty(N, 1, dtype=torch.float32)
+    buf = h.new_empty(min(n, N), V, dtype=torch.float32)  # the one logits buffer, reused by every chunk
+    minus_one = h.new_full((min(n, N), 1), -1.0, dtype=torch.float32)
+    dh = torch.empty_like(h) if grad_h else None
+    dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
+    wt = weight.t()
+    for s in range(0, N, n):
+        e = min(s + n, N)
+        hc, logits = h[s:e], buf[:e - s]
+        _mm_f32(hc, wt, out=logits)
+        # all in place on the chunk's buffer: one fused row-wise pass gives log p, one exp_ gives p
+        torch.log_softmax(logits, 1, out=logits)
+        torch.gather(logits, 1, tgt[s:e], out=target_logp[s:e])
+        if not (grad_h or grad_w):
+            continue
+        logits.exp_().scatter_add_(1, tgt[s:e], minus_one[:e - s])  # g = softmax - onehot
+        # ignored rows still hold a softmax in g; we zero their contribution on the small [n, D]
+        # side (dh rows, h rows) instead of another pass over the [n, V] buffer
+        g = logits if weight.dtype == torch.float32 else logits.to(weight.dtype)
+        if grad_h:
+            torch.mm(g, weight, out=dh[s:e])
+            dh[s:e].mul_(mask[s:e])
+        if grad_w:
+            _acc_mm_(dW, g.t(), hc * mask[s:e])
+    loss_sum = -(target_logp.squeeze(1) * valid).sum()
+    return loss_sum, count, dh, dW
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunks, ignore_index):
+        with torch.autocast(h.device.type, enabled=False):
+            loss_sum, count, dh, dW = _ce_chunks(h, weight, targets, chunks, ignore_index,
+                                                 *ctx.needs_input_grad[:2])
+        # kept as attributes, not save_for_backward: these are results, not inputs to recompute
+        # from, and saved-tensor hooks (offload.py) must not move them to the host
+        ctx.count, ctx.dh, ctx.dW, ctx.w_dtype = count, dh, dW, weight.dtype
+        return loss_sum / count.clamp(min=1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if ctx.count is None:
+            raise RuntimeError("chunked_cross_entropy: backward ran twice; retain_graph is not supported")
+        scale = grad_loss / ctx.count.clamp(min=1)  # mean over non-ignored targets; 0 targets -> 0 grads
+        dh, dW = ctx.dh, ctx.dW
+        # drop our references so the buffers are scaled in place and handed to autograd (which can
+        # then adopt dW as W.grad without a copy), and nothing outlives this backward
+        ctx.count = ctx.dh = ctx.dW = None
+        if dh is not None:
+            dh.mul_(scale)
+        if dW is not None:
+            dW = dW.mul_(scale).to(ctx.w_dtype)
+        return dh, dW, None, None, None
+
+
+def chunked_cross_entropy(h, weight, targets, chunks, ignore_index=-100):
+    """Mean cross-entropy of F.linear(h, weight) (fp32 logits) against targets, over the targets
+    that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. h [N, D] or
+    [B, S, D], weight [V, D] (the LM head, possibly the tied embedding), targets [N] or [B, S].
+    The [N, V] logits never exist whole: ceil(N / chunks) tokens at a time. chunks = 0 picks
+    auto_loss_chunks; chunks = 1 is the plain path."""
+    D = h.shape[-1]
+    h, targets = h.reshape(-1, D), targets.reshape(-1)
+    if chunks == 0:
+        chunks = auto_loss_chunks(h.shape[0], D, weight.shape[0])
+    if chunks <= 1:
+        count = (targets != ignore_index).sum()
+        loss_sum = F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=ignore_index,
+                                   reduction='sum')
+        return loss_sum / count.clamp(min=1)
+    dt = _autocast_dtype(h.device.type)
+    if dt is not None:
+        h, weight = h.to(dt), weight.to(dt)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(h, weight, targets, chunks, ignore_index)
+    with torch.autocast(h.device.type, enabled=False):  # eval: the logits only, no gradient work
+        loss_sum, count, _, _ = _ce_chunks(h, weight, targets, chunks, ignore_index, False, False)
+    return loss_sum / count.clamp(min=1)

@@ -1,0 +1,95 @@
+"""
+Poor man's configurator, after nanoGPT's, made safe. train.py keeps its config as plain globals and
+calls configure(globals()); `python train.py config/x.py --batch_size=32 --out_dir=a=b` then
+applies, in order, each config file (a Python file, exec'd on its own) and each --key=value (a
+Python literal if it parses as one, else the raw string). Each value must fit its default's type.
+Every mistake is one 'error: ...' line on stderr and exit status 2, never a traceback: a typo in a
+key must stop a run that would otherwise train for hours on the default, and a traceback buries the
+one line that says what was wrong.
+"""
+import ast
+import difflib
+import sys
+import traceback
+from types import ModuleType
+
+_CONFIG_TYPES = (int, float, str, type(None), dict, list, tuple)  # bool is an int
+_BOOLS = {'True': True, 'true': True, '1': True, 'False': False, 'false': False, '0': False}
+_BAD = object()  # fit()'s "does not fit": None can't say it, None is a legal value
+
+
+def die(msg):
+    print('error: ' + ' '.join(msg.splitlines()), file=sys.stderr)  # one line, whatever msg holds
+    sys.exit(2)
+
+
+def fit(value, default, raw=None):
+    """value as the type of default, or _BAD. raw: the command-line text, None from a file."""
+    if default is None:
+        return value  # nothing to check against: the key takes anything
+    if isinstance(default, bool):  # before int, as bool is an int; repr makes a file's 1 '1'
+        return _BOOLS.get(raw if raw is not None else repr(value), _BAD)
+    if isinstance(default, float) and type(value) is int:
+        return float(value)  # --learning_rate=1 means 1.0
+    if isinstance(default, str) and raw is not None:
+        return value if isinstance(value, str) else raw  # --out_dir=123 is the directory '123'
+    return value if type(value) is type(default) else _BAD
+
+
+def override(g, defaults, key, value, raw, where=''):
+    if key not in defaults:
+        close = difflib.get_close_matches(key, list(defaults), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ''
+        die(f"{where}unknown config key {key!r}{hint}")
+    new = fit(value, defaults[key], raw)
+    if new is _BAD:
+        name, got = (key, value) if raw is None else ('--' + key, raw)
+        die(f"{where}{name} expects {type(defaults[key]).__name__}, got {got!r}")
+    print(f"Overriding: {key} = {new!r}")
+    g[key] = new
+
+
+def load(path, g, defaults):
+    try:
+        with open(path, 'rb') as f:
+            src = f.read()  # bytes: compile() then honours coding cookies and reports bad encodings
+    except OSError as e:  # missing, a directory, no permission
+        die(f"cannot read config file {path}: {e.strerror}")
+    try:
+        code = compile(src, path, 'exec')
+    except SyntaxError as e:
+        die(f"{path}, line {e.lineno or '?'}: syntax error: {e.msg}")
+    ns = {}  # fresh: a config file sees none of train.py, so it reads the same from anywhere
+    try:
+        exec(code, ns)
+    except Exception as e:
+        lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        die(f"{path}, line {lines[-1] if lines else '?'}: {type(e).__name__}: {e}")
+    print(f"Overriding config with {path}")
+    for key, value in ns.items():
+        if not key.startswith('_') and not isinstance(value, ModuleType):  # skip `import math`
+            override(g, defaults, key, value, None, f"{path}: ")
+
+
+def configure(g, argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    # the defaults, before any override: every later value is checked against these types
+    defaults = {k: v for k, v in g.items()
+                if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
+    if '-h' in argv or '--help' in argv:
+        print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:")
+        for k, v in defaults.items():
+            print(f"  --{k}={v!r}")
+        sys.exit(0)
+    for arg in argv:
+        if not arg.startswith('-'):
+            load(arg, g, defaults)
+            continue
+        key, eq, raw = arg[2:].partition('=')  # the first '=': values may hold more
+        if not arg.startswith('--') or not key or not eq:
+            die(f"malformed argument {arg!r}: expected --key=value or a config file path")
+        try:
+            value = ast.literal_eval(raw)
+        except Exception:  # SyntaxError, ValueError, ...: not a literal, so a bare string
+            value = raw  # --init_from=resume
+        override(g, defaults, key, value, raw)

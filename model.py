@@ -1,0 +1,378 @@
+"""
+The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
+
+    token embedding -> n_layer x [ x + attention(RMSNorm(x)),  x + SwiGLU(RMSNorm(x)) ] -> RMSNorm -> LM head
+
+- RMSNorm in fp32 with the config's eps, RoPE with `rope_theta` and the optional `llama3` (or
+  `linear`) frequency scaling, angles computed in fp64 and kept in fp32 (in bf16 the positions of a
+  long sequence are wrong), applied in the rotate-half convention HF checkpoints are stored in.
+- grouped-query attention through F.scaled_dot_product_attention (flash on a GPU) with
+  `enable_gqa=True`: the kv heads are never repeated in memory.
+- no biases anywhere; optional tied embeddings.
+- weight init as GPT-2/nanoGPT do for Llama-shaped models: every weight N(0, 0.02) (Llama's
+  `initializer_range`), with the two projections that write into the residual stream (wo, w2)
+  scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow with depth; norms at 1.
+
+The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward
+runs, never what it computes: chunked.py and offload.py are the chapters that explain them.
+`Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that
+transformers loads back to the same logits.
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
+
+import chunked
+
+
+MEMORY_KNOBS = ('mlp_chunks', 'loss_chunks', 'recompute', 'offload')
+
+
+@dataclass
+class LlamaConfig:
+    # architecture (defaults: a laptop-sized model)
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    n_embd: int = 128
+    intermediate_size: int = 384
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # memory knobs: how forward runs, not what it computes
+    mlp_chunks: int = 1     # mini-sequences of the MLP; 1 = off, 0 = automatic (chunked.py)
+    loss_chunks: int = 1    # chunks of the LM head + loss; 1 = off, 0 = automatic (chunked.py)
+    recompute: str = 'none'  # 'none' | 'full' | 'selective' (offload.py)
+    offload: float = 0.0    # Memo's alpha: fraction of kept activations sent to host (offload.py)
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.recompute not in ('none', 'full', 'selective'):
+            raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
+        if not 0.0 <= self.offload <= 1.0:
+            raise ValueError(f"offload is a fraction in [0, 1], got {self.offload}")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+
+# -----------------------------------------------------------------------------
+# RoPE
+
+def rope_frequencies(config):
+    """Inverse frequencies theta^(-2i/d), in fp64, with HF's rope scalings applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get('rope_type', scaling.get('type', 'default'))
+    if kind == 'default':
+        return inv_freq
+    if kind == 'linear':
+        return inv_freq / scaling['factor']
+    if kind == 'llama3':
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between
+        factor, lo, hi = scaling['factor'], scaling['low_freq_factor'], scaling['high_freq_factor']
+        old_len = scaling['original_max_position_embeddings']
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
+        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+def rope_tables(inv_freq, positions):
+    """cos and sin [S, head_dim] for integer positions [S]; fp64 math, fp32 result."""
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: (x1, x2) pairs are i, i+d/2
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """x [B, H, S, hd]; the rotation is done in fp32 and cast back to x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# the block
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32 as HF does: bf16 sums of squares over 4096 channels lose digits
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.wq = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache=None):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal = True
+        if kv_cache is not None:  # sampling: append to the cache; one new token sees every key
+            k, v = kv_cache.update(k, v)
+            causal = S > 1
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.chunks = config.mlp_chunks
+        self.w1 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.n_embd, bias=False)  # down
+
+    def forward(self, x):
+        chunks = self.chunks
+        if chunks == 0:
+            chunks = chunked.auto_mlp_chunks(x.shape[-2], x.shape[-1], self.w1.out_features)
+        return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.feed_forward = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+# -----------------------------------------------------------------------------
+# activation recomputation (Chen et al. 2016; Korthikanti et al. 2022), per block, non-reentrant.
+# Bytes a block keeps for backward, per token, fp32 (b bytes per element; h width, kv = n_kv_head·hd,
+# I intermediate; chunked.py's MLP keeps only its input, or 3·I more per token when unchunked):
+#   none:      b·(7h + 2kv + 3I) + attention's logsumexp      (x, norm, q/k/v, attn out, wo out...)
+#   selective: b·(2h) + logsumexp   block input + attention output (costly to recompute: S² work)
+#   full:      b·h                  block input only
+# `tests/test_model.py` checks these against saved-tensor measurements.
+
+_SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
+    '_scaled_dot_product_flash_attention', '_scaled_dot_product_efficient_attention',
+    '_scaled_dot_product_cudnn_attention', '_scaled_dot_product_flash_attention_for_cpu')
+    if hasattr(torch.ops.aten, name)}
+
+
+def _keep_attention(ctx, op, *args, **kwargs):
+    # selective recompute: save what attention computed, recompute every matmul and norm around it
+    return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_block(block, x, cos, sin, mode):
+    if mode == 'full':
+        return checkpoint(block, x, cos, sin, use_reentrant=False)
+    return checkpoint(block, x, cos, sin, use_reentrant=False,
+                      context_fn=lambda: create_selective_checkpoint_contexts(_keep_attention))
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+class Llama(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer('inv_freq', rope_frequencies(config).float(), persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith('wo.weight') or name.endswith('w2.weight'):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding=True):
+        """Parameters, without the embedding table by default (it is a lookup, not a matmul).
+        With tied embeddings the shared matrix still counts once, as the LM head."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and not self.config.tie_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None, positions=None, kv_caches=None):
+        """idx [B, S] -> logits [B, S, V]; with targets -> (logits or None, mean loss over targets != -100).
+        `positions` [S] are the absolute positions of idx's tokens (a shard of a longer sequence, or
+        the tokens after a kv cache); they default to 0..S-1."""
+        B, S = idx.shape
+        if positions is None:
+            positions = torch.arange(S, device=idx.device)
+        # RoPE tables outside autocast: fp32 angles, never bf16
+        with torch.autocast(idx.device.type, enabled=False):
+            cos, sin = rope_tables(self.inv_freq, positions)
+        x = self.tok_embeddings(idx)
+        for i, block in enumerate(self.layers):
+            if kv_caches is not None:
+                x = block(x, cos, sin, kv_caches[i])
+            elif self.config.recompute == 'none':
+                x = block(x, cos, sin)
+            else:
+                x = recompute_block(block, x, cos, sin, self.config.recompute)
+        x = self.norm(x)
+        if targets is None:
+            return self.output(x)
+        chunks = self.config.loss_chunks
+        if chunks == 0:
+            chunks = chunked.auto_loss_chunks(B * S, self.config.n_embd, self.config.vocab_size)
+        if chunks == 1:  # the plain path keeps the [B, S, V] logits and hands them back
+            logits = self.output(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction='sum')
+            return logits, loss / (targets != -100).sum().clamp(min=1)
+        return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks)
+
+    def estimate_flops_per_token(self, seq_len):
+        """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
+        parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or
+        not). Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the
+        projections for 'selective', the attention kernel not)."""
+        c, N = self.config, self.num_params()
+        attn = 12 * c.n_layer * c.n_embd * seq_len
+        mfu_flops = 6 * N + attn
+        if c.recompute == 'full':
+            return mfu_flops, mfu_flops + 2 * N + attn // 3
+        if c.recompute == 'selective':
+            head = c.vocab_size * c.n_embd
+            return mfu_flops, mfu_flops + 2 * (N - head)
+        return mfu_flops, mfu_flops
+
+    # -------------------------------------------------------------------------
+    # Hugging Face checkpoints
+
+    @classmethod
+    def from_pretrained(cls, hf_dir, **overrides):
+        """Load a local HF Llama directory: config.json + model.safetensors, or shards with an index.
+        Both config forms are read: `rope_theta`/`rope_scaling` and the newer `rope_parameters`.
+        `overrides` set LlamaConfig fields such as the memory knobs."""
+        from safetensors.torch import load_file
+        with open(os.path.join(hf_dir, 'config.json')) as f:
+            hf = json.load(f)
+        rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+        theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
+        kind = rope.pop('rope_type', rope.pop('type', 'default'))
+        rope = {'rope_type': kind, **rope}
+        n_head = hf['num_attention_heads']
+        if hf.get('head_dim', hf['hidden_size'] // n_head) * n_head != hf['hidden_size']:
+            raise ValueError(f"{hf_dir}: head_dim * num_attention_heads != hidden_size is not supported")
+        config = LlamaConfig(
+            n_layer=hf['num_hidden_layers'], n_head=n_head,
+            n_kv_head=hf.get('num_key_value_heads') or n_head, n_embd=hf['hidden_size'],
+            intermediate_size=hf['intermediate_size'], vocab_size=hf['vocab_size'],
+            rope_theta=float(theta), rope_scaling=rope if kind != 'default' else None,
+            norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
+            **overrides)
+        index = os.path.join(hf_dir, 'model.safetensors.index.json')
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)['weight_map'].values()))
+        else:
+            files = ['model.safetensors']
+        hf_state = {}
+        for name in files:
+            hf_state.update(load_file(os.path.join(hf_dir, name)))
+        model = cls(config)
+        state = {ours: hf_state.pop(theirs) for ours, theirs in _hf_names(config).items()}
+        hf_state.pop('lm_head.weight', None)  # tied checkpoints may still carry a copy
+        if hf_state:
+            raise ValueError(f"{hf_dir}: unexpected weights {sorted(hf_state)[:5]}")
+        model.load_state_dict(state, strict=False)  # strict would ask for the tied output twice
+        return model
+
+    def save_pretrained(self, out_dir):
+        """Write config.json + model.safetensors in HF's Llama format (the older rope_scaling form,
+        which every transformers version reads)."""
+        from safetensors.torch import save_file
+        c = self.config
+        os.makedirs(out_dir, exist_ok=True)
+        params = dict(self.named_parameters())
+        state = {theirs: params[ours].detach().cpu().contiguous()
+                 for ours, theirs in _hf_names(c).items()}
+        save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
+        hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
+                  num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                  num_key_value_heads=c.n_kv_head, hidden_size=c.n_embd, head_dim=c.head_dim,
+                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling and {
+                      k: v for k, v in c.rope_scaling.items() if k != 'rope_theta'}, rms_norm_eps=c.norm_eps,
+                  tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False,
+                  max_position_embeddings=max(8192, 2 * (c.rope_scaling or {}).get(
+                      'original_max_position_embeddings', 0)),
+                  torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
+        with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+            json.dump(hf, f, indent=2)
+
+
+def _hf_names(config):
+    """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too)."""
+    names = {'tok_embeddings.weight': 'model.embed_tokens.weight', 'norm.weight': 'model.norm.weight'}
+    if not config.tie_embeddings:
+        names['output.weight'] = 'lm_head.weight'
+    ours = {'attention.wq': 'self_attn.q_proj', 'attention.wk': 'self_attn.k_proj',
+            'attention.wv': 'self_attn.v_proj', 'attention.wo': 'self_attn.o_proj',
+            'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
+            'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
+            'ffn_norm': 'post_attention_layernorm'}
+    for i in range(config.n_layer):
+        for a, b in ours.items():
+            names[f'layers.{i}.{a}.weight'] = f'model.layers.{i}.{b}.weight'
+    return names
+
+
+class KVCache:
+    """Keys and values of one layer for sampling, preallocated to max_len."""
+
+    def __init__(self, batch, n_kv_head, head_dim, max_len, device, dtype):
+        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.len = 0
+
+    def update(self, k, v):
+        n = k.shape[2]
+        self.k[:, :, self.len:self.len + n] = k
+        self.v[:, :, self.len:self.len + n] = v
+        self.len += n
+        return self.k[:, :, :self.len], self.v[:, :, :self.len]

@@ -1,0 +1,99 @@
+"""
+Generate text from a trained checkpoint (or a Hugging Face directory) with a KV cache:
+
+    python sample.py --out_dir=out-tiny --start="def " --num_samples=2 --max_new_tokens=300
+    python sample.py --init_from=path/to/hf_llama --dataset=mydata --start=FILE:prompt.txt
+
+The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json);
+the whole prompt runs through the model once (prefill), then one token at a time reads the cached keys
+and values instead of recomputing the prefix: O(S) work per new token instead of O(S²).
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from data.tokenizer import get_tokenizer
+from model import KVCache, Llama, LlamaConfig
+
+# -----------------------------------------------------------------------------
+init_from = 'resume'  # 'resume' (out_dir/ckpt.pt) or a Hugging Face model directory
+out_dir = 'out-tiny'
+dataset = ''  # whose meta.json holds the tokenizer; '' = the checkpoint's dataset
+start = '\n'  # the prompt, or FILE:path to read it from a file
+num_samples = 3
+max_new_tokens = 300
+temperature = 0.8  # < 1 sharpens the distribution, > 1 flattens it
+top_k = 50  # sample among the k most likely tokens only; 0 = all
+seed = 1337
+device = 'auto'
+# -----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
+    """Continue idx [B, T] by max_new_tokens tokens; returns [B, T + max_new_tokens]."""
+    c = model.config
+    B, T = idx.shape
+    p = next(model.parameters())
+    caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype)
+              for _ in range(c.n_layer)]
+    logits = model(idx, kv_caches=caches)[:, -1]  # prefill: the prompt in one pass
+    out = [idx]
+    for t in range(T, T + max_new_tokens):
+        if temperature == 0:
+            nxt = logits.argmax(-1, keepdim=True)
+        else:
+            logits = logits.float() / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float('-inf'))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1)
+        out.append(nxt)
+        if t + 1 < T + max_new_tokens:
+            logits = model(nxt, positions=torch.tensor([t], device=p.device), kv_caches=caches)[:, -1]
+    return torch.cat(out, 1)
+
+
+def main():
+    from configurator import configure
+    configure(globals())
+    dev = device
+    if dev == 'auto':
+        dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    torch.manual_seed(seed)
+    name = dataset
+    if init_from == 'resume':
+        path = os.path.join(out_dir, 'ckpt.pt')
+        if not os.path.exists(path):
+            sys.exit(f"error: no checkpoint at {path} (train one first: python train.py)")
+        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+        model = Llama(LlamaConfig(**ckpt['model_args']))
+        model.load_state_dict(ckpt['model'])
+        name = name or ckpt['config']['dataset']
+    else:
+        model = Llama.from_pretrained(init_from)
+    if not name:
+        sys.exit("error: --dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
+    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name, 'meta.json')
+    with open(meta_path) as f:
+        encode, decode = get_tokenizer(json.load(f))
+    model.to(dev).eval()
+
+    prompt = start
+    if prompt.startswith('FILE:'):
+        with open(prompt[5:], encoding='utf-8') as f:
+            prompt = f.read()
+    idx = torch.tensor([encode(prompt)] * num_samples, device=dev)
+    if idx.shape[1] == 0:
+        sys.exit("error: the prompt encodes to no tokens")
+    out = generate(model, idx, max_new_tokens, temperature, top_k)
+    for row in out.tolist():
+        print(decode(row))
+        print('-' * 60)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,143 @@
+"""model.py against transformers' LlamaForCausalLM: logits, loss, checkpoint loading both ways."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+
+from model import Llama, LlamaConfig
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def hf_model(n_kv_head=2, tie=False, rope_scaling=None, vocab=211, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=n_kv_head,
+        num_hidden_layers=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=256,
+        rope_theta=500000.0, tie_word_embeddings=tie,
+        rope_scaling=dict(rope_scaling) if rope_scaling else None,  # a copy: transformers edits it
+        attn_implementation='eager')
+    m = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF inits norms to one: perturb them so the mapping is really tested
+        for name, p in m.named_parameters():
+            if 'norm' in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+@pytest.mark.parametrize('n_kv_head,tie,rope', [
+    (2, False, None), (1, False, None), (4, True, None), (2, False, LLAMA3_ROPE), (1, True, LLAMA3_ROPE)])
+def test_logits_and_loss_match_transformers(tmp_path, n_kv_head, tie, rope):
+    hf = hf_model(n_kv_head, tie, rope)
+    hf.save_pretrained(tmp_path)
+    ours = Llama.from_pretrained(tmp_path).eval()
+    assert ours.config.n_kv_head == n_kv_head and ours.config.tie_embeddings == tie
+    idx = torch.randint(0, 211, (2, 100))  # 100 > original_max_position_embeddings: scaling matters
+    targets = idx.roll(-1, 1)
+    targets[0, :7] = -100
+    with torch.no_grad():
+        ref = hf(idx, labels=None).logits
+        logits, loss = ours(idx, targets)
+    assert rel_err(logits, ref) < 1e-5
+    ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    assert abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
+
+
+def test_rope_parameters_and_rope_scaling_forms_load_alike(tmp_path):
+    hf = hf_model(2, False, LLAMA3_ROPE)
+    hf.save_pretrained(tmp_path / 'new')
+    config = json.loads((tmp_path / 'new' / 'config.json').read_text())
+    assert 'rope_parameters' in config  # transformers 5 writes the new form
+    # the hub's older form: rope_theta at the top level, rope_scaling with a 'type' key
+    old = dict(config)
+    params = old.pop('rope_parameters')
+    old['rope_theta'] = params.pop('rope_theta')
+    params['type'] = params.pop('rope_type')
+    old['rope_scaling'] = params
+    os.makedirs(tmp_path / 'old')
+    (tmp_path / 'old' / 'config.json').write_text(json.dumps(old))
+    os.link(tmp_path / 'new' / 'model.safetensors', tmp_path / 'old' / 'model.safetensors')
+    a, b = Llama.from_pretrained(tmp_path / 'new'), Llama.from_pretrained(tmp_path / 'old')
+    assert a.config == b.config and a.config.rope_theta == 500000.0
+    idx = torch.randint(0, 211, (1, 90))
+    assert torch.equal(a(idx), b(idx))
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    hf = hf_model(2, False, None)
+    hf.save_pretrained(tmp_path / 'one')
+    ours = Llama.from_pretrained(tmp_path / 'one')
+    # split the checkpoint in two shards with an index, as the hub stores big models
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    keys = sorted(state)
+    shards = {'model-00001-of-00002.safetensors': keys[::2], 'model-00002-of-00002.safetensors': keys[1::2]}
+    d = tmp_path / 'sharded'
+    os.makedirs(d)
+    weight_map = {}
+    for fname, names in shards.items():
+        save_file({k: state[k] for k in names}, d / fname)
+        weight_map.update({k: fname for k in names})
+    (d / 'model.safetensors.index.json').write_text(json.dumps({'metadata': {}, 'weight_map': weight_map}))
+    (d / 'config.json').write_text((tmp_path / 'one' / 'config.json').read_text())
+    sharded = Llama.from_pretrained(d)
+    idx = torch.randint(0, 211, (1, 33))
+    assert torch.equal(ours(idx), sharded(idx))
+
+
+@pytest.mark.parametrize('tie,rope', [(False, None), (True, LLAMA3_ROPE)])
+def test_save_pretrained_round_trip_through_transformers(tmp_path, tie, rope):
+    torch.manual_seed(1)
+    ours = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
+                             vocab_size=123, rope_theta=10000.0, rope_scaling=rope, tie_embeddings=tie))
+    ours.save_pretrained(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation='eager').float()
+    idx = torch.randint(0, 123, (2, 80))
+    with torch.no_grad():
+        assert rel_err(ours(idx), hf(idx).logits) < 1e-5
+    again = Llama.from_pretrained(tmp_path)
+    assert torch.equal(again(idx), ours(idx))
+
+
+def test_loss_ignores_targets_and_all_ignored_is_zero():
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=2, n_kv_head=1, intermediate_size=64, vocab_size=50))
+    idx = torch.randint(0, 50, (2, 9))
+    t = idx.clone()
+    t[:, ::2] = -100
+    logits, loss = m(idx, t)
+    keep = t != -100
+    ref = F.cross_entropy(logits[keep], t[keep])
+    assert torch.allclose(loss, ref, rtol=1e-6)
+    _, zero = m(idx, torch.full_like(idx, -100))
+    assert zero.item() == 0.0
+
+
+def test_init_residual_projections_scaled():
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(n_layer=8, n_embd=256, n_head=4, n_kv_head=4, intermediate_size=512))
+    std = lambda p: p.detach().std().item()
+    assert abs(std(m.layers[0].attention.wq.weight) - 0.02) < 1e-3
+    assert abs(std(m.layers[0].feed_forward.w2.weight) - 0.02 / 4) < 5e-4  # 1/sqrt(2*8)
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    from model import KVCache
+    torch.manual_seed(0)
+    c = LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=40)
+    m = Llama(c).eval()
+    idx = torch.randint(0, 40, (2, 12))
+    full = m(idx)
+    caches = [KVCache(2, c.n_kv_head, c.head_dim, 12, 'cpu', torch.float32) for _ in range(c.n_layer)]
+    out = [m(idx[:, :5], kv_caches=caches)]  # prefill
+    for t in range(5, 12):
+        out.append(m(idx[:, t:t + 1], positions=torch.tensor([t]), kv_caches=caches))
+    assert rel_err(torch.cat(out, 1), full) < 1e-5

@@ -1,0 +1,404 @@
+"""
+Train a Llama. One process on a laptop CPU, a GPU, or Apple's MPS:
+
+    python train.py                                   # tiny model on the embedded corpus, minutes on a CPU
+    python train.py config/train_tiny.py --max_iters=500 --device=cpu
+
+The loop, in the order it runs: read the config (defaults below, then a config file, then --key=value),
+prepare the data if it is missing, build or load the model, then step: sample a global batch, run the
+micro-steps' forward and backward with the loss normalised by the number of real target tokens across
+all of them, clip, AdamW, log, evaluate, checkpoint. Checkpoints are atomic and hold everything needed
+to continue exactly (weights, fp32 master weights, optimizer, step, data sampler and RNG states), so
+`--init_from=resume` reproduces an uninterrupted run's losses; SIGINT and SIGTERM save one and exit.
+
+Precision (DESIGN.md): with dtype='bfloat16' the model's weights and activations are bf16, gradients
+are accumulated into fp32 as autograd produces them, and AdamW updates fp32 master weights: 2 + 4 + 12
+= 18 bytes per parameter (Megatron's scheme). With dtype='float32' (the CPU default) the optimizer
+updates the model's own weights.
+"""
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS
+
+_ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+# default config: config/train_tiny.py, a model that learns to write Python on a laptop CPU in minutes
+# I/O
+out_dir = 'out'
+eval_interval = 250
+log_interval = 10
+eval_iters = 20
+always_save_checkpoint = True  # every eval writes a checkpoint (atomically), not only the best
+init_from = 'scratch'  # 'scratch' | 'resume' | path to a Hugging Face model directory
+# data
+dataset = 'stdlib'  # data/<dataset>/{train,val}.bin; 'stdlib' is prepared on first use
+gradient_accumulation_steps = 1
+batch_size = 16  # sequences per micro-step (per data-parallel rank)
+seq_len = 256
+# model (vocab_size 0: take it from the dataset's meta.json)
+n_layer = 4
+n_head = 4
+n_kv_head = 4
+n_embd = 128
+intermediate_size = 384
+vocab_size = 0
+rope_theta = 10000.0
+norm_eps = 1e-5
+tie_embeddings = False
+# memory knobs (chunked.py; model.py's recompute)
+mlp_chunks = 1
+loss_chunks = 1
+recompute = 'none'
+# AdamW with linear warmup then cosine decay to min_lr
+learning_rate = 2e-3
+max_iters = 1000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99  # tokens per step are few here: a shorter second-moment memory trains faster
+grad_clip = 1.0  # 0 disables
+warmup_iters = 50
+lr_decay_iters = 0  # 0: decay over max_iters
+min_lr = 2e-4
+# system
+device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+dtype = 'auto'  # 'auto' (bfloat16 on CUDA, else float32) | 'float32' | 'bfloat16'
+compile = False
+seed = 1337
+# -----------------------------------------------------------------------------
+
+def die(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# -----------------------------------------------------------------------------
+# data
+
+def load_dataset(name):
+    """meta.json of data/<name>, preparing the default corpus on first use."""
+    data_dir = os.path.join(_ROOT, 'data', name)
+    if not os.path.exists(os.path.join(data_dir, 'meta.json')):
+        if name != 'stdlib':
+            die(f"dataset {name!r} is not prepared: run python data/{name}/prepare.py (see README.md)")
+        import importlib.util
+        spec = importlib.util.spec_from_file_location('prepare', os.path.join(data_dir, 'prepare.py'))
+        prepare = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(prepare)
+        prepare.prepare(data_dir)
+    with open(os.path.join(data_dir, 'meta.json')) as f:
+        meta = json.load(f)
+    meta['dir'] = data_dir
+    return meta
+
+
+def get_batch(meta, split, n, generator, device):
+    """n random windows of seq_len + 1 tokens: inputs and next-token targets."""
+    # a fresh memmap per batch: numpy's memmap otherwise keeps every page it touched resident
+    data = np.memmap(os.path.join(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
+    if len(data) <= seq_len + 1:
+        die(f"the {split} split of {meta['dir']} has {len(data)} tokens, fewer than seq_len + 2")
+    ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
+    xy = torch.from_numpy(np.stack([data[i:i + seq_len + 1].astype(np.int64) for i in ix]))
+    if device.type == 'cuda':  # pinned host memory lets the copy overlap the previous step
+        xy = xy.pin_memory().to(device, non_blocking=True)
+    else:
+        xy = xy.to(device)
+    return xy[:, :-1], xy[:, 1:]
+
+
+# -----------------------------------------------------------------------------
+# one optimisation step
+
+def forward_backward(model, micro_batches, autocast):
+    """Backward of the mean loss over every real target token of the step (not a mean of per-micro-step
+    means: micro-steps with more ignored targets must weigh less). Returns that loss, detached."""
+    count = sum((y != -100).sum() for _, y in micro_batches).clamp(min=1)
+    total = 0.0
+    for x, y in micro_batches:
+        with autocast:
+            _, loss = model(x, y)  # the mean over this micro-step's real targets
+        weight = (y != -100).sum() / count
+        (loss * weight).backward()
+        total = total + loss.detach() * weight
+    return total
+
+
+def make_master_weights(model):
+    """fp32 weights for the optimizer. For an fp32 model they are its own parameters. For a bf16 model
+    they are fp32 copies, and a hook folds each bf16 gradient into the copy's fp32 .grad the moment
+    autograd has finished it, so gradient accumulation runs in fp32 and no bf16 gradient outlives
+    its parameter's backward."""
+    params = list(model.parameters())
+    if all(p.dtype == torch.float32 for p in params):
+        return params
+    masters = [p.detach().float().requires_grad_(True) for p in params]
+    for p, m in zip(params, masters):
+        def fold(p, m=m):
+            m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+            p.grad = None
+        p.register_post_accumulate_grad_hook(fold)
+    return masters
+
+
+def make_optimizer(model, masters, device_type):
+    # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
+    decay = [m for p, m in zip(model.parameters(), masters) if p.dim() >= 2]
+    no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
+    groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
+    fused = device_type == 'cuda'  # one kernel for all parameters instead of a few per tensor
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+
+
+def get_lr(it):
+    decay_iters = lr_decay_iters or max_iters
+    if it < warmup_iters:  # linear warmup: Adam's first updates are noisy at full lr
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+# -----------------------------------------------------------------------------
+# measurement
+
+def peak_flops(device, dtype):
+    """Dense peak FLOP/s to state MFU against: the datasheet for known GPUs (bf16), and a measured
+    matmul rate for CPUs and unknown devices (a CPU has no datasheet figure worth trusting)."""
+    if device.type == 'cuda':
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in (('H100', 989), ('H200', 989), ('H800', 989), ('A100', 312), ('A800', 312),
+                            ('L40S', 362), ('4090', 165), ('A10G', 70), ('A10', 125)):
+            if key in name:
+                return tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
+    a = torch.randn(1024, 1024, device=device, dtype=dtype)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(8):
+        b = a @ a
+    b.sum().item()
+    return 8 * 2 * 1024 ** 3 / (time.perf_counter() - t0)
+
+
+def reset_peak_memory(device):
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+    else:  # resets VmHWM of this process (Linux); elsewhere the high-water mark is since start
+        try:
+            with open('/proc/self/clear_refs', 'w') as f:
+                f.write('5')
+        except OSError:
+            pass
+
+
+def peak_memory(device):
+    """Bytes: the allocator's peak on CUDA, the process's peak resident set on a CPU."""
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmHWM:'):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+def save_checkpoint(path, state):
+    """Write to a temporary file, fsync, rename: a crash mid-write leaves the previous file whole."""
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or '.', os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def model_from_config(meta, cfg):
+    """Build (or load) the model named by init_from; returns (model, checkpoint or None)."""
+    knobs = {k: cfg[k] for k in _KNOBS if k in cfg}  # how forward runs: free to change on resume
+    ckpt = None
+    if init_from == 'scratch':
+        args = {f.name: cfg[f.name] for f in fields(LlamaConfig) if f.name in cfg and f.name not in _KNOBS}
+        args['vocab_size'] = vocab_size or meta['vocab_size']
+        model = Llama(LlamaConfig(**args, **knobs))
+    elif init_from == 'resume':
+        path = os.path.join(out_dir, 'ckpt.pt')
+        if not os.path.exists(path):
+            die(f"--init_from=resume but there is no checkpoint at {path}")
+        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+        model = Llama(LlamaConfig(**ckpt['model_args'], **knobs))
+        model.load_state_dict(ckpt['model'])
+    elif os.path.isdir(init_from):
+        model = Llama.from_pretrained(init_from, **knobs)
+    else:
+        die(f"init_from must be 'scratch', 'resume' or a Hugging Face model directory, got {init_from!r}")
+    if meta['vocab_size'] > model.config.vocab_size:
+        die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta['tokenizer']}), more than "
+            f"the model's {model.config.vocab_size}: prepare it with the model's tokenizer")
+    return model, ckpt
+
+
+# -----------------------------------------------------------------------------
+
+def main():
+    from configurator import configure
+    configure(globals())
+    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+
+    # device and precision
+    dev = device
+    if dev == 'auto':
+        dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    dev = torch.device(dev)
+    ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' else torch.float32,
+               'float32': torch.float32, 'bfloat16': torch.bfloat16}.get(dtype)
+    if ptdtype is None:
+        die(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r} (float16 needs loss scaling)")
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
+    if dev.type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(seed)
+    os.makedirs(out_dir, exist_ok=True)
+
+    meta = load_dataset(dataset)
+    model, ckpt = model_from_config(meta, cfg)
+    model.to(device=dev, dtype=ptdtype)
+    masters = make_master_weights(model)
+    optimizer = make_optimizer(model, masters, dev.type)
+    data_gen = torch.Generator().manual_seed(seed)
+    iter_num, best_val_loss = 0, float('inf')
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        if 'masters' in ckpt:
+            with torch.no_grad():
+                for m, saved in zip(masters, ckpt['masters']):
+                    m.copy_(saved)
+        data_gen.set_state(ckpt['data_gen'])
+        torch.set_rng_state(ckpt['rng'])
+        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+        del ckpt
+    raw_model = model
+    if compile:
+        model = torch.compile(model)
+
+    n_params = raw_model.num_params()
+    flops_per_token, hw_flops_per_token = raw_model.estimate_flops_per_token(seq_len)
+    device_flops = peak_flops(dev, ptdtype)
+    tokens_per_iter = gradient_accumulation_steps * batch_size * seq_len
+    print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
+          f"device {dev} {str(ptdtype).removeprefix('torch.')}, peak {device_flops / 1e12:.2f} TFLOP/s")
+
+    def checkpoint(next_iter):
+        state = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
+                 'model_args': {k: v for k, v in asdict(raw_model.config).items() if k not in _KNOBS},
+                 'iter_num': next_iter, 'best_val_loss': best_val_loss, 'config': cfg,
+                 'data_gen': data_gen.get_state(), 'rng': torch.get_rng_state()}
+        if masters[0] is not next(raw_model.parameters()):
+            state['masters'] = masters
+        save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), state)
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        gen = torch.Generator().manual_seed(seed + 1)  # the same val batches at every eval
+        losses = []
+        for _ in range(eval_iters):
+            x, y = get_batch(meta, 'val', batch_size, gen, dev)
+            with autocast:
+                losses.append(model(x, y)[1].float())
+        model.train()
+        return torch.stack(losses).mean().item()
+
+    # SIGINT / SIGTERM: finish the step, save, exit 0; a second signal interrupts at once
+    stop = []
+    def on_signal(signum, frame):
+        stop.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w')
+    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None)
+    t0, tokens_since = time.perf_counter(), 0
+    reset_peak_memory(dev)
+    while iter_num < max_iters:
+        val_loss = None
+        if iter_num % eval_interval == 0 or iter_num == max_iters - 1:
+            t_eval = time.perf_counter()
+            val_loss = evaluate()
+            best_val_loss = min(best_val_loss, val_loss)
+            if always_save_checkpoint and iter_num > 0:
+                checkpoint(iter_num)
+            t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
+
+        lr = get_lr(iter_num)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        batches = [get_batch(meta, 'train', batch_size, data_gen, dev) for _ in range(gradient_accumulation_steps)]
+        loss = forward_backward(model, batches, autocast)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(masters, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if masters[0] is not next(raw_model.parameters()):
+            with torch.no_grad():
+                for p, m in zip(raw_model.parameters(), masters):
+                    p.copy_(m)
+        tokens_since += tokens_per_iter
+        iter_num += 1
+        bar.update(1)
+
+        if (iter_num - 1) % log_interval == 0 or val_loss is not None or iter_num == max_iters or stop:
+            loss = loss.item()  # the only host sync of a step, and only on logging steps
+            dt = time.perf_counter() - t0
+            tps = tokens_since / dt
+            row = {'iter': iter_num - 1, 'loss': loss, 'lr': lr, 'tokens_per_s': tps,
+                   'mfu': tps * flops_per_token / device_flops, 'hfu': tps * hw_flops_per_token / device_flops,
+                   'peak_mem_bytes': peak_memory(dev), 'offload_bytes': 0}
+            if val_loss is not None:
+                row['val_loss'] = val_loss
+            log.write(json.dumps(row) + '\n')
+            log.flush()
+            bar.set_postfix_str(f"loss {loss:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else '')
+                                + f" {tps:,.0f} tok/s mfu {100 * row['mfu']:.1f}%")
+            if bar.disable:  # not a terminal: a plain line per log step instead of the bar
+                print(f"iter {iter_num - 1}: {bar.postfix}", flush=True)
+            t0, tokens_since = time.perf_counter(), 0
+            reset_peak_memory(dev)
+        if stop:
+            checkpoint(iter_num)
+            bar.close()
+            print(f"stopped by signal {stop[0]} at iter {iter_num}; checkpoint saved to {out_dir}/ckpt.pt "
+                  f"(continue with --init_from=resume)")
+            return
+    bar.close()
+    checkpoint(iter_num)
+    print(f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, checkpoint {out_dir}/ckpt.pt")
+
+
+if __name__ == '__main__':
+    main()
