@@ -8,10 +8,10 @@ Two tensors grow with the number of tokens S and dwarf everything else in a long
                product: 4·I·b bytes per token per layer (Llama 3 8B: I = 14,336 -> 115 KB/token in bf16).
                mini-sequence: keep only x (which the block's norm produced anyway); forward and
                backward walk ceil(S/M)-token chunks, backward recomputes each chunk's intermediates.
-               S·4·I·b kept  ->  0 kept, (S/M)·~5·I·b transient inside the layer.
+               S·4·I·b kept  ->  0 kept, about (S/M)·6·I·b transient inside the layer.
   LM head+loss logits = h Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32 log-softmax
                for backward, and backward makes an fp32 gradient of the same size:
-               S·V·(b + 4 + 4) bytes (V = 128,256, S = 8,192: 4.2 GB per fp32 copy).
+               about S·V·(b + 4 + 4) bytes (V = 128,256, S = 8,192: 4.2 GB per fp32 copy).
                chunked: one (S/M)×V fp32 buffer at a time, reused; kept from forward to backward
                only dh (S·D·b) and the fp32 weight gradient (V·D·4).
                S·V·(b + 8)  ->  (S/M)·V·4 (+ (S/M)·V·b for a low-precision copy in bf16).
@@ -20,8 +20,9 @@ How many chunks (mlp_chunks = 0 / loss_chunks = 0 in the config): make one chunk
 the size of a tensor we hold anyway, so chunking never sets the peak:
     loss:  M = ceil(V / D)   -> one chunk's logits (S/M)·V ≈ S·D elements, the size of h
     MLP:   M = ceil(I / D)   -> one chunk's intermediate (S/M)·I ≈ S·D, the size of the block input
-both clamped to [1, S]. Llama 3 8B: M = 32 for the loss, 4 for the MLP. Or from a memory budget:
-    M = ceil(S · bytes_per_token / budget).
+with at least MIN_CHUNK_TOKENS = 256 tokens per chunk (M <= ceil(S / 256): fewer rows make the
+matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 4 for
+the MLP. Or from a memory budget: M = ceil(S · bytes_per_token / budget).
 
 Where it comes from: the Mini-Sequence Transformer (Luo et al. 2024, arXiv 2407.15892) chunks both
 and, with activation recomputation, trains Llama 3 8B at 60K tokens on one 80 GB A100. Its public
@@ -37,14 +38,25 @@ import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- how many chunks
 
+# A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows
+# against a big weight runs far below peak (on our CPU, 16-token chunks of the LM head take 3x the
+# time of 256-token ones), and the memory it would save is small: 256·V·4 bytes = 131 MB for
+# Llama 3's vocabulary, no more than the fp32 weight gradient whenever D >= 256.
+MIN_CHUNK_TOKENS = 256
+
+
+def _auto_chunks(n_tokens, m):
+    return max(1, min(n_tokens, m, math.ceil(n_tokens / MIN_CHUNK_TOKENS)))
+
+
 def auto_mlp_chunks(n_tokens, dim, intermediate):
     """M = ceil(I / D): a chunk's S/M × I intermediate is about the S × D block input."""
-    return max(1, min(n_tokens, math.ceil(intermediate / dim)))
+    return _auto_chunks(n_tokens, math.ceil(intermediate / dim))
 
 
 def auto_loss_chunks(n_tokens, dim, vocab):
     """M = ceil(V / D): a chunk's S/M × V logits are about the S × D hidden state."""
-    return max(1, min(n_tokens, math.ceil(vocab / dim)))
+    return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
 
 def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
@@ -173,7 +185,8 @@ def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w):
     count = valid.sum()  # a tensor: no host sync, here or per chunk
     tgt = torch.where(valid, targets, 0).unsqueeze(1)  # ignored rows point at class 0, masked below
     mask = valid.to(h.dtype).unsqueeze(1)
-    target_logp = h.new_empty(N, 1, dtype=torch.float32)
+    # per token: the target's logit, the row max m, and max softmax = 1 / Σ exp(x - m)
+    x_t, m, p_max = (h.new_empty(N, 1, dtype=torch.float32) for _ in range(3))
     buf = h.new_empty(min(n, N), V, dtype=torch.float32)  # the one logits buffer, reused by every chunk
     minus_one = h.new_full((min(n, N), 1), -1.0, dtype=torch.float32)
     dh = torch.empty_like(h) if grad_h else None
@@ -183,12 +196,17 @@ def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w):
         e = min(s + n, N)
         hc, logits = h[s:e], buf[:e - s]
         _mm_f32(hc, wt, out=logits)
-        # all in place on the chunk's buffer: one fused row-wise pass gives log p, one exp_ gives p
-        torch.log_softmax(logits, 1, out=logits)
-        torch.gather(logits, 1, tgt[s:e], out=target_logp[s:e])
+        # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
+        # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
+        # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
+        # reductions around it: logsumexp = m - log(max softmax), exact and never log(0).
+        torch.gather(logits, 1, tgt[s:e], out=x_t[s:e])
+        torch.amax(logits, 1, keepdim=True, out=m[s:e])
+        torch.softmax(logits, 1, out=logits)
+        torch.amax(logits, 1, keepdim=True, out=p_max[s:e])
         if not (grad_h or grad_w):
             continue
-        logits.exp_().scatter_add_(1, tgt[s:e], minus_one[:e - s])  # g = softmax - onehot
+        logits.scatter_add_(1, tgt[s:e], minus_one[:e - s])  # g = softmax - onehot
         # ignored rows still hold a softmax in g; we zero their contribution on the small [n, D]
         # side (dh rows, h rows) instead of another pass over the [n, V] buffer
         g = logits if weight.dtype == torch.float32 else logits.to(weight.dtype)
@@ -197,7 +215,7 @@ def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w):
             dh[s:e].mul_(mask[s:e])
         if grad_w:
             _acc_mm_(dW, g.t(), hc * mask[s:e])
-    loss_sum = -(target_logp.squeeze(1) * valid).sum()
+    loss_sum = ((m - p_max.log() - x_t).squeeze(1) * valid).sum()
     return loss_sum, count, dh, dW
 
 

@@ -28,9 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
-
 import chunked
+import offload
 
 
 MEMORY_KNOBS = ('mlp_chunks', 'loss_chunks', 'recompute', 'offload')
@@ -96,18 +95,19 @@ def rope_frequencies(config):
 
 
 def rope_tables(inv_freq, positions):
-    """cos and sin [S, head_dim] for integer positions [S]; fp64 math, fp32 result."""
+    """cos and sin [S, head_dim] for integer positions [S]; fp64 math, fp32 result. The sin table
+    carries rotate-half's sign (-sin for the first half) so applying it needs no negation."""
     angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
-    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: (x1, x2) pairs are i, i+d/2
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos(), angles.sin()
+    # rotate-half layout (HF's): channel i pairs with i + d/2
+    return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
 
 def apply_rope(x, cos, sin):
-    """x [B, H, S, hd]; the rotation is done in fp32 and cast back to x's dtype."""
+    """x [B, H, S, hd] -> x·cos + (x2, x1)·sin, in fp32, cast back to x's dtype."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -120,10 +120,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32 as HF does: bf16 sums of squares over 4096 channels lose digits
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # normalise in fp32 as HF does (bf16 sums of squares over 4096 channels lose digits), cast,
+        # then scale; F.rms_norm is one fused kernel where the hand-written version is five
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -158,10 +157,8 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.n_embd, bias=False)  # down
 
     def forward(self, x):
-        chunks = self.chunks
-        if chunks == 0:
-            chunks = chunked.auto_mlp_chunks(x.shape[-2], x.shape[-1], self.w1.out_features)
-        return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
+        # chunks == 0: chunked.py picks the count from the shapes
+        return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, self.chunks)
 
 
 class Block(nn.Module):
@@ -175,33 +172,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, kv_cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
-
-
-# -----------------------------------------------------------------------------
-# activation recomputation (Chen et al. 2016; Korthikanti et al. 2022), per block, non-reentrant.
-# Bytes a block keeps for backward, per token, fp32 (b bytes per element; h width, kv = n_kv_head·hd,
-# I intermediate; chunked.py's MLP keeps only its input, or 3·I more per token when unchunked):
-#   none:      b·(7h + 2kv + 3I) + attention's logsumexp      (x, norm, q/k/v, attn out, wo out...)
-#   selective: b·(2h) + logsumexp   block input + attention output (costly to recompute: S² work)
-#   full:      b·h                  block input only
-# `tests/test_model.py` checks these against saved-tensor measurements.
-
-_SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
-    '_scaled_dot_product_flash_attention', '_scaled_dot_product_efficient_attention',
-    '_scaled_dot_product_cudnn_attention', '_scaled_dot_product_flash_attention_for_cpu')
-    if hasattr(torch.ops.aten, name)}
-
-
-def _keep_attention(ctx, op, *args, **kwargs):
-    # selective recompute: save what attention computed, recompute every matmul and norm around it
-    return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def recompute_block(block, x, cos, sin, mode):
-    if mode == 'full':
-        return checkpoint(block, x, cos, sin, use_reentrant=False)
-    return checkpoint(block, x, cos, sin, use_reentrant=False,
-                      context_fn=lambda: create_selective_checkpoint_contexts(_keep_attention))
 
 
 # -----------------------------------------------------------------------------
@@ -249,16 +219,18 @@ class Llama(nn.Module):
         for i, block in enumerate(self.layers):
             if kv_caches is not None:
                 x = block(x, cos, sin, kv_caches[i])
-            elif self.config.recompute == 'none':
-                x = block(x, cos, sin)
-            else:
-                x = recompute_block(block, x, cos, sin, self.config.recompute)
-        x = self.norm(x)
+            else:  # keep, recompute or offload what the block saves for backward (offload.py)
+                x = offload.run_block(block, x, cos, sin, self.config, i)
+        return self.head(self.norm(x), targets)
+
+    def head(self, x, targets=None):
+        """LM head: logits, or (logits or None, loss) with targets. parallel.py swaps in its vocab-parallel
+        one under tensor parallelism."""
         if targets is None:
             return self.output(x)
         chunks = self.config.loss_chunks
         if chunks == 0:
-            chunks = chunked.auto_loss_chunks(B * S, self.config.n_embd, self.config.vocab_size)
+            chunks = chunked.auto_loss_chunks(targets.numel(), self.config.n_embd, self.config.vocab_size)
         if chunks == 1:  # the plain path keeps the [B, S, V] logits and hands them back
             logits = self.output(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction='sum')

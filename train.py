@@ -31,6 +31,9 @@ import torch
 from tqdm import tqdm
 
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS
+import parallel
+import memory
+from offload import bytes_to_host  # (`offload` itself is a config key below)
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,10 +61,16 @@ vocab_size = 0
 rope_theta = 10000.0
 norm_eps = 1e-5
 tie_embeddings = False
-# memory knobs (chunked.py; model.py's recompute)
+# memory knobs (chunked.py; offload.py)
 mlp_chunks = 1
 loss_chunks = 1
 recompute = 'none'
+offload = 0.0  # Memo's alpha (offload.py): > 0 sends block inputs, attention and this fraction of the rest to host
+# parallelism under torchrun (parallel.py): world = dp x cp x tp ranks, dp = world / (tp_size * cp_size)
+tp_size = 1
+cp_size = 1
+cp_impl = 'ulysses'  # 'ulysses' | 'ring'
+zero = 0  # 1: each of the dp x cp ranks keeps the AdamW moments of its share of the parameters
 # AdamW with linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
 max_iters = 1000
@@ -77,6 +86,11 @@ device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'  # 'auto' (bfloat16 on CUDA, else float32) | 'float32' | 'bfloat16'
 compile = False
 seed = 1337
+# memory accounting (memory.py): a report before the first step, measured after it, out_dir/memory.json
+dry_run = False  # one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
+memory_budget_gb = 0.0  # GiB per device the run must fit in (80% rule); 0: the device's own (80 for a dry run)
+host_memory_budget_gb = 0.0  # GiB of host memory for offloaded activations; 0: what is available
+auto_memory = False  # let memory.py pick recompute / mlp_chunks / loss_chunks / offload: the cheapest that fits
 # -----------------------------------------------------------------------------
 
 def die(msg):
@@ -122,17 +136,26 @@ def get_batch(meta, split, n, generator, device):
 # -----------------------------------------------------------------------------
 # one optimisation step
 
-def forward_backward(model, micro_batches, autocast):
+def forward_backward(model, micro_batches, autocast, mesh=None):
     """Backward of the mean loss over every real target token of the step (not a mean of per-micro-step
-    means: micro-steps with more ignored targets must weigh less). Returns that loss, detached."""
-    count = sum((y != -100).sum() for _, y in micro_batches).clamp(min=1)
+    means: micro-steps with more ignored targets must weigh less). Returns that loss, detached.
+    Under parallelism a micro-batch is this rank's (x, y, positions) and the count is the whole step's,
+    over every dp × cp rank: the gradients summed over them are then the single-process ones."""
+    count = sum((y != -100).sum() for _, y, *_ in micro_batches)
+    if mesh is not None and mesh.dpcp_group is not None:
+        count = parallel.all_reduce(count, mesh.dpcp_group)
+    count = count.clamp(min=1)
     total = 0.0
-    for x, y in micro_batches:
+    for x, y, *positions in micro_batches:
         with autocast:
-            _, loss = model(x, y)  # the mean over this micro-step's real targets
+            # the mean over this micro-step's real targets; the logits of the plain path are
+            # dropped here, or they would live through backward (memory.py counts on it)
+            loss = model(x, y, *positions)[1]
         weight = (y != -100).sum() / count
         (loss * weight).backward()
         total = total + loss.detach() * weight
+    if mesh is not None and mesh.dpcp_group is not None:
+        total = parallel.all_reduce(total, mesh.dpcp_group)
     return total
 
 
@@ -153,13 +176,22 @@ def make_master_weights(model):
     return masters
 
 
-def make_optimizer(model, masters, device_type):
+def make_optimizer(model, masters, device_type, mesh=None):
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
     decay = [m for p, m in zip(model.parameters(), masters) if p.dim() >= 2]
     no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
     groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
     fused = device_type == 'cuda'  # one kernel for all parameters instead of a few per tensor
+    if zero and mesh is not None and mesh.dp * mesh.cp > 1:
+        return parallel.ShardedAdamW(groups, mesh, lr=learning_rate, betas=(beta1, beta2), fused=fused)
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+
+
+def optimizer_order(config):
+    """The parameter names of make_optimizer's two groups, in order: how checkpoints name AdamW's state."""
+    with torch.device('meta'):
+        named = list(Llama(config).named_parameters())
+    return [[n for n, p in named if p.dim() >= 2], [n for n, p in named if p.dim() < 2]]
 
 
 def get_lr(it):
@@ -185,12 +217,14 @@ def peak_flops(device, dtype):
             if key in name:
                 return tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
-    a @ a
-    t0 = time.perf_counter()
-    for _ in range(8):
-        b = a @ a
-    b.sum().item()
-    return 8 * 2 * 1024 ** 3 / (time.perf_counter() - t0)
+    best = float('inf')
+    for _ in range(5):  # the best of a few tries: other processes only ever make a try slower
+        t0 = time.perf_counter()
+        for _ in range(4):
+            b = a @ a
+        b.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return 4 * 2 * 1024 ** 3 / best
 
 
 def reset_peak_memory(device):
@@ -245,10 +279,10 @@ def model_from_config(meta, cfg):
         args['vocab_size'] = vocab_size or meta['vocab_size']
         model = Llama(LlamaConfig(**args, **knobs))
     elif init_from == 'resume':
-        path = os.path.join(out_dir, 'ckpt.pt')
-        if not os.path.exists(path):
-            die(f"--init_from=resume but there is no checkpoint at {path}")
-        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+        path = parallel.latest_checkpoint(out_dir)  # ckpt.pt, or ckpt/ shards of any layout with their marker
+        if path is None:
+            die(f"--init_from=resume but there is no checkpoint in {out_dir}")
+        ckpt = parallel.consolidate(path, lambda args: LlamaConfig(**args), optimizer_order)
         model = Llama(LlamaConfig(**ckpt['model_args'], **knobs))
         model.load_state_dict(ckpt['model'])
     elif os.path.isdir(init_from):
@@ -273,7 +307,9 @@ def main():
     if dev == 'auto':
         dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
     dev = torch.device(dev)
-    ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' else torch.float32,
+    if dry_run:  # memory.py: be rank 0 of the configured world (a fake process group); this CPU stands in for CUDA
+        dev = memory.start_dry_run(memory.dry_run_world(tp_size, cp_size))
+    ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
                'float32': torch.float32, 'bfloat16': torch.bfloat16}.get(dtype)
     if ptdtype is None:
         die(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r} (float16 needs loss scaling)")
@@ -281,22 +317,55 @@ def main():
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
     os.makedirs(out_dir, exist_ok=True)
 
-    meta = load_dataset(dataset)
-    model, ckpt = model_from_config(meta, cfg)
-    model.to(device=dev, dtype=ptdtype)
+    # under torchrun: refuse an impossible layout on every rank before anything is allocated
+    world_env = int(os.environ.get('WORLD_SIZE', 1))
+    layout_error = lambda c: parallel.check_layout(world_env, tp_size, cp_size, cp_impl, seq_len, c['n_head'],
+                                                   c['n_kv_head'], c['intermediate_size'], zero)
+    if init_from == 'scratch' and layout_error(cfg):
+        die(layout_error(cfg))
+    world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)
+    master_process = rank == 0
+    if world > 1 and dev.type == 'cuda':
+        dev = torch.device('cuda', local_rank)
+
+    if master_process:  # rank 0 prepares a missing dataset; the others wait, then read it
+        meta = {'vocab_size': vocab_size} if dry_run and vocab_size else load_dataset(dataset)
+    if world > 1:
+        torch.distributed.barrier()
+    if not master_process:
+        meta = load_dataset(dataset)
+    with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
+        model, ckpt = model_from_config(meta, cfg)
+    if layout_error(asdict(model.config)):  # a Hugging Face directory or checkpoint brings its own shape
+        die(layout_error(asdict(model.config)))
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head)
+    # the memory report, before anything is on the device: stops here if the run can't fit (80% rule);
+    # auto_memory=True first sets the cheapest recompute / chunks / offload that fits
+    mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
+    names = [n for n, _ in model.named_parameters()]
+    n_params = model.num_params()
+    flops_per_token, hw_flops_per_token = model.estimate_flops_per_token(seq_len)
+    if world > 1:
+        parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
+    memory.to_fake(model, ptdtype) if dry_run else model.to(device=dev, dtype=ptdtype)
     masters = make_master_weights(model)
-    optimizer = make_optimizer(model, masters, dev.type)
+    named_masters = list(zip(names, masters))
+    optimizer = make_optimizer(model, masters, dev.type, mesh)
+    memory.materialize_optimizer_state(optimizer)  # AdamW's state now, not in step 1: step 1 shows the peak
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, float('inf')
     if ckpt is not None:
-        optimizer.load_state_dict(ckpt['optimizer'])
-        if 'masters' in ckpt:
-            with torch.no_grad():
-                for m, saved in zip(masters, ckpt['masters']):
-                    m.copy_(saved)
+        if world > 1:  # the checkpoint holds full tensors: keep our shards
+            parallel.restore_sharded(ckpt, mesh, model.config, names, masters, optimizer, optimizer_order)
+        else:
+            optimizer.load_state_dict(ckpt['optimizer'])
+            if 'masters' in ckpt:
+                with torch.no_grad():
+                    for m, saved in zip(masters, ckpt['masters']):
+                        m.copy_(saved)
         data_gen.set_state(ckpt['data_gen'])
         torch.set_rng_state(ckpt['rng'])
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
@@ -305,18 +374,45 @@ def main():
     if compile:
         model = torch.compile(model)
 
-    n_params = raw_model.num_params()
-    flops_per_token, hw_flops_per_token = raw_model.estimate_flops_per_token(seq_len)
-    device_flops = peak_flops(dev, ptdtype)
-    tokens_per_iter = gradient_accumulation_steps * batch_size * seq_len
-    print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
-          f"device {dev} {str(ptdtype).removeprefix('torch.')}, peak {device_flops / 1e12:.2f} TFLOP/s")
+    def train_step(batches):
+        """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step."""
+        loss = forward_backward(model, batches, autocast, mesh)
+        if world > 1:
+            parallel.sync_grads(named_masters, mesh, raw_model.config)
+            if grad_clip > 0:  # the norm over every shard of every parameter
+                parallel.clip_grad_norm_(named_masters, grad_clip, mesh, raw_model.config)
+        elif grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(masters, grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if masters[0] is not next(raw_model.parameters()):
+            with torch.no_grad():
+                for p, m in zip(raw_model.parameters(), masters):
+                    p.copy_(m)
+        return loss
+
+    if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
+        batches = [parallel.shard_batch(*memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size),
+                                        mesh) for _ in range(min(gradient_accumulation_steps, 2))]
+        mem.dry_run(train_step, raw_model, masters, optimizer, batches)
+        return
+
+    device_flops = peak_flops(dev, ptdtype) * world  # MFU is per device: against all of them
+    tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
+    if master_process:
+        layout = f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} ({cp_impl}) x tp {mesh.tp}" if world > 1 else ''
+        print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
+              f"device {dev} {str(ptdtype).removeprefix('torch.')}, peak {device_flops / 1e12:.2f} TFLOP/s{layout}")
 
     def checkpoint(next_iter):
-        state = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                 'model_args': {k: v for k, v in asdict(raw_model.config).items() if k not in _KNOBS},
-                 'iter_num': next_iter, 'best_val_loss': best_val_loss, 'config': cfg,
-                 'data_gen': data_gen.get_state(), 'rng': torch.get_rng_state()}
+        scalars = {'model_args': {k: v for k, v in asdict(raw_model.config).items() if k not in _KNOBS},
+                   'iter_num': next_iter, 'best_val_loss': best_val_loss, 'config': cfg,
+                   'data_gen': data_gen.get_state(), 'rng': torch.get_rng_state()}
+        if world > 1:  # a shard per rank, then rank 0's commit marker
+            parallel.save_sharded(out_dir, mesh, raw_model.config, names, masters, raw_model, optimizer,
+                                  scalars, save_checkpoint)
+            return
+        state = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), **scalars}
         if masters[0] is not next(raw_model.parameters()):
             state['masters'] = masters
         save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), state)
@@ -327,11 +423,14 @@ def main():
         gen = torch.Generator().manual_seed(seed + 1)  # the same val batches at every eval
         losses = []
         for _ in range(eval_iters):
-            x, y = get_batch(meta, 'val', batch_size, gen, dev)
+            x, y, *positions = parallel.shard_batch(*get_batch(meta, 'val', batch_size * mesh.dp, gen, dev), mesh)
             with autocast:
-                losses.append(model(x, y)[1].float())
+                losses.append(model(x, y, *positions)[1].float())
         model.train()
-        return torch.stack(losses).mean().item()
+        loss = torch.stack(losses).mean()
+        if mesh.dpcp_group is not None:  # val has no ignored targets: every rank's mean weighs the same
+            loss = parallel.all_reduce(loss, mesh.dpcp_group) / (mesh.dp * mesh.cp)
+        return loss.item()
 
     # SIGINT / SIGTERM: finish the step, save, exit 0; a second signal interrupts at once
     stop = []
@@ -341,8 +440,8 @@ def main():
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w')
-    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None)
+    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w') if master_process else None
+    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if master_process else True)
     t0, tokens_since = time.perf_counter(), 0
     reset_peak_memory(dev)
     while iter_num < max_iters:
@@ -358,16 +457,12 @@ def main():
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        batches = [get_batch(meta, 'train', batch_size, data_gen, dev) for _ in range(gradient_accumulation_steps)]
-        loss = forward_backward(model, batches, autocast)
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(masters, grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if masters[0] is not next(raw_model.parameters()):
-            with torch.no_grad():
-                for p, m in zip(raw_model.parameters(), masters):
-                    p.copy_(m)
+        # every rank samples the same global batch; shard_batch keeps our dp rank's rows, our cp rank's tokens
+        batches = [parallel.shard_batch(*get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev), mesh)
+                   for _ in range(gradient_accumulation_steps)]
+        sent = bytes_to_host()
+        with mem.measure(raw_model, masters, optimizer, batches, compiled=compile):  # the first step only
+            loss = train_step(batches)
         tokens_since += tokens_per_iter
         iter_num += 1
         bar.update(1)
@@ -378,27 +473,34 @@ def main():
             tps = tokens_since / dt
             row = {'iter': iter_num - 1, 'loss': loss, 'lr': lr, 'tokens_per_s': tps,
                    'mfu': tps * flops_per_token / device_flops, 'hfu': tps * hw_flops_per_token / device_flops,
-                   'peak_mem_bytes': peak_memory(dev), 'offload_bytes': 0}
+                   'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
             if val_loss is not None:
                 row['val_loss'] = val_loss
-            log.write(json.dumps(row) + '\n')
-            log.flush()
+            if master_process:
+                log.write(json.dumps(row) + '\n')
+                log.flush()
             bar.set_postfix_str(f"loss {loss:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else '')
                                 + f" {tps:,.0f} tok/s mfu {100 * row['mfu']:.1f}%")
-            if bar.disable:  # not a terminal: a plain line per log step instead of the bar
+            if bar.disable and master_process:  # not a terminal: a plain line per log step instead of the bar
                 print(f"iter {iter_num - 1}: {bar.postfix}", flush=True)
             t0, tokens_since = time.perf_counter(), 0
             reset_peak_memory(dev)
+        if world > 1 and parallel.all_reduce(torch.tensor(len(stop), device=dev), None).item() and not stop:
+            stop.append(signal.SIGTERM)  # a signal may reach the ranks in different steps: stop with the first
         if stop:
             checkpoint(iter_num)
             bar.close()
-            print(f"stopped by signal {stop[0]} at iter {iter_num}; checkpoint saved to {out_dir}/ckpt.pt "
-                  f"(continue with --init_from=resume)")
+            if master_process:
+                print(f"stopped by signal {stop[0]} at iter {iter_num}; checkpoint saved in {out_dir} "
+                      f"(continue with --init_from=resume)")
             return
     bar.close()
     checkpoint(iter_num)
-    print(f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, checkpoint {out_dir}/ckpt.pt")
+    if master_process:
+        print(f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, checkpoint {out_dir}/ckpt.pt")
 
 
 if __name__ == '__main__':
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

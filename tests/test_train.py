@@ -81,7 +81,7 @@ sys.path.insert(0, {root!r})
 from train import save_checkpoint
 class Slow:  # pickling this takes forever: the process dies mid-write
     def __reduce__(self):
-        time.sleep(60)
+        time.sleep(600)
         return (int, (0,))
 save_checkpoint({path!r}, {{'weights': torch.arange(10.0), 'step': 1}})
 print('saved', flush=True)
@@ -95,9 +95,9 @@ def test_a_process_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == 'saved'
     deadline = time.time() + 60
-    while not (os.path.exists(path + '.tmp') and os.path.getsize(path + '.tmp') > 0) and time.time() < deadline:
+    while not os.path.exists(path + '.tmp') and time.time() < deadline:
         time.sleep(0.05)
-    assert os.path.exists(path + '.tmp')  # the second checkpoint is half written...
+    assert os.path.exists(path + '.tmp')  # the second checkpoint is being written...
     p.kill()
     p.wait()
     ckpt = torch.load(path, weights_only=False)  # ...and the first is whole

@@ -1,0 +1,265 @@
+"""memory.py: the analytical estimate against the measured peak of train.py's step (CPU, real
+tensors), fake tensors against real ones, the tracker against torch's MemTracker, a 7B dry run, the
+fit check's suggestions and the planner."""
+import json
+import os
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import memory  # noqa: E402
+import train  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2 ** 30
+
+
+def step(cfg, B, S, dtype='float32', gas=1, fake=False):
+    """One training step as train.py runs it in one process (AdamW state made up front, batches as
+    get_batch returns them), under memory.Tracker. Returns the tracker."""
+    torch.manual_seed(0)
+    ptdtype = torch.bfloat16 if dtype == 'bfloat16' else torch.float32
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with torch.device('meta'):
+            model = Llama(cfg)
+    else:
+        mode = nullcontext()
+    with mode:
+        model = memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype)
+        masters = train.make_master_weights(model)
+        opt = train.make_optimizer(model, masters, 'cpu')
+        memory.materialize_optimizer_state(opt)
+        autocast = torch.autocast('cpu', dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
+        batches = [memory.fake_batch(B, S, cfg.vocab_size) for _ in range(gas)]
+        tr = memory.Tracker(list(model.parameters()), masters, opt, [t for b in batches for t in b])
+        with tr:
+            train.forward_backward(model, batches, autocast)
+            torch.nn.utils.clip_grad_norm_(masters, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if masters[0] is not next(model.parameters()):
+                with torch.no_grad():
+                    for p, m in zip(model.parameters(), masters):
+                        p.copy_(m)
+    return tr
+
+
+def errors(est, measured):
+    """(total error, worst category error), both relative to the measured total (DESIGN: categories
+    are compared relative to the total)."""
+    e, m = est.as_dict(), measured
+    return ((e['total'] - m['total']) / m['total'],
+            max(abs(e[k] - m[k]) / m['total'] for k in memory.CATEGORIES))
+
+
+def cfg(L=2, h=64, H=4, K=2, I=None, V=384, **knobs):
+    return LlamaConfig(n_layer=L, n_head=H, n_kv_head=K, n_embd=h, intermediate_size=I or 3 * h,
+                       vocab_size=V, **knobs)
+
+
+# 24 configurations: depth, width, GQA ratio (1, 2, 4, 8), sequence length, batch, MLP and loss
+# chunks (off, odd counts, automatic), recompute modes, tied embeddings, gradient accumulation, bf16
+GRID = [
+    (cfg(), 2, 128, 'float32', 1),
+    (cfg(L=1, h=32, H=4, K=4), 2, 256, 'float32', 1),
+    (cfg(L=3, h=96, H=6, K=3, I=200), 1, 256, 'float32', 1),
+    (cfg(L=2, h=64, H=8, K=1), 2, 192, 'float32', 1),
+    (cfg(L=4, h=32, H=2, K=1, I=64), 3, 128, 'float32', 1),
+    (cfg(mlp_chunks=4), 2, 256, 'float32', 1),
+    (cfg(mlp_chunks=3, loss_chunks=5), 1, 301, 'float32', 1),
+    (cfg(loss_chunks=4), 2, 256, 'float32', 1),
+    (cfg(mlp_chunks=0, loss_chunks=0), 2, 512, 'float32', 1),
+    (cfg(recompute='full'), 2, 256, 'float32', 1),
+    (cfg(recompute='full', mlp_chunks=2, loss_chunks=2), 2, 256, 'float32', 1),
+    (cfg(L=3, recompute='full', mlp_chunks=0, loss_chunks=0), 1, 512, 'float32', 1),
+    (cfg(recompute='selective'), 2, 256, 'float32', 1),
+    (cfg(L=3, h=96, H=6, K=2, recompute='selective', mlp_chunks=3, loss_chunks=3), 2, 200, 'float32', 1),
+    (cfg(L=1, recompute='selective', loss_chunks=7), 3, 96, 'float32', 1),
+    (cfg(tie_embeddings=True), 2, 128, 'float32', 1),
+    (cfg(tie_embeddings=True, loss_chunks=3, recompute='full'), 2, 256, 'float32', 1),
+    (cfg(L=3, tie_embeddings=True, mlp_chunks=2, recompute='selective'), 1, 384, 'float32', 1),
+    (cfg(), 1, 256, 'float32', 2),
+    (cfg(mlp_chunks=2, loss_chunks=2, recompute='full'), 2, 128, 'float32', 2),
+    (cfg(L=1, h=128, H=4, K=1, V=1000), 2, 64, 'float32', 1),  # model states dominate
+    (cfg(), 2, 128, 'bfloat16', 1),
+    (cfg(recompute='full', mlp_chunks=3, loss_chunks=3), 2, 192, 'bfloat16', 1),
+    (cfg(L=3, recompute='selective', mlp_chunks=2, loss_chunks=0), 1, 384, 'bfloat16', 2),
+]
+
+
+@pytest.mark.parametrize('i', range(len(GRID)))
+def test_estimate_matches_the_measured_peak(i):
+    c, B, S, dtype, gas = GRID[i]
+    tr = step(c, B, S, dtype, gas)
+    est = memory.estimate(c, B, S, dtype=dtype, device_type='cpu', grad_accum=gas, fused_optimizer=False)
+    total, worst = errors(est, tr.breakdown())
+    assert abs(total) < 0.05, f"total {100 * total:+.1f}% (estimate at {est.moment}, measured in {tr.peak_phase})"
+    assert worst < 0.10, f"a category is off by {100 * worst:.1f}% of the total"
+
+
+def test_tracker_agrees_with_torch_memtracker():
+    from torch.distributed._tools.mem_tracker import MemTracker
+    c, B, S = cfg(mlp_chunks=2, loss_chunks=2), 2, 128
+    ours = step(c, B, S).breakdown()['total']
+    torch.manual_seed(0)
+    model = Llama(c)
+    masters = train.make_master_weights(model)
+    opt = train.make_optimizer(model, masters, 'cpu')
+    memory.materialize_optimizer_state(opt)
+    batches = [memory.fake_batch(B, S, c.vocab_size)]
+    mt = MemTracker()
+    mt.track_external(model, opt, *batches[0])
+    with mt:
+        train.forward_backward(model, batches, nullcontext())
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    theirs = mt.get_tracker_snapshot('peak')[torch.device('cpu')]['Total']
+    assert ours == theirs
+
+
+@pytest.mark.parametrize('c,dtype', [(cfg(mlp_chunks=2, loss_chunks=3), 'float32'),
+                                     (cfg(recompute='full', loss_chunks=2), 'bfloat16'),
+                                     (cfg(recompute='selective', tie_embeddings=True), 'float32')])
+def test_fake_tensors_see_what_real_ones_do(c, dtype):
+    real = step(c, 2, 192, dtype).breakdown()
+    fake = step(c, 2, 192, dtype, fake=True).breakdown()
+    assert abs(fake['total'] - real['total']) <= 0.02 * real['total']
+    for k in memory.CATEGORIES:
+        assert abs(fake[k] - real[k]) <= 0.02 * real['total'], k
+
+
+def test_first_step_shows_the_steady_state():
+    """AdamW's state is made before the first step (materialize_optimizer_state), so the first step
+    already holds it, and it is the state the first real step would have made."""
+    c = cfg()
+    torch.manual_seed(0)
+    a, b = Llama(c), Llama(c)
+    b.load_state_dict(a.state_dict())
+    oa, ob = train.make_optimizer(a, list(a.parameters()), 'cpu'), train.make_optimizer(b, list(b.parameters()), 'cpu')
+    memory.materialize_optimizer_state(ob)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert len(ob.state) == len(list(b.parameters())) and len(oa.state) == 0
+    x, y = memory.fake_batch(2, 64, c.vocab_size)
+    for model, opt in ((a, oa), (b, ob)):
+        model(x, y)[1].backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+LLAMA2_7B = dict(n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, intermediate_size=11008, vocab_size=32000)
+
+
+def test_dry_run_of_llama2_7b_at_64k_tokens(tmp_path):
+    conf = tmp_path / 'llama7b.py'
+    conf.write_text('\n'.join(f"{k} = {v!r}" for k, v in {
+        **LLAMA2_7B, 'seq_len': 65536, 'batch_size': 1, 'recompute': 'full', 'mlp_chunks': 0,
+        'loss_chunks': 0, 'out_dir': str(tmp_path / 'out'), 'device': 'cuda', 'dtype': 'bfloat16'}.items()))
+    t0 = time.time()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), str(conf), '--dry_run=True'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    wall = time.time() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'verdict: DOES NOT FIT' in p.stdout  # 18 bytes x 6.7B parameters: 121 GB of model states
+    assert 'memory estimate per rank' in p.stdout and 'dry run: one step on fake tensors' in p.stdout
+    report = json.loads((tmp_path / 'out' / 'memory.json').read_text())
+    rank = report['ranks'][0]
+    assert set(rank) == {'rank', 'estimate', 'measured', 'overhead', 'device_bytes', 'world_size',
+                         'tp_size', 'cp_size', 'seq_len'}
+    assert set(rank['estimate']) == set(rank['measured']) == set(memory.CATEGORIES) | {'total'}
+    assert rank['device_bytes'] == 80 * GiB and rank['seq_len'] == 65536
+    assert abs(rank['estimate']['total'] - rank['measured']['total']) < 0.02 * rank['measured']['total']
+    assert rank['estimate']['params'] == pytest.approx(2 * 6.74e9, rel=0.01)
+    assert wall < 120, f"the dry run took {wall:.0f} s"
+
+
+def test_dry_run_fits_when_it_should(tmp_path):
+    """A 1B-ish model at 16K tokens with full recompute fits one 80 GB GPU, and says so."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--n_layer=16', '--n_head=32',
+                        '--n_kv_head=8', '--n_embd=2048', '--intermediate_size=8192', '--vocab_size=32000',
+                        '--seq_len=16384', '--batch_size=1', '--recompute=full', '--mlp_chunks=0',
+                        '--loss_chunks=0', '--dry_run=True', f'--out_dir={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'verdict: fits' in p.stdout
+    assert json.loads((tmp_path / 'memory.json').read_text())['fits'] is True
+
+
+SETUP = dict(dtype='bfloat16', device_type='cuda')
+
+
+@pytest.mark.parametrize('c,B,S,budget', [
+    (cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 1, 32768, 80 * GiB),
+    (cfg(L=16, h=2048, H=32, K=8, I=8192, V=128256), 2, 8192, 40 * GiB),
+    (cfg(L=32, h=4096, H=32, K=8, I=14336, V=128256, recompute='full'), 1, 8192, 80 * GiB)])
+def test_suggestions_really_fit(c, B, S, budget):
+    over = memory.overhead_bytes('cuda')
+    assert not memory.fits(memory.estimate(c, B, S, **SETUP), budget, over)
+    sug = memory.suggestions(c, budget, over, 1 << 40, B, S, world=1, **SETUP)
+    assert sug, "nothing suggested"
+    for text, est, cost in sug:
+        assert est.total + over <= 0.8 * budget, text
+        # what the line says is what was estimated: apply it and estimate again
+        knobs, layout = {}, {}
+        for arg in text.split(' (')[0].split():
+            k, v = arg[2:].split('=')
+            (layout if k in ('tp_size', 'cp_size', 'zero') else knobs)[k] = eval(v)
+        again = memory.estimate(replace(c, **knobs), B, S, **SETUP, **layout)
+        assert again.total == est.total and memory.fits(again, budget, over), text
+    costs = [x for text, _, x in sug if 'GPUs' not in text and 'zero' not in text]
+    assert costs == sorted(costs)
+
+
+def test_planner_picks_the_cheapest_setting_that_fits():
+    c = cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000)
+    over = memory.overhead_bytes('cuda')
+    # plenty of memory: change nothing
+    v, est, cost, _ = memory.plan(c, 10 ** 6 * GiB, over, 1 << 40, 1, 4096, **SETUP)
+    assert memory._knobs(v, c) == {} and cost == 0
+    # a budget chunking alone meets: no recompute (it costs FLOPs; chunking does not)
+    chunked = replace(c, mlp_chunks=0, loss_chunks=0)
+    need = memory.estimate(chunked, 1, 16384, **SETUP).total + over
+    v, est, cost, _ = memory.plan(c, need / 0.8 * 1.01, over, 1 << 40, 1, 16384, **SETUP)
+    assert v.recompute == 'none' and memory.fits(est, need / 0.8 * 1.01, over)
+    # tighter: it must recompute, and picks the cheaper mode that fits over 'full'
+    budget = 40 * GiB
+    v, est, cost, reasons = memory.plan(c, budget, over, 1 << 40, 1, 32768, **SETUP)
+    assert memory.fits(est, budget, over) and cost > 0 and reasons
+    for w in memory._variants(c, 32768, 1 << 40, 1, 'bfloat16', 'cuda'):
+        if memory.fits(memory.estimate(w, 1, 32768, **SETUP), budget, over):
+            assert memory.cost(w, c, 1, 32768) >= cost - 1e-9
+
+
+def test_train_stops_before_allocating_when_it_does_not_fit(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--device=cpu', '--n_layer=2',
+                        '--n_embd=64', '--n_head=4', '--n_kv_head=2', '--intermediate_size=192',
+                        '--vocab_size=256', '--batch_size=4', '--seq_len=512', '--memory_budget_gb=0.03',
+                        f'--out_dir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2
+    err = p.stderr.strip().splitlines()
+    assert err[0].startswith('error: does not fit:')
+    assert any('--recompute=' in line or '--mlp_chunks=' in line or '--loss_chunks=' in line for line in err[1:])
+    assert not (tmp_path / 'log.jsonl').exists()  # stopped before the first step
+
+
+def test_train_prints_measured_beside_the_estimate(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--device=cpu', '--n_layer=2',
+                        '--n_embd=64', '--n_head=4', '--n_kv_head=2', '--intermediate_size=192',
+                        '--batch_size=4', '--seq_len=128', '--max_iters=2', '--eval_iters=1',
+                        '--eval_interval=100', '--mlp_chunks=2', '--loss_chunks=2', f'--out_dir={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'memory estimate per rank' in p.stdout and 'memory after the first step' in p.stdout
+    rank = json.loads((tmp_path / 'memory.json').read_text())['ranks'][0]
+    est, meas = rank['estimate'], rank['measured']
+    assert abs(est['total'] - meas['total']) < 0.05 * meas['total']
+    assert rank['world_size'] == 1 and rank['overhead'] == 0  # a CPU has no CUDA context

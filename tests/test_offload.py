@@ -1,0 +1,363 @@
+"""offload.py: keep / recompute / offload gives the plain path's loss and gradients, moves the bytes its
+formula says, keeps on the device what its formula says, and leaves nothing behind on the host."""
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import offload
+from model import Block, Llama, LlamaConfig, rope_frequencies, rope_tables
+
+B, S, V = 2, 37, 61  # an odd length: no chunk count or token fraction divides it
+
+
+@pytest.fixture(autouse=True)
+def offload_every_block(monkeypatch):
+    # our models are tiny: send every block and every tensor, unless a test says otherwise
+    monkeypatch.setattr(offload, 'KEEP_LAST', 0)
+    monkeypatch.setattr(offload, 'MIN_BYTES', 0)
+    offload.reset()
+    # one thread: these matmuls are tiny, and on a busy 2-core box OpenMP's threads wait for each
+    # other (a step takes 50x longer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    offload.reset()
+
+
+def config(**knobs):
+    args = dict(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=80, vocab_size=V)
+    return LlamaConfig(**{**args, **knobs})
+
+
+def batch(seed=1, batch_size=B, seq_len=S):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, V, (batch_size, seq_len), generator=g)
+    targets = idx.roll(-1, 1)
+    targets[0, :5] = -100
+    return idx, targets
+
+
+def step(model, idx, targets):
+    """Loss and every parameter's gradient of one forward + backward (bf16 models under autocast)."""
+    model.zero_grad(set_to_none=True)
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+        _, loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def same_model(cfg, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return Llama(cfg).to(dtype)
+
+
+_reference = {}
+
+
+def reference(chunks, dtype=torch.float32):
+    """The plain path (recompute none, offload off), once per chunking and dtype."""
+    if (chunks, dtype) not in _reference:
+        cfg = config(mlp_chunks=chunks[0], loss_chunks=chunks[1])
+        _reference[chunks, dtype] = step(same_model(cfg, dtype), *batch())
+    return _reference[chunks, dtype]
+
+
+# ----------------------------------------------------------------------------- same numbers, formula's bytes
+
+@pytest.mark.parametrize('chunks', [(1, 1), (3, 4)], ids=['plain', 'chunked'])
+@pytest.mark.parametrize('alpha', [0.0, 0.5, 1.0])
+@pytest.mark.parametrize('mode', ['none', 'selective', 'full'])
+def test_loss_and_gradients_identical_and_bytes_match_formula(mode, alpha, chunks):
+    cfg = config(recompute=mode, offload=alpha, mlp_chunks=chunks[0], loss_chunks=chunks[1])
+    ref_loss, ref_grads = reference(chunks)
+    sent = offload.bytes_to_host()
+    loss, grads = step(same_model(cfg), *batch())
+    assert rel(loss, ref_loss) <= 1e-6
+    for name, g in grads.items():
+        assert rel(g, ref_grads[name]) <= 1e-6, name
+    moved = offload.bytes_to_host() - sent
+    assert moved == offload.host_bytes(cfg, B, S) == cfg.n_layer * offload.block_host_bytes(cfg, B, S)
+    assert (moved > 0) == (alpha > 0)
+    stats = offload.stats()
+    assert stats['bytes_to_device'] == stats['bytes_to_host']  # all of it came back
+    assert stats['host_in_use'] == 0  # and nothing is left on the host
+
+
+@pytest.mark.parametrize('mode,alpha', [('none', 0.3), ('none', 1.0), ('selective', 0.5), ('full', 0.5)])
+def test_bf16_same_gradients_and_bytes(mode, alpha):
+    """train.py's bf16: weights and activations bf16 under autocast (RMSNorm's fp32 copies are saved)."""
+    ref_loss, ref_grads = reference((3, 4), torch.bfloat16)
+    cfg = config(recompute=mode, offload=alpha, mlp_chunks=3, loss_chunks=4)
+    sent = offload.bytes_to_host()
+    loss, grads = step(same_model(cfg, torch.bfloat16), *batch())
+    assert rel(loss, ref_loss) <= 1e-6
+    for name, g in grads.items():
+        assert rel(g, ref_grads[name]) <= 1e-6, name
+    assert offload.bytes_to_host() - sent == offload.host_bytes(cfg, B, S, torch.bfloat16)
+
+
+def test_formula_by_hand():
+    """The header's per-token table for one case, written out: fp32, chunked MLP, h 32, kv 16, H 4."""
+    cfg = config(mlp_chunks=3, offload=0.5)
+    h, kv, H, b = 32, 16, 4, 4
+    saved = offload.saved_per_token(cfg, torch.float32, S)
+    assert sum(n for _, n, k in saved if k == 'input') == b * h
+    assert sum(n for _, n, k in saved if k == 'attention') == b * h + 4 * H
+    assert sum(n for _, n, k in saved if k == 'other') == b * (6 * h + 2 * kv) + 8
+    n = 18  # floor(0.5 · 37)
+    assert offload.block_host_bytes(cfg, B, S) == B * S * (b * h + b * h + 4 * H) + B * n * (b * (6 * h + 2 * kv) + 8)
+    bf16 = [n for _, n, k in offload.saved_per_token(cfg, torch.bfloat16, S) if k == 'other']
+    assert sum(bf16) == 2 * (5 * h + 2 * kv) + 8 * h + 8
+    unchunked = offload.saved_per_token(config(mlp_chunks=1), torch.float32, S)
+    assert sum(n for _, n, _ in unchunked) - sum(n for _, n, _ in saved) == 4 * b * 80  # 4·b·I
+
+
+# ----------------------------------------------------------------------------- what stays on the device
+
+class _Created(TorchDispatchMode):
+    """Weak references to every tensor the ops inside create."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+
+def kept_after_forward(cfg, dtype, mlp_chunks):
+    """Bytes of the tensors one block's forward created (its input included) that are still alive when
+    it has returned, but its output: what the block keeps for backward, measured."""
+    torch.manual_seed(0)
+    block = Block(cfg).to(dtype)
+    cos, sin = rope_tables(rope_frequencies(cfg), torch.arange(S))
+    x0 = torch.randn(B, S, cfg.n_embd, dtype=dtype, requires_grad=True)
+    created = _Created()
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), created:
+        x = x0 * 1  # the block's input, created here so that we see whether the block keeps it
+        y = offload.run_block(block, x, cos, sin, cfg, 0)
+    del x
+    gc.collect()
+    skip = {offload._key(t) for t in [y, cos, sin, *block.parameters()]}
+    alive = {}
+    for ref in created.refs:
+        t = ref()
+        if t is not None and offload._key(t) not in skip:
+            alive[offload._key(t)] = t.untyped_storage().nbytes()
+    # on a CPU the host pool is made of the same memory: it is not the device's
+    return sum(alive.values()) - offload.stats()['host_in_use'], y
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
+@pytest.mark.parametrize('mlp_chunks', [1, 3])
+@pytest.mark.parametrize('mode', ['none', 'selective', 'full'])
+def test_kept_bytes_formula_matches_measurement(mode, mlp_chunks, dtype):
+    cfg = config(recompute=mode, mlp_chunks=mlp_chunks)
+    kept, _ = kept_after_forward(cfg, dtype, mlp_chunks)
+    assert kept == offload.kept_bytes(cfg, B, S, dtype)
+    # with offload the device keeps nothing that grows with S: it is on the host or recomputed
+    cfg = config(recompute=mode, mlp_chunks=mlp_chunks, offload=0.5)
+    kept, y = kept_after_forward(cfg, dtype, mlp_chunks)
+    assert kept == 0
+    assert offload.stats()['host_in_use'] >= offload.block_host_bytes(cfg, B, S, dtype) > 0
+    y.float().sum().backward()  # and it all comes back
+    assert offload.stats()['host_in_use'] == 0
+
+
+def test_tiny_tensors_and_last_blocks_stay(monkeypatch):
+    cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
+    ref_loss, ref_grads = reference((3, 4))
+    for keep_last, min_bytes in [(2, 0), (0, 1000), (2, 1 << 20)]:
+        monkeypatch.setattr(offload, 'KEEP_LAST', keep_last)
+        monkeypatch.setattr(offload, 'MIN_BYTES', min_bytes)
+        sent = offload.bytes_to_host()
+        loss, grads = step(same_model(cfg), *batch())
+        assert rel(loss, ref_loss) <= 1e-6 and all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
+        assert offload.bytes_to_host() - sent == offload.host_bytes(cfg, B, S)
+    assert offload.host_bytes(cfg, B, S) == 0  # 1 MiB: every tensor of this model is tiny
+    monkeypatch.setattr(offload, 'MIN_BYTES', 0)
+    everything = offload.block_host_bytes(cfg, B, S)
+    assert offload.host_bytes(cfg, B, S) == everything  # block 0 of 3 only
+    monkeypatch.setattr(offload, 'KEEP_LAST', 0)
+    monkeypatch.setattr(offload, 'MIN_BYTES', 1000)  # the two 1/rms, B·S·4 = 296 bytes each, stay
+    assert offload.block_host_bytes(cfg, B, S) == everything - 2 * B * 18 * 4  # 18 = floor(0.5·37) tokens
+
+
+# ----------------------------------------------------------------------------- host memory over steps
+
+def test_no_leak_and_flat_host_memory_over_30_steps():
+    cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
+    model = same_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pools, sent = None, offload.bytes_to_host()
+    for it in range(30):
+        idx, targets = batch(seed=it)
+        _, loss = model(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stats = offload.stats()
+        assert stats['host_in_use'] == 0  # every block came back: nothing left on the host
+        assert stats['host_allocations'] == cfg.n_layer  # a buffer per block, allocated once
+        assert stats['host_reserved'] >= offload.host_bytes(cfg, B, S)
+        buffers = {k: [b.data.data_ptr() for b in v] for e in offload._engines.values() for k, v in e.pool.idle.items()}
+        assert pools is None or buffers == pools  # the same memory, step after step
+        pools = buffers
+        assert not any(e.in_flight for e in offload._engines.values())
+    assert offload.bytes_to_host() - sent == 30 * offload.host_bytes(cfg, B, S)
+
+
+@pytest.mark.parametrize('order', ['f1 b1 f2 b2', 'f1 f2 b1 b2'])
+def test_gradient_accumulation(order):
+    """Two micro-steps: gradients add up as without offload, also with both forwards before either
+    backward (then the pool hands each block a second buffer)."""
+    micro = [batch(seed=7), batch(seed=8)]
+    grads = []
+    for alpha in (0.0, 0.5):
+        model = same_model(config(recompute='none', offload=alpha, mlp_chunks=3, loss_chunks=4))
+        if order == 'f1 b1 f2 b2':
+            for idx, targets in micro:
+                model(idx, targets)[1].backward()
+        else:
+            losses = [model(idx, targets)[1] for idx, targets in micro]
+            for loss in losses:
+                loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[1].items():
+        assert rel(g, grads[0][name]) <= 1e-6, name
+    stats = offload.stats()
+    assert stats['host_in_use'] == 0
+    assert stats['host_allocations'] == (3 if order == 'f1 b1 f2 b2' else 6)
+
+
+def test_host_pool_reuses_grows_and_doubles_up():
+    pool = offload.HostPool(pin=False)
+    a = pool.take(0, 1000)
+    pool.give(0, a, None)
+    assert pool.take(0, 800) is a and pool.allocations == 1  # reused, not reallocated
+    c = pool.take(0, 500)  # block 0 forwarded again before its backward: a second buffer
+    assert c is not a and pool.allocations == 2 and pool.in_use == 1500
+    pool.give(0, a, None)
+    pool.give(0, c, None)
+    d = pool.take(0, 2000)  # longer sequences: a bigger buffer replaces a small one
+    assert d.nbytes == 2000 and pool.allocations == 3 and pool.reserved == 1000 + 2000  # c (500) went
+    pool.give(0, d, None)
+    assert pool.in_use == 0
+
+
+# ----------------------------------------------------------------------------- order of the copies
+
+def test_backward_prefetches_the_previous_block(monkeypatch):
+    """Block i-1 starts coming back when block i's backward begins, before block i-1's backward needs
+    it, and not before block i+1's backward is done: two blocks' tensors on the device at most."""
+    events = []
+    fetch, materialize = offload._BlockActivations.fetch, offload._BlockActivations.materialize
+
+    def logged_fetch(self):
+        if self.buffer is not None:
+            events.append(('fetch', self.index))
+        fetch(self)
+
+    def logged_materialize(self):
+        events.append(('use', self.index))
+        materialize(self)
+    monkeypatch.setattr(offload._BlockActivations, 'fetch', logged_fetch)
+    monkeypatch.setattr(offload._BlockActivations, 'materialize', logged_materialize)
+    cfg = config(n_layer=4, recompute='none', offload=0.5, mlp_chunks=3)
+    step(same_model(cfg), *batch())
+    assert sorted(events) == sorted([('fetch', i) for i in range(4)] + [('use', i) for i in range(4)])
+    at = events.index
+    for j in range(3):  # block j comes back while block j+1's backward runs, not earlier
+        assert at(('fetch', j)) < at(('use', j + 1))
+        assert j + 2 > 3 or at(('use', j + 2)) < at(('fetch', j))
+    # with the last blocks kept, the last offloaded one is prefetched too
+    events.clear()
+    monkeypatch.setattr(offload, 'KEEP_LAST', 2)
+    step(same_model(cfg), *batch())
+    assert events.index(('fetch', 1)) < events.index(('use', 1))
+
+
+# ----------------------------------------------------------------------------- edges
+
+def test_block_that_saves_other_tensors_on_fewer_tokens_falls_back_to_full_recompute():
+    # mlp_chunks=0 chunks the MLP at 300 tokens (chunked.py: >= 256 tokens a chunk) but not at 150:
+    # the prefix recompute can't rebuild what the forward saved, so every token is recomputed
+    cfg = config(n_layer=2, mlp_chunks=0)
+    idx, targets = batch(seq_len=300, batch_size=1)
+    ref_loss, ref_grads = step(same_model(cfg), idx, targets)
+    cfg = config(n_layer=2, mlp_chunks=0, recompute='none', offload=0.5)
+    with pytest.warns(UserWarning, match='recomputing every token'):
+        loss, grads = step(same_model(cfg), idx, targets)
+    assert rel(loss, ref_loss) <= 1e-6 and all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
+
+
+def test_fake_tensors_run_without_host_memory():
+    """memory.py's dry run: fake tensors go through the same policy, and no real memory is taken."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
+    before = offload.stats()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = Llama(cfg)
+        idx = torch.randint(0, V, (B, S))
+        _, loss = model(idx, idx)
+        loss.backward()
+    assert isinstance(loss, FakeTensor)
+    assert offload.stats() == before
+
+
+# ----------------------------------------------------------------------------- choosing α, host memory
+
+LLAMA3_8B = dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
+
+
+def test_choose_alpha_is_memo_rule():
+    cfg = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=0.5)
+    seq, bf16 = 131072, torch.bfloat16
+    saved = offload.saved_per_token(cfg, bf16, seq)
+    whole = 2 * 4096 + sum(n for _, n, k in saved if k == 'attention')  # the input is always sent
+    other = sum(n for _, n, k in saved if k == 'other')
+    tokens, blocks = seq, cfg.n_layer - offload.KEEP_LAST
+    # the transfer of input + attention + α·other just fits one block's forward: α = 0.5
+    t = tokens * (whole + 0.5 * other) / 25e9
+    assert offload.choose_alpha(cfg, 1, seq, bf16, t, 25e9, float('inf')) == pytest.approx(0.5)
+    # host memory for a quarter of the others only
+    host = blocks * tokens * (whole + 0.25 * other)
+    assert offload.choose_alpha(cfg, 1, seq, bf16, t, 25e9, host) == pytest.approx(0.25)
+    # can't even hide input and attention: don't offload
+    assert offload.choose_alpha(cfg, 1, seq, bf16, 0.5 * tokens * whole / 25e9, 25e9, float('inf')) == 0.0
+    # only whole tensors move with full / selective
+    for mode in ('full', 'selective'):
+        c = LlamaConfig(**LLAMA3_8B, recompute=mode, mlp_chunks=4)
+        assert offload.choose_alpha(c, 1, seq, bf16, t, 25e9, float('inf')) == 1.0
+        assert offload.choose_alpha(c, 1, seq, bf16, t, 25e9, 1e6) == 0.0
+    # the α it picks does fit: the formula's bytes within both limits
+    fwd = offload.block_forward_seconds(cfg, 1, seq, 400e12)
+    alpha = offload.choose_alpha(cfg, 1, seq, bf16, fwd, 25e9, 1e12)
+    assert 0 < alpha <= 1
+    chosen = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=alpha)
+    assert offload.block_host_bytes(chosen, 1, seq, bf16) <= fwd * 25e9 * (1 + 1e-9)
+    assert offload.host_bytes(chosen, 1, seq, bf16) <= 1e12
+
+
+def test_check_host_memory_fails_at_start_with_one_line():
+    cfg = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=1.0)
+    with pytest.raises(MemoryError) as e:
+        offload.check_host_memory(cfg, 1, 1 << 20, torch.bfloat16)  # 1M tokens, everything to host: TBs
+    assert '\n' not in str(e.value) and 'GiB' in str(e.value)
+    with pytest.raises(MemoryError, match='host_memory_budget_gb'):
+        offload.check_host_memory(config(offload=0.5), B, S, budget_gb=1e-9)
+    line = offload.check_host_memory(config(offload=0.5), B, S)
+    assert line.startswith('offload=0.5') and '\n' not in line

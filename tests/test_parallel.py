@@ -1,0 +1,336 @@
+"""parallel.py against one process: for every layout, one training step's loss, every gradient (gathered
+from the shards) and the updated weights equal the single-process step (fp32, relative 1e-5); the
+collectives per block are what parallel.py's header says; train.py under torchrun gives the
+single-process losses, resumes exactly, and a rank that raises takes every rank down.
+
+Ranks are spawned processes on gloo (CPU). One spawn of 2 ranks and one of 4 run every layout of that
+size (process start-up is most of the cost), each writing what rank 0 gathered; the tests compare."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import parallel  # noqa: E402
+import train  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+
+RTOL = 1e-5
+# 37 is divisible by neither 2 nor 4: the vocabulary is padded; chunked MLP and loss; GQA
+MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=37,
+             mlp_chunks=3, loss_chunks=3)
+B, S = 4, 16
+
+# name: (world, tp, cp, cp_impl, sequence_parallel, zero, model overrides)
+LAYOUTS = {
+    'tp':            (2, 2, 1, 'ulysses', False, 0, dict(recompute='selective')),
+    'sp':            (2, 2, 1, 'ulysses', True, 0, dict(n_kv_head=1, recompute='full')),  # kv heads < tp
+    'cp_ulysses':    (2, 1, 2, 'ulysses', True, 0, dict(recompute='selective')),
+    'cp_ring':       (2, 1, 2, 'ring', True, 0, dict(recompute='full')),
+    'dp':            (2, 1, 1, 'ulysses', True, 0, {}),
+    'dp_zero1':      (2, 1, 1, 'ulysses', True, 1, {}),
+    'tp4_gqa':       (4, 4, 1, 'ulysses', True, 0, dict(tie_embeddings=True)),  # 2 kv heads on 4 ranks
+    'tp_cp_ulysses': (4, 2, 2, 'ulysses', True, 0, {}),  # 1 kv head per tp rank, 2 cp ranks: replicated
+    'tp_cp_ring':    (4, 2, 2, 'ring', True, 0, dict(n_kv_head=1, recompute='full')),
+    'dp_tp':         (4, 2, 1, 'ulysses', True, 0, {}),
+    'dp_cp_zero1':   (4, 1, 2, 'ring', True, 1, dict(recompute='selective')),
+}
+LR = 0.1
+
+
+def model_config(overrides):
+    return LlamaConfig(**{**MODEL, **overrides})
+
+
+def global_batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MODEL['vocab_size'], (B, S), generator=g)
+    y = torch.randint(0, MODEL['vocab_size'], (B, S), generator=g)
+    y[0, :11] = -100  # dp ranks and micro-steps with different numbers of real targets
+    y[3, 5:9] = -100
+    return x, y
+
+
+def one_step(model, mesh, config, zero):
+    """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens), grad sync, clipping
+    at a norm it reaches, then SGD (AdamW for zero=1). Returns (loss, grad norm, grads, new weights)."""
+    x, y = global_batch()
+    micro = [parallel.shard_batch(x[i::2], y[i::2], mesh) for i in range(2)]  # 2 micro-steps of 2 rows
+    loss = train.forward_backward(model, micro, nullcontext(), mesh)
+    named = list(model.named_parameters())
+    parallel.sync_grads(named, mesh, config)
+    norm = parallel.clip_grad_norm_(named, 0.5, mesh, config)
+    grads = parallel.gather_full(named, mesh, config, grads=True)
+    if zero:
+        opt = parallel.ShardedAdamW([{'params': [p for _, p in named]}], mesh, lr=LR)
+    else:
+        opt = torch.optim.SGD([p for _, p in named], lr=LR)
+    opt.step()
+    return loss.item(), norm.item(), grads, parallel.gather_full(named, mesh, config)
+
+
+def reference(overrides, zero):
+    torch.manual_seed(0)
+    config = model_config(overrides)
+    model = Llama(config)
+    return one_step(model, parallel.Mesh(), config, zero)
+
+
+# ----------------------------------------------------------------------------- the spawned ranks
+
+COUNTED = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'ring_shift', 'broadcast')
+
+
+def count_collectives(fn):
+    """How many times each collective runs inside fn() (parallel's functions, wrapped)."""
+    counts = dict.fromkeys(COUNTED, 0)
+    saved = {name: getattr(parallel, name) for name in COUNTED}
+
+    def wrap(name):
+        def counted(*args, **kw):
+            counts[name] += 1
+            return saved[name](*args, **kw)
+        return counted
+    for name in COUNTED:
+        setattr(parallel, name, wrap(name))
+    try:
+        fn()
+    finally:
+        for name, f in saved.items():
+            setattr(parallel, name, f)
+    return {k: v for k, v in counts.items() if v}
+
+
+def per_block_counts(mesh, overrides):
+    """Collectives of one forward + backward with 2 layers minus with 1: what one block costs."""
+    def run(n_layer):
+        torch.manual_seed(0)
+        model = parallel.parallelize(Llama(model_config({**overrides, 'n_layer': n_layer})), mesh)
+        x, y = global_batch()
+        x, y, *pos = parallel.shard_batch(x, y, mesh)
+        return count_collectives(lambda: model(x, y, *pos)[1].backward())
+    one, two = run(1), run(2)
+    return {k: two.get(k, 0) - one.get(k, 0) for k in two if two.get(k, 0) != one.get(k, 0)}
+
+
+def _worker(rank, world, port, names, out_dir):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo')
+    for name in names:
+        _, tp, cp, cp_impl, sp, zero, overrides = LAYOUTS[name]
+        config = model_config(overrides)
+        mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
+        torch.manual_seed(0)
+        model = parallel.parallelize(Llama(config), mesh)
+        result = one_step(model, mesh, config, zero)
+        counts = per_block_counts(mesh, {k: v for k, v in overrides.items() if k != 'recompute'})
+        counts_recompute = per_block_counts(mesh, {**overrides, 'recompute': 'full'})
+        if rank == 0:
+            torch.save({'step': result, 'block': counts, 'block_recompute': counts_recompute},
+                       os.path.join(out_dir, f'{name}.pt'))
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp('parallel')
+    for world in (2, 4):
+        names = [n for n, layout in LAYOUTS.items() if layout[0] == world]
+        mp.spawn(_worker, args=(world, free_port(), names, str(out)), nprocs=world)
+    return {name: torch.load(out / f'{name}.pt') for name in LAYOUTS}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize('name', list(LAYOUTS))
+def test_one_step_equals_single_process(results, name):
+    *_, zero, overrides = LAYOUTS[name]
+    loss, norm, grads, weights = results[name]['step']
+    ref_loss, ref_norm, ref_grads, ref_weights = reference(overrides, zero)
+    assert abs(loss - ref_loss) <= RTOL * ref_loss, (loss, ref_loss)
+    assert ref_norm > 0.5 and abs(norm - ref_norm) <= RTOL * ref_norm  # clipping was active
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        assert grads[n].shape == ref_grads[n].shape, n
+        assert rel(grads[n], ref_grads[n]) <= RTOL, (n, rel(grads[n], ref_grads[n]))
+        if zero:  # AdamW: sign flips of tiny gradients move a weight by up to 2·lr; the Decision's atol
+            torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3 * LR)
+        else:
+            assert rel(weights[n], ref_weights[n]) <= RTOL, n
+
+
+# per block, forward + backward (parallel.py's header); the ring with cp = 2: 1 shift forward, 1 + 2 back
+EXPECTED_PER_BLOCK = {
+    'tp': {'all_reduce': 4},
+    'sp': {'all_gather': 4, 'reduce_scatter': 4},
+    'cp_ulysses': {'all_to_all': 4},
+    'cp_ring': {'ring_shift': 4},
+    'dp': {},
+    'dp_zero1': {},
+    'tp4_gqa': {'all_gather': 4, 'reduce_scatter': 4},
+    'tp_cp_ulysses': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 4},
+    'tp_cp_ring': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
+    'dp_tp': {'all_gather': 4, 'reduce_scatter': 4},
+    'dp_cp_zero1': {'ring_shift': 4},
+}
+# recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
+# every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped
+FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all_to_all': 2, 'ring_shift': 1}
+
+
+@pytest.mark.parametrize('name', list(LAYOUTS))
+def test_collectives_per_block(results, name):
+    assert results[name]['block'] == EXPECTED_PER_BLOCK[name]
+    again = {k: v + FORWARD_PER_BLOCK[k] for k, v in EXPECTED_PER_BLOCK[name].items()}
+    assert results[name]['block_recompute'] == again
+
+
+# ----------------------------------------------------------------------------- train.py under torchrun
+
+TINY = [os.path.join(ROOT, 'config', 'train_tiny.py'), '--device=cpu', '--seq_len=64', '--eval_iters=1',
+        '--log_interval=1', '--eval_interval=1000', '--n_kv_head=2']
+
+
+def torchrun(nproc, *args, check=True, timeout=600):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+           os.path.join(ROOT, 'train.py'), *args] if nproc > 1 else [sys.executable, os.path.join(ROOT, 'train.py'), *args]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(out_dir):
+    return [row['loss'] for row in read_log(out_dir)]
+
+
+def assert_close_losses(got, ref):
+    assert [r['iter'] for r in got] == [r['iter'] for r in ref]
+    for a, b in zip(got, ref):
+        assert abs(a['loss'] - b['loss']) <= 1e-5 * b['loss'], (got, ref)
+        assert ('val_loss' in a) == ('val_loss' in b)
+        assert abs(a.get('val_loss', 1) - b.get('val_loss', 1)) <= 1e-5 * b.get('val_loss', 1)
+
+
+@pytest.fixture(scope='module')
+def single_run(tmp_path_factory):
+    """One process: 4 steps, a copy of its checkpoint (ckpt.pt) at step 4, then resumed to 6 steps."""
+    out, at4 = tmp_path_factory.mktemp('single'), tmp_path_factory.mktemp('single4')
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', f'--out_dir={out}')
+    shutil.copytree(out, at4, dirs_exist_ok=True)
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
+    return read_log(out), str(at4)
+
+
+@pytest.mark.parametrize('nproc,layout,resume', [
+    (2, ['--tp_size=2'], 'from one process'),            # resume the single-process ckpt.pt under tp
+    (2, ['--cp_size=2', '--cp_impl=ring'], None),
+    (2, ['--batch_size=2', '--zero=1'], 'in one process'),  # dp = 2, half the rows each: same global batch
+])
+def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, nproc, layout, resume):
+    ref, single_at4 = single_run
+    out = str(tmp_path / 'run')
+    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', f'--out_dir={out}')
+    assert_close_losses(read_log(out), ref[:4])
+    if resume == 'from one process':
+        out = str(tmp_path / 'resumed')
+        shutil.copytree(single_at4, out)
+        torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
+    elif resume == 'in one process':  # the zero=1 shards of 2 ranks, consolidated
+        torchrun(1, *TINY, '--batch_size=4', '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
+    if resume:
+        assert_close_losses(read_log(out), ref)
+
+
+def test_resume_under_tp_cp_equals_an_uninterrupted_run_and_exports(tmp_path):
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    layout = ['--tp_size=2', '--cp_size=2', '--cp_impl=ring', '--batch_size=2']
+    torchrun(4, *TINY, *layout, '--max_iters=6', f'--out_dir={straight}')
+    torchrun(4, *TINY, *layout, '--max_iters=3', f'--out_dir={split}')
+    assert os.path.exists(os.path.join(split, 'ckpt', 'COMMITTED'))
+    assert not os.path.exists(os.path.join(split, 'ckpt.pt'))
+    other = str(tmp_path / 'other')
+    shutil.copytree(split, other)
+    torchrun(4, *TINY, *layout, '--max_iters=6', f'--out_dir={split}', '--init_from=resume')
+    assert losses(straight) == losses(split)  # the same layout: bit for bit
+    # another layout (one process) resumes the same checkpoint to the same losses, to fp32 tolerance
+    torchrun(1, *TINY, '--batch_size=2', '--max_iters=6', f'--out_dir={other}', '--init_from=resume')
+    for a, b in zip(losses(other), losses(straight)):
+        assert abs(a - b) <= 1e-5 * b
+    # a checkpoint without its marker is never loaded
+    os.remove(os.path.join(straight, 'ckpt', 'COMMITTED'))
+    p = torchrun(1, *TINY, '--max_iters=7', f'--out_dir={straight}', '--init_from=resume', check=False)
+    assert p.returncode == 2 and 'no checkpoint' in p.stderr
+    # one Hugging Face directory from the 4-rank shards
+    hf = str(tmp_path / 'hf')
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'parallel.py'), 'export', split, hf], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    ckpt = parallel.consolidate(parallel.latest_checkpoint(split), lambda a: LlamaConfig(**a), train.optimizer_order)
+    exported = Llama.from_pretrained(hf)
+    for n, p in exported.named_parameters():
+        assert torch.equal(p, ckpt['model'][n]), n
+    assert ckpt['iter_num'] == 6
+
+
+def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path):
+    p = torchrun(2, *TINY, '--tp_size=3', '--max_iters=1', f'--out_dir={tmp_path}', check=False, timeout=120)
+    assert p.returncode != 0
+    lines = [line for line in p.stderr.splitlines() if line.startswith('error:')]
+    assert len(lines) == 2 and 'not divisible by tp_size * cp_size' in lines[0], p.stderr[-2000:]
+
+
+RAISER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import train
+real = train.get_batch
+def get_batch(*args, **kw):  # rank 1 fails in its third step, while rank 0 waits in a collective
+    if dist.get_rank() == 1 and get_batch.calls == 2:
+        open({stamp!r}, 'w').write(repr(time.time()))
+        raise RuntimeError('rank 1 fails on purpose')
+    get_batch.calls += 1
+    return real(*args, **kw)
+get_batch.calls = 0
+train.get_batch = get_batch
+sys.argv = ['train.py'] + {args!r}
+train.main()
+"""
+
+
+def test_a_rank_that_raises_takes_every_rank_down(tmp_path):
+    script = tmp_path / 'raiser.py'
+    stamp = str(tmp_path / 'raised_at')
+    script.write_text(RAISER.format(root=ROOT, stamp=stamp, args=[*TINY, '--tp_size=2', '--max_iters=50',
+                                                                  f'--out_dir={tmp_path / "out"}']))
+    p = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert p.returncode != 0 and 'rank 1 fails on purpose' in p.stderr
+    assert time.time() - float(open(stamp).read()) < 60  # rank 0, blocked in a collective, is gone too
