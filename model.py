@@ -157,8 +157,10 @@ class MLP(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.n_embd, bias=False)  # down
 
     def forward(self, x):
-        # chunks == 0: chunked.py picks the count from the shapes
-        return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, self.chunks)
+        chunks = self.chunks
+        if chunks == 0:  # automatic, from one sequence's length (memory.py and offload.py count the same way)
+            chunks = chunked.auto_mlp_chunks(x.shape[-2], x.shape[-1], self.w1.out_features)
+        return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
 
 
 class Block(nn.Module):
