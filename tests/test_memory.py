@@ -246,8 +246,10 @@ def test_train_stops_before_allocating_when_it_does_not_fit(tmp_path):
                         f'--out_dir={tmp_path}'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     err = p.stderr.strip().splitlines()
-    assert err[0].startswith('error: does not fit:')
-    assert any('--recompute=' in line or '--mlp_chunks=' in line or '--loss_chunks=' in line for line in err[1:])
+    first = next(i for i, line in enumerate(err) if line.startswith('error:'))  # after any data-prep progress bar
+    assert err[first].startswith('error: does not fit:')
+    assert any('--recompute=' in line or '--mlp_chunks=' in line or '--loss_chunks=' in line
+               for line in err[first + 1:])
     assert not (tmp_path / 'log.jsonl').exists()  # stopped before the first step
 
 
