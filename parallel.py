@@ -31,6 +31,7 @@ over dp × cp as one flat buffer), the clipping norm; with zero=1 one broadcast 
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -93,6 +94,27 @@ def check_layout(world, tp, cp, cp_impl, seq_len, n_head, n_kv_head, intermediat
     if tp > 1 and (seq_len // cp) % tp:
         return f"seq_len / cp_size = {seq_len // cp} is not divisible by tp_size={tp} (sequence parallelism)"
     return None
+
+
+def wait_for_every_rank(what, timeout=60):
+    """Under torchrun, return once every rank has reached this call (or after `timeout` seconds).
+
+    torchrun kills all ranks the moment one exits, so a rank that stops with a message first waits here
+    until every rank has printed its own. It counts on the launcher's TCP store, so it works before
+    there is a process group (and allocates nothing on the device)."""
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    if world == 1 or 'MASTER_ADDR' not in os.environ:
+        return
+    key = f"nanolong/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{what}"
+    try:
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
+        pass
 
 
 def init_distributed(device_type):

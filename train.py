@@ -94,7 +94,8 @@ auto_memory = False  # let memory.py pick recompute / mlp_chunks / loss_chunks /
 # -----------------------------------------------------------------------------
 
 def die(msg):
-    print(f"error: {msg}", file=sys.stderr)
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    parallel.wait_for_every_rank('died')  # under torchrun the first rank to exit takes the others with it
     sys.exit(2)
 
 

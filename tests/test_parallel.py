@@ -305,6 +305,27 @@ def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path):
     assert len(lines) == 2 and 'not divisible by tp_size * cp_size' in lines[0], p.stderr[-2000:]
 
 
+
+SLOW_RANK = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import parallel
+if os.environ['RANK'] == '1':
+    time.sleep(3)  # rank 0 reaches its exit first; torchrun would kill rank 1 before it says anything
+print('error: rank', os.environ['RANK'], file=sys.stderr, flush=True)
+parallel.wait_for_every_rank('died')
+sys.exit(2)
+"""
+
+
+def test_a_rank_that_stops_waits_until_every_rank_has_said_why(tmp_path):
+    script = tmp_path / 'slow_rank.py'
+    script.write_text(SLOW_RANK.format(root=ROOT))
+    p = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert sorted(l for l in p.stderr.splitlines() if l.startswith('error:')) == ['error: rank 0', 'error: rank 1']
+
 RAISER = """
 import sys, time
 sys.path.insert(0, {root!r})
