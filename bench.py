@@ -115,7 +115,7 @@ def step_worker(name, S):
                       recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks)
     model = Llama(cfg)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
     idx = torch.randint(0, vocab_size, (1, S + 1))
     x, y = idx[:, :-1], idx[:, 1:]
 

@@ -49,8 +49,8 @@ below are per rank (/tp): Megatron's sequence parallelism splits every per-token
                      with recompute, the layer's recomputed tensors (K minus what was kept); with
                      offload, the layer brought back plus the previous layer's prefetched host part
      embedding bwd   the table's gradient (bf16: beside its fp32 copy for the master)
-     optimizer       fused AdamW: nothing; per-tensor AdamW (CPU): sqrt(v) and sqrt(v)/c of one fp32
-                     tensor beside the previous tensor's denominator
+     optimizer       fused AdamW (train.py's, on every device): nothing; per-tensor AdamW: sqrt(v)
+                     and sqrt(v)/c of one fp32 tensor beside the previous tensor's denominator
   Gradient accumulation: from the second micro-step on every gradient exists throughout.
 
 The measurement: `Tracker`, a dispatch-level tracker (torch's MemTracker idea; its totals agree):
@@ -65,7 +65,7 @@ built on the meta device and turned into FakeTensors on the CPU (to_fake), one t
 backward, AdamW) under the Tracker: shapes, dtypes and storages, no data, nothing allocated. CPU
 autocast in bf16 stands in for CUDA (fake CUDA tensors abort in SDPA backward on a CPU build); the
 estimate beside it is for the CPU kernels that ran (device_type='cpu': the chunked loss's bf16 matmul
-copy, per-tensor AdamW), the verdict for CUDA's.
+copy), the verdict for CUDA's.
 
 Fit: total + overhead <= 80% of the device's memory (Fujii et al. 2024, arXiv 2411.06465: over 454
 runs on A100/H100, estimates under 80% of the memory never ran out).
@@ -112,14 +112,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     category, as an Estimate (.total, .moment: where the peak is, .moments: every moment's total,
     .host: bytes offloaded to host). dtype: 'bfloat16' (bf16 weights and activations, fp32 grads and
     masters) or 'float32'. device_type: 'cuda' or 'cpu', the kernels (on a CPU the chunked loss's bf16
-    matmul makes a copy). fused_optimizer: AdamW(fused=True); by default train.py's choice (on CUDA).
+    matmul makes a copy). fused_optimizer: AdamW(fused=True); by default train.py's choice (fused).
     grad_accum: micro-steps per step. tp_size, cp_size, dp, zero: the parallel layout (DESIGN.md).
     Every term is in the module docstring."""
     c = config
     bf16 = dtype in ('bfloat16', torch.bfloat16)
     a = 2 if bf16 else 4
     cpu = device_type != 'cuda'
-    fused = (device_type == 'cuda') if fused_optimizer is None else fused_optimizer
+    fused = True if fused_optimizer is None else fused_optimizer
     t, L = tp_size, c.n_layer
     hf, kvf = c.n_embd, c.n_kv_head * c.head_dim
     h, kv, I, V, H = hf / t, kvf / t, c.intermediate_size / t, c.vocab_size / t, c.n_head / t

@@ -100,7 +100,7 @@ GRID = [
 def test_estimate_matches_the_measured_peak(i):
     c, B, S, dtype, gas = GRID[i]
     tr = step(c, B, S, dtype, gas)
-    est = memory.estimate(c, B, S, dtype=dtype, device_type='cpu', grad_accum=gas, fused_optimizer=False)
+    est = memory.estimate(c, B, S, dtype=dtype, device_type='cpu', grad_accum=gas)
     total, worst = errors(est, tr.breakdown())
     assert abs(total) < 0.05, f"total {100 * total:+.1f}% (estimate at {est.moment}, measured in {tr.peak_phase})"
     assert worst < 0.10, f"a category is off by {100 * worst:.1f}% of the total"
