@@ -17,6 +17,7 @@ import torch
 
 from data.tokenizer import get_tokenizer
 from model import KVCache, Llama, LlamaConfig
+import parallel
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (out_dir/ckpt.pt) or a Hugging Face model directory
@@ -66,10 +67,12 @@ def main():
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
-        path = os.path.join(out_dir, 'ckpt.pt')
-        if not os.path.exists(path):
-            sys.exit(f"error: no checkpoint at {path} (train one first: python train.py)")
-        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+        # out_dir/ckpt.pt of a one-process run, or out_dir/ckpt/ of a torchrun run (one file per rank,
+        # gathered here into the full model; the optimizer state is not read)
+        path = parallel.latest_checkpoint(out_dir)
+        if path is None:
+            sys.exit(f"error: no checkpoint in {out_dir} (train one first: python train.py)")
+        ckpt = parallel.consolidate(path, lambda args: LlamaConfig(**args), lambda config: [[], []])
         model = Llama(LlamaConfig(**ckpt['model_args']))
         model.load_state_dict(ckpt['model'])
         name = name or ckpt['config']['dataset']

@@ -296,6 +296,14 @@ def test_resume_under_tp_cp_equals_an_uninterrupted_run_and_exports(tmp_path):
     for n, p in exported.named_parameters():
         assert torch.equal(p, ckpt['model'][n]), n
     assert ckpt['iter_num'] == 6
+    # sample.py reads the 4-rank shards as they are, and greedy decoding agrees with the export
+    greedy = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, 'sample.py'), '--num_samples=1',
+                                        '--max_new_tokens=8', '--temperature=0', '--device=cpu', *a],
+                                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    a, b = greedy(f'--out_dir={split}'), greedy(f'--init_from={hf}', '--dataset=stdlib')
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    text = lambda p: [line for line in p.stdout.splitlines() if not line.startswith('Overriding')]
+    assert text(a) == text(b) and len(''.join(text(a))) > 8
 
 
 def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path):
