@@ -72,6 +72,7 @@ runs on A100/H100, estimates under 80% of the memory never ran out).
 """
 import math
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -163,7 +164,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # offload = α > 0 (offload.py, Memo): blocks but the last KEEP_LAST send what they keep to host
     # and keep on the device only tensors under MIN_BYTES; backward brings a block back (and the
     # previous block's host part with it, prefetched) and recomputes the rest
-    n_off, host, small, fetched, prefetch, stitch = 0, 0, 0, 0, 0, 0
+    n_off, host, small, fetched, held, prefetch, stitch = 0, 0, 0, 0, 0, 0, 0
     if c.offload > 0:
         import offload as off
         dt = torch.bfloat16 if bf16 else torch.float32
@@ -173,13 +174,19 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
                       n2ny=[a * h] * (1 if sp else 2), mlp=[a * I] * 3 if it['mlp'] else [],
                       mlp_p=[a * I] if it['mlp_p'] else [], g1=[a * hf], g2=[a * hf])
         whole = {'none': it['o'] + it['lse'], 'selective': it['o'] + it['lse'], 'full': 0}[c.recompute]
-        if c.recompute == 'full':  # the checkpoint keeps only its input
-            small = inp if T * inp < off.MIN_BYTES else 0
-        else:
-            small = sum(p for k in it for p in pieces[k] if T * p < off.MIN_BYTES)
+        # what the block's hooks see: 'none' all it saves, 'selective' attention's outputs, 'full'
+        # (torch's checkpoint) nothing, and always the input (fp32: n1's own first piece)
+        seen = {'none': [p for k in it for p in pieces[k]], 'selective': pieces['o'] + pieces['lse'],
+                'full': []}[c.recompute] + ([inp] if bf16 or c.recompute != 'none' else [])
+        small = sum(p for p in seen if T * p < off.MIN_BYTES)  # stay: all else went or is recomputed
         block_host = off.block_host_bytes(c, batch_size, int(S), dt)
         host = n_off * block_host
-        fetched = inp if bf16 or c.recompute == 'full' else 0  # the bf16 input, beside its fp32 copy
+        # the block input comes back whole. In fp32 it is what the first RMSNorm keeps (part of n1);
+        # in bf16 (the norm keeps an fp32 copy) it is freed once the block is recomputed, but for
+        # 'selective': the recomputed tensors autograd takes hold the recompute's graph, and so its
+        # leaf, a view of the input, until the block's backward is done
+        fetched = inp if bf16 else 0
+        held = fetched if c.recompute == 'selective' else 0
         prefetch = block_host / T
         if c.recompute == 'none':  # the recomputed first tokens, until stitched to the fetched rest
             stitch = (1 - off.host_tokens(c.offload, int(S)) / S) * (K - inp - whole)
@@ -263,20 +270,25 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         n_last = T - (math.ceil(T / n_mlp) - 1) * n_mlp
         stages.append(('MLP end', set(it) - {'mlp_p'}, mlp_ws, (18 if bf16 else 12) * hf * I + 5 * a * n_last * I, 0))
     if stitch:
-        stages.append(('offload recompute', set(it), stitch, 0, 0))
+        stages.append(('offload recompute', set(it), stitch + fetched, 0, 0))
 
     def split(alive, i):  # layer i's live items -> (activations, transient) per token
         own = sum(it[k] for k in alive)
-        if i < n_off:  # brought back from host or recomputed in backward: all transient
-            return 0, own + fetched + (prefetch if i > 0 else 0)
+        if i < n_off:  # brought back from host or recomputed in backward: transient, but the small
+            # tensors that stayed on the device
+            act = min(small, own)
+            return act, own - act + held + (prefetch if i > 0 else 0)
+        # offload.py prefetches the last offloaded block when the first kept block's backward
+        # begins: it waits on the device through every kept block's backward
+        early = prefetch if n_off else 0
         if c.recompute == 'none':
-            return own, 0
+            return own, early
         act = inp + (it['o'] + it['lse'] if c.recompute == 'selective' and 'o' in alive else 0)
-        return act, own - act + (inp if bf16 else 0)  # fp32: the input is part of n1
+        return act, own - act + (inp if bf16 else 0) + early  # fp32: the input is part of n1
 
     # kept activations fall and gradients grow linearly in i within the offloaded and the kept
-    # layers: their ends suffice
-    for i in sorted({L - 1, n_off, n_off - 1, 0} & set(range(L))):
+    # layers: their ends suffice (layer 0 prefetches nothing: 1 to n_off - 1 is the offloaded run)
+    for i in sorted({L - 1, n_off, n_off - 1, 1 if n_off > 1 else 0, 0} & set(range(L))):
         for name, alive, ws, ws_abs, g_in in stages:
             if name == 'offload recompute' and i >= n_off:
                 continue
@@ -361,6 +373,7 @@ class Tracker(TorchDispatchMode):
         self.clock, self.in_opt, self.last_phase = 0.0, False, None
         self.pending, self.deaths = None, []  # a peak in forward, until backward says what it kept
         self.timeline = [] if timeline else None
+        self.host_live, self.host_now, self.host_peak = {}, 0, 0  # offload's host pool (_host below)
         for p in self.params:
             self._add(p, 'params')
         for m in self.masters:
@@ -376,6 +389,8 @@ class Tracker(TorchDispatchMode):
         if self.device_type is not None and t.device.type != self.device_type:
             return
         st = t.untyped_storage()
+        if id(st) in self.host_live:  # a view of offload's host pool
+            return
         rec = self.live.get(id(st))
         n = st.nbytes()
         if rec is not None:
@@ -388,6 +403,19 @@ class Tracker(TorchDispatchMode):
         self.live[key] = [n, cat, weakref.ref(st, lambda _, key=key: self._free(key)), self.clock]
         self.now[cat] += n
         self.total += n
+
+    def _host(self, t):
+        # a buffer of offload's host pool is host memory, not the device's, even on a CPU where both
+        # are the same RAM: counted apart (host_now, host_peak), never in a category or the total
+        st = t.untyped_storage()
+        key, n = id(st), st.nbytes()
+        self.host_live[key] = (n, weakref.ref(st, lambda _, key=key: self._host_free(key)))
+        self.host_now += n
+        self.host_peak = max(self.host_peak, self.host_now)
+
+    def _host_free(self, key):
+        n, _ = self.host_live.pop(key, (0, None))
+        self.host_now -= n
 
     def _free(self, key):
         rec = self.live.pop(key, None)
@@ -467,6 +495,8 @@ class Tracker(TorchDispatchMode):
             self.last_phase = phase
         out = func(*args, **(kwargs or {}))
         cat = 'activations' if phase == 'forward' else 'transient'
+        if func is torch.ops.aten.empty.memory_format and _in_host_pool():
+            self._host(out)
         for x in tree_flatten(out)[0]:
             self._add(x, cat)
         if self.timeline is not None:
@@ -488,6 +518,19 @@ class Tracker(TorchDispatchMode):
         b = {k: int(v) for k, v in self.peak_at.items()}
         b['total'] = int(self.peak)
         return b
+
+
+def _in_host_pool():
+    """Is this allocation offload's host pool making a buffer? Nothing in the tensor tells (on a CPU,
+    and in a dry run, host and device are both the CPU): who called torch.empty does."""
+    import offload
+    code = offload._HostBuffer.__init__.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
 
 
 # ----------------------------------------------------------------------------- the dry run

@@ -534,7 +534,10 @@ class _BlockActivations:
         def pack(t):
             count[0] += 1
             if count[0] in first:
-                recomputed[count[0]] = t
+                # detached: t's grad_fn belongs to this recompute's graph, whose nodes hold this very
+                # hook (and so `recomputed`): a cycle that kept every block's recomputed tensors alive
+                # until the end of backward
+                recomputed[count[0]] = t.detach()
 
         with self._autocast() as stack:  # as in forward (torch's checkpoint does the same)
             stack.enter_context(torch.enable_grad())
