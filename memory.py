@@ -29,8 +29,13 @@ below are per rank (/tp): Megatron's sequence parallelism splits every per-token
      MLP            4aI            x W1ᵀ, silu, x W3ᵀ and their product; 0 with mlp_chunks > 1
   K = 2·(4h + 4 + 2ah) + a(2h + 2kv) + 4H + 4aI = 32h + 8kv + 16I + 4H + 8 bytes in fp32
   recompute='none' keeps K·T per layer, 'selective' (2ah + 4H)·T (input, SDPA output and logsumexp),
-  'full' ah·T (the input: Korthikanti's 2sbh). offload = α > 0 (offload.py, Memo): all but the last
-  KEEP_LAST layers keep only tensors under MIN_BYTES; host memory is offload.host_bytes.
+  'full' ah·T (the input: Korthikanti's 2sbh).
+  offload = α > 0 (offload.py, Memo): the first n_off = L - KEEP_LAST layers keep on the device only
+  those of the tensors offload.py's hooks see that are under MIN_BYTES (`small`); the hooks see with
+  'none' all of K (and the input a·h in bf16), with 'selective' the input, SDPA's output and its
+  logsumexp, with 'full' the input. The rest, P = offload.block_host_bytes per layer, is in host
+  memory: Estimate.host = n_off·P, reported apart and never in a category or the total. (On a CPU
+  host and device are one RAM; the Tracker tells the host pool's buffers apart by who made them.)
   The LM head: the final RMSNorm; loss_chunks = 1 the fp32 log-softmax 4V·T; loss_chunks > 1 the
   gradients chunked.py computes in forward, dh (a·h·T) and dW (4·V·h).
 
@@ -46,8 +51,18 @@ below are per rank (/tp): Megatron's sequence parallelism splits every per-token
                        RMSNorm  five fp32 tensors of width h (20h) beside the incoming grad
                        SDPA     dq, dk, dv beside q, k, v, the output and the incoming grads
                        RoPE     14h of fp32 rotations (q) beside dk, dv
-                     with recompute, the layer's recomputed tensors (K minus what was kept); with
-                     offload, the layer brought back plus the previous layer's prefetched host part
+                     with recompute, the layer's recomputed tensors (K minus what was kept)
+     offloaded layer i < n_off, at each stage: its tensors back from host or recomputed (all K,
+                     transient but `small`), + P of layer i-1, prefetched when layer i's backward
+                     begins (i > 0); 'none' with α < 1, while stitching: + (1 - α)·(K - input -
+                     SDPA's outputs)·T recomputed first tokens beside their stitched copies (+ the
+                     bf16 input a·h·T, freed once recomputed). Layers 1 and 0 stand for the run
+                     (gradients grow linearly in between; layer 0 prefetches nothing)
+     kept layers     with offload + P: offload.py prefetches the last offloaded layer when the
+                     first kept layer's backward begins, and it waits through all kept layers
+     CUDA offload    until backward begins, the device tensors of the last min(MAX_IN_FLIGHT,
+                     n_off) layers sent wait for their copies: that many (seen - small)·T over
+                     the LM head, the final norm and a checkpointed last layer's forward
      embedding bwd   the table's gradient (bf16: beside its fp32 copy for the master)
      optimizer       fused AdamW (train.py's, on every device): nothing; per-tensor AdamW: sqrt(v)
                      and sqrt(v)/c of one fp32 tensor beside the previous tensor's denominator
@@ -57,8 +72,10 @@ The measurement: `Tracker`, a dispatch-level tracker (torch's MemTracker idea; i
 every storage an op makes is counted until freed, categorised when made (forward -> activations,
 backward and optimizer step -> transient, and at a forward peak what backward did not find alive
 -> transient) and re-categorised by identity (parameters; .grad of a parameter or of its fp32 master;
-optimizer state). MemTracker itself counts fresh gradients made with set_to_none=True as temp and
-never sees train.py's fp32 masters. On CUDA, torch.cuda's peaks are read beside it, per phase.
+optimizer state). Buffers of offload.py's host pool are host memory, not the device's, also on a
+CPU: counted apart (Tracker.host_peak, to hold against Estimate.host), never in the total.
+MemTracker itself counts fresh gradients made with set_to_none=True as temp and never sees
+train.py's fp32 masters. On CUDA, torch.cuda's peaks are read beside it, per phase.
 
 The dry run (train.py --dry_run=True): a fake process group of the configured world size, the model
 built on the meta device and turned into FakeTensors on the CPU (to_fake), one train step (forward,
@@ -164,7 +181,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # offload = α > 0 (offload.py, Memo): blocks but the last KEEP_LAST send what they keep to host
     # and keep on the device only tensors under MIN_BYTES; backward brings a block back (and the
     # previous block's host part with it, prefetched) and recomputes the rest
-    n_off, host, small, fetched, held, prefetch, stitch = 0, 0, 0, 0, 0, 0, 0
+    n_off, host, small, fetched, prefetch, stitch, in_flight = 0, 0, 0, 0, 0, 0, 0
     if c.offload > 0:
         import offload as off
         dt = torch.bfloat16 if bf16 else torch.float32
@@ -182,14 +199,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         block_host = off.block_host_bytes(c, batch_size, int(S), dt)
         host = n_off * block_host
         # the block input comes back whole. In fp32 it is what the first RMSNorm keeps (part of n1);
-        # in bf16 (the norm keeps an fp32 copy) it is freed once the block is recomputed, but for
-        # 'selective': the recomputed tensors autograd takes hold the recompute's graph, and so its
-        # leaf, a view of the input, until the block's backward is done
+        # in bf16 (the norm keeps an fp32 copy) it is freed once the block is recomputed
         fetched = inp if bf16 else 0
-        held = fetched if c.recompute == 'selective' else 0
         prefetch = block_host / T
         if c.recompute == 'none':  # the recomputed first tokens, until stitched to the fetched rest
             stitch = (1 - off.host_tokens(c.offload, int(S)) / S) * (K - inp - whole)
+        if not cpu:  # CUDA: the device tensors of the last MAX_IN_FLIGHT blocks sent wait for their
+            # copies until backward begins (the whole tensor, also where only its last α·S tokens went)
+            in_flight = min(off.MAX_IN_FLIGHT, n_off) * T * (sum(seen) - small)
     per_layer = [small if i < n_off else kept for i in range(L)]
 
     # what lives through the whole step
@@ -238,7 +255,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     def moment(name, grads, activations, transient):
         moments[name] = Estimate(params, grads, optimizer, activations, transient, name, host)
 
-    body = base + sum(per_layer) * T
+    body = base + sum(per_layer) * T + in_flight
     moment('forward: LM head and loss', grads_at(0), body + head_kept, head_fwd)
     moment('backward: LM head and loss', grads_at(0), body + head_kept, head_bwd)
     tied_act, tied_tr = (tied, 0) if lc > 1 else (0, tied)
@@ -277,7 +294,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         if i < n_off:  # brought back from host or recomputed in backward: transient, but the small
             # tensors that stayed on the device
             act = min(small, own)
-            return act, own - act + held + (prefetch if i > 0 else 0)
+            return act, own - act + (prefetch if i > 0 else 0)
         # offload.py prefetches the last offloaded block when the first kept block's backward
         # begins: it waits on the device through every kept block's backward
         early = prefetch if n_off else 0
@@ -298,7 +315,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
                    base + sum(per_layer[:i]) * T + act * T + tied_act, ws * T + ws_abs + tr * T + tied_tr)
     if c.recompute != 'none':  # a checkpointed layer's forward: its residual, MLP input and MLP
         mlp_fwd = T * 3 * a * I if mlp_chunks == 1 else T * a * h + 3 * a * n_mlp * I
-        moment('forward: last layer', grads_at(0), base + sum(per_layer) * T, T * 2 * a * h + mlp_fwd)
+        moment('forward: last layer', grads_at(0), body, T * 2 * a * h + mlp_fwd)
     # the table's gradient: bf16, beside its fp32 copy for the master; fp32 tied, beside the head's
     emb = 2 * V * hf if bf16 else (4 * V * hf if c.tie_embeddings else 0)
     moment('backward: embedding', grads_all, base, a * h * T + emb)
@@ -894,6 +911,7 @@ class Report:
         self.host_free = host_bytes_available(cfg.get('host_memory_budget_gb', 0))
         self.config = model.config
         self.measured = None
+        self.logged = False  # train.py puts the measurement into the first log.jsonl row after it
         self.path = os.path.join(cfg.get('out_dir', '.'), 'memory.json')
         if cfg.get('auto_memory'):
             self._plan(model)

@@ -488,6 +488,10 @@ def main():
                    'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
             if val_loss is not None:
                 row['val_loss'] = val_loss
+            if master_process and mem.measured is not None and not mem.logged:
+                # the first row after the measured step carries its bytes, as memory.json has them
+                row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}
+                mem.logged = True
             if master_process:
                 log.write(json.dumps(row) + '\n')
                 log.flush()

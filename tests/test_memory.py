@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
+import offload  # noqa: E402
 import train  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
@@ -25,6 +26,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
     """One training step as train.py runs it in one process (AdamW state made up front, batches as
     get_batch returns them), under memory.Tracker. Returns the tracker."""
     torch.manual_seed(0)
+    offload.reset()  # a fresh host pool: this step allocates its buffers (Tracker.host_peak sees them)
     ptdtype = torch.bfloat16 if dtype == 'bfloat16' else torch.float32
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,8 +68,9 @@ def cfg(L=2, h=64, H=4, K=2, I=None, V=384, **knobs):
                        vocab_size=V, **knobs)
 
 
-# 24 configurations: depth, width, GQA ratio (1, 2, 4, 8), sequence length, batch, MLP and loss
-# chunks (off, odd counts, automatic), recompute modes, tied embeddings, gradient accumulation, bf16
+# 30 configurations: depth, width, GQA ratio (1, 2, 4, 8), sequence length, batch, MLP and loss
+# chunks (off, odd counts, automatic), recompute modes, tied embeddings, gradient accumulation, bf16,
+# activation offload (α = 0.5 and 1, every recompute mode, fp32 and bf16)
 GRID = [
     (cfg(), 2, 128, 'float32', 1),
     (cfg(L=1, h=32, H=4, K=4), 2, 256, 'float32', 1),
@@ -93,6 +96,15 @@ GRID = [
     (cfg(), 2, 128, 'bfloat16', 1),
     (cfg(recompute='full', mlp_chunks=3, loss_chunks=3), 2, 192, 'bfloat16', 1),
     (cfg(L=3, recompute='selective', mlp_chunks=2, loss_chunks=0), 1, 384, 'bfloat16', 2),
+    # offload (offload.py): the first L - KEEP_LAST blocks send what they keep to host. Only tensors
+    # of at least MIN_BYTES (1 MiB) travel, hence the tokens × width; the smaller ones (1/rms,
+    # logsumexp, k and v at width 128) stay on the device
+    (cfg(L=4, h=128, offload=0.5), 2, 1024, 'float32', 1),  # the other half recomputed token-wise
+    (cfg(L=5, h=128, H=4, K=1, offload=1.0, mlp_chunks=2, loss_chunks=2), 2, 1024, 'float32', 2),
+    (cfg(L=5, h=128, offload=1.0, recompute='selective'), 2, 1024, 'float32', 1),  # peak: layer 1
+    (cfg(L=4, h=128, H=4, K=4, offload=0.5, recompute='full', mlp_chunks=0, loss_chunks=0), 1, 2048, 'float32', 1),
+    (cfg(L=3, h=64, I=96, V=128, offload=1.0, recompute='full', mlp_chunks=2), 8, 1024, 'bfloat16', 1),
+    (cfg(L=3, h=64, I=96, V=128, offload=1.0, recompute='selective'), 8, 1024, 'bfloat16', 1),
 ]
 
 
@@ -104,6 +116,8 @@ def test_estimate_matches_the_measured_peak(i):
     total, worst = errors(est, tr.breakdown())
     assert abs(total) < 0.05, f"total {100 * total:+.1f}% (estimate at {est.moment}, measured in {tr.peak_phase})"
     assert worst < 0.10, f"a category is off by {100 * worst:.1f}% of the total"
+    # what went to host is counted apart (the host pool's buffers, also on a CPU), not in the total
+    assert tr.host_peak == pytest.approx(est.host, rel=1e-3) and (est.host > 0) == (c.offload > 0)
 
 
 def test_tracker_agrees_with_torch_memtracker():
@@ -265,3 +279,9 @@ def test_train_prints_measured_beside_the_estimate(tmp_path):
     est, meas = rank['estimate'], rank['measured']
     assert abs(est['total'] - meas['total']) < 0.05 * meas['total']
     assert rank['world_size'] == 1 and rank['overhead'] == 0  # a CPU has no CUDA context
+    # the first log row (after the measured step) carries the same bytes; no later row does
+    rows = [json.loads(line) for line in (tmp_path / 'log.jsonl').read_text().splitlines()]
+    assert [r['iter'] for r in rows] == [0, 1] and 'memory' not in rows[1]
+    assert rows[0]['memory'] == {'estimate': est, 'measured': meas}
+    assert set(meas) == set(memory.CATEGORIES) | {'total'} and meas['total'] == sum(meas[k] for k in memory.CATEGORIES)
+    assert meas['params'] > 0 and meas['activations'] > 0
