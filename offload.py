@@ -46,6 +46,27 @@ Which dim of a saved tensor holds the tokens we learn by running the block on th
 recompute once on fake tensors (shapes only) and comparing: `probe_token_dims`. Parameters, the
 RoPE tables (shared by all blocks) and tensors without a token dim stay where they are.
 
+Under parallelism (parallel.py) a block's input x holds this rank's S tokens, but inside the block
+a tensor may hold several ranks' runs of S tokens, one after the other: sequence parallelism
+all-gathers the tp ranks' shards before the column-parallel matmuls (q, k, v, the MLP's input and
+attention hold tp·S tokens), Ulysses all-to-alls the cp ranks' shards into attention (cp·S), both
+together tp·cp·S; the RoPE tables cover the tp ranks' positions. Run on x[:, :s0], the same
+collectives bring every rank's first s0 tokens, run after run, so what is recomputed, and what
+goes to host, is the first s0 (the last S - s0) tokens *of every run*: cos, sin and attention's
+replayed output are cut that way, and a saved tensor's token dim holds `rows` runs of S tokens.
+Every rank recomputes the same block at the same moment (backward runs in step), so the
+collectives of the recompute pair up as the forward's did. Ring attention (cp_impl='ring') is the
+exception: its output is merged from several SDPA calls by parallel.py's autograd Function, with
+ring shifts between them, so there is no one attention output to hand back in a recompute, and a
+prefix of a zigzag shard can't run the ring at all. With ring attention α > 0 therefore needs
+recompute='full' (the block input is all that is kept) or recompute='none' with α = 1 (nothing is
+recomputed): `layout_error` refuses the rest before anything is allocated. The host-byte formula
+holds per rank, S this rank's tokens, for 'selective' and 'full'; for 'none' it does not quite:
+sequence parallelism keeps a copy of the gathered input per column-parallel matmul (tp·S tokens
+each), Ulysses sends q, k and v whole (three views of one all-to-all buffer) and keeps wo's input
+apart from attention's output. train.py checks host memory with S/cp tokens at full width: more
+than sequence parallelism sends, a little less than Ulysses does (11% at α = 1 in the tests' model).
+
 Overlap (on CUDA; on a CPU the same code runs, streams are no-ops and copies plain copies). After a
 block's forward its tensors are copied to host on a device->host stream while the next blocks
 compute; at most MAX_IN_FLIGHT blocks' copies run before the compute stream waits for the oldest.
@@ -208,6 +229,18 @@ def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0):
     return line
 
 
+def layout_error(recompute, alpha, cp_size=1, cp_impl='ulysses'):
+    """None, or the one-line reason offload = alpha can't run with this recompute and context
+    parallel layout (the header: ring attention can't be replayed). parallel.check_layout asks."""
+    if alpha > 0 and cp_size > 1 and cp_impl == 'ring' and (recompute == 'selective' or
+                                                            recompute == 'none' and alpha < 1):
+        instead = "recompute='full', cp_impl='ulysses' or offload=1" if recompute == 'none' else \
+            "recompute='full' or cp_impl='ulysses'"
+        return (f"offload={alpha} with recompute={recompute!r} and cp_impl='ring': ring attention's output "
+                f"can't be replayed in a recompute (offload.py); use {instead}")
+    return None
+
+
 def _host_memory_available():
     try:
         with open('/proc/meminfo') as f:
@@ -233,7 +266,8 @@ def run_block(block, x, cos, sin, config, i):
         non-reentrant checkpoint ('full'), or with its selective contexts keeping attention ('selective');
       α > 0, 'full': torch's checkpoint, whose one saved tensor (the input) goes through our hooks;
       α > 0, 'none' / 'selective': our hooks take all the block saves and send input and attention whole,
-        the other tensors of the last α·S tokens ('none') or of none ('selective'), the rest recomputed."""
+        the other tensors of the last α·S tokens ('none') or of none ('selective'), the rest recomputed.
+    Raises ValueError for what can't be recomputed that way (ring attention: `layout_error`)."""
     mode, alpha = config.recompute, config.offload
     saved = None
     if alpha == 0 or i >= config.n_layer - KEEP_LAST or not torch.is_grad_enabled():
@@ -245,6 +279,10 @@ def run_block(block, x, cos, sin, config, i):
             y = checkpoint(block, x, cos, sin, use_reentrant=False,
                            context_fn=lambda: create_selective_checkpoint_contexts(_keep_attention))
     else:
+        mesh = getattr(getattr(block, 'attention', None), 'mesh', None)  # parallel.py's blocks carry their layout
+        why = mesh and layout_error(mode, alpha, mesh.cp, mesh.cp_impl)
+        if why:
+            raise ValueError(why)
         saved = _BlockActivations(_engine(x), block, x, cos, sin, i, mode, alpha)
         if mode == 'full':  # torch's checkpoint keeps only its inputs, through our hooks
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
@@ -262,11 +300,13 @@ def run_block(block, x, cos, sin, config, i):
 
 def _prefetch_on_backward(y, i, saved, eng):
     # When the gradient of this block's output arrives, this block's backward begins: start bringing
-    # back the previous offloaded block, so its copies run under this block's backward.
+    # back the previous block if it was offloaded, so its copies run under this block's backward.
+    # Only the block right after it: a later one would bring it back blocks early (the last
+    # offloaded block came back when the last block's backward began, two blocks early)
     if i == 0:
         eng.last = None  # a new forward
     previous = eng.last
-    if previous is not None and y.requires_grad:
+    if previous is not None and y.requires_grad and getattr(previous(), 'index', None) == i - 1:
         y.register_hook(lambda grad: _fetch(previous))
     if saved is not None:
         eng.last = weakref.ref(saved)
@@ -310,6 +350,15 @@ def _as_view(base, meta):
 def _tokens(t, token, seq_len):
     dim, rows = token
     return t.unflatten(dim, (rows, seq_len)), dim + 1
+
+
+def _prefix(t, dim, seq_len, s0):
+    """The first s0 tokens of every run of seq_len tokens along dim (the header: under sequence or
+    context parallelism a dim may hold several ranks' runs one after the other)."""
+    dim %= t.dim()
+    if s0 == seq_len:
+        return t
+    return t.unflatten(dim, (-1, seq_len)).narrow(dim + 1, 0, s0).flatten(dim, dim + 1)
 
 
 class _WatchAttention(TorchDispatchMode):
@@ -362,9 +411,13 @@ class _BlockActivations:
             with fake, self._autocast(), torch.autograd.graph.saved_tensors_hooks(
                     lambda t: shapes.append(tuple(t.shape)), _unpack):
                 xs = torch.empty((x.shape[0], s0) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-                self.block(xs.requires_grad_(x.requires_grad), self.cos[:s0], self.sin[:s0])
+                self.block(xs.requires_grad_(x.requires_grad), *self._rope(s0))
             probes[key] = shapes
         self.token_dims = probes[key]
+
+    def _rope(self, s0):
+        # cos and sin cover this rank's S positions, or (sequence parallel) every tp rank's, run after run
+        return _prefix(self.cos, 0, self.seq_len, s0), _prefix(self.sin, 0, self.seq_len, s0)
 
     def _autocast(self):
         # autocast as it was in forward; no cache of cast weights, which would outlive this context
@@ -403,8 +456,8 @@ class _BlockActivations:
             self.meta.append(_meta(t))
             if key in self.groups:
                 g = self.groups[key]
-                if g.kind in (SPLIT, DROP) and _meta(g.tensor) != _meta(t):
-                    g.kind = WHOLE  # two different views of one storage: send the storage
+                if g.kind == SPLIT and _meta(g.tensor) != _meta(t):
+                    g.kind = WHOLE  # two different views of one storage: send the storage (we stitch one)
             elif key in self.params:
                 g = _Group(KEEP, None)
             elif k == 0 or key in attention:
@@ -423,6 +476,13 @@ class _BlockActivations:
             g.unpacks += k > 0
         # keep what stays, per pack: a parameter is saved as itself and as its transpose
         self.kept = [t if self.groups[key].kind == KEEP else None for t, key in zip(self.packs, self.group_of)]
+        if not any(g.kind in (SPLIT, DROP) for g in self.groups.values()):
+            self.attention[:] = []  # nothing will be recomputed: nothing to replay, nothing to hold
+        elif any(_key(out[0]) not in self.groups for out in self.attention):
+            # the output autograd keeps is not an SDPA output (ring attention merges several):
+            # layout_error refuses this up front; replaying would compute something else
+            raise RuntimeError(f"offload: block {self.index}'s attention output is not saved by SDPA, so it "
+                               f"can't be replayed in a recompute: use recompute='full'")
         # attention's outputs: those that travel are rebuilt from their group in the recompute
         self.attention[:] = [tuple(_FromGroup(t) if isinstance(t, torch.Tensor) and _key(t) in self.groups
                                    and self.groups[_key(t)].kind == WHOLE else t for t in out)
@@ -500,7 +560,10 @@ class _BlockActivations:
         else:
             if not self.ready:
                 self.materialize()
-            t = _as_view(g.device, self.meta[k]) if g.kind == WHOLE else g.device
+            t = g.device
+            if g.kind != SPLIT and _meta(t) != self.meta[k]:
+                # another view of the storage; a dropped one is recomputed whole (Ulysses' q, k, v)
+                t = _as_view(t, self.meta[k])
         g.unpacks -= 1
         if g.unpacks == 0:
             g.device = None  # autograd holds what it took; we let go
@@ -538,12 +601,17 @@ class _BlockActivations:
                 # hook (and so `recomputed`): a cycle that kept every block's recomputed tensors alive
                 # until the end of backward
                 recomputed[count[0]] = t.detach()
+            if count[0] == len(self.group_of) - 1:
+                raise _Recomputed  # every saved tensor is back: the rest of the block is not needed
 
         with self._autocast() as stack:  # as in forward (torch's checkpoint does the same)
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
-            stack.enter_context(_ReplayAttention(replay, s0))
-            self.block(x, self.cos[:s0], self.sin[:s0])
+            stack.enter_context(_ReplayAttention(replay, S, s0))
+            try:
+                self.block(x, *self._rope(s0))
+            except _Recomputed:
+                pass
         if count[0] != len(self.group_of) - 1:
             raise RuntimeError(f"offload: block {self.index} saved {len(self.group_of) - 1} tensors in "
                                f"forward but {count[0]} when recomputed")
@@ -572,6 +640,12 @@ class _BlockActivations:
             self.eng.pool.give(self.index, self.buffer, self.d2h_done)
 
 
+class _Recomputed(Exception):
+    """Stops a recompute once it has every tensor the forward saved, as torch's checkpoint stops: the
+    block's last matmul output, its reduction (a reduce-scatter under sequence parallelism) and the
+    residual add would only add to backward's peak (every rank stops at the same point)."""
+
+
 class _FromGroup:
     """Where an attention output went: the view `meta` of group `key`'s storage."""
     __slots__ = ('key', 'meta')
@@ -593,17 +667,18 @@ def _unpack(packed):
 
 class _ReplayAttention(TorchDispatchMode):
     """Recompute: attention is not run again; its saved outputs come back, cut to the first s0
-    tokens (the output is [..., S, head_dim]; the others are only saved, and we discard those)."""
+    tokens of every run of S (the output is [..., runs·S, head_dim]; the others are only saved,
+    and we discard those)."""
 
-    def __init__(self, outputs, s0):
+    def __init__(self, outputs, seq_len, s0):
         super().__init__()
-        self.outputs, self.s0 = iter(outputs), s0
+        self.outputs, self.seq_len, self.s0 = iter(outputs), seq_len, s0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in _SDPA_OPS:
             return func(*args, **(kwargs or {}))
         out = list(next(self.outputs))
-        out[0] = out[0].narrow(-2, 0, self.s0)
+        out[0] = _prefix(out[0], -2, self.seq_len, self.s0)
         return tuple(out)
 
 

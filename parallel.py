@@ -43,6 +43,7 @@ from torch.autograd import Function
 
 import chunked
 from model import apply_rope
+from offload import layout_error as offload_layout_error
 
 
 # ----------------------------------------------------------------------------- setup: torchrun, mesh
@@ -67,8 +68,10 @@ class Mesh:
     kv_group: object = None     # tp ranks sharing one kv head (n_kv_head < tp)
 
 
-def check_layout(world, tp, cp, cp_impl, seq_len, n_head, n_kv_head, intermediate_size, zero=0):
-    """None, or the one-line reason this layout can't run (checked on every rank before anything)."""
+def check_layout(world, tp, cp, cp_impl, seq_len, n_head, n_kv_head, intermediate_size, zero=0,
+                 recompute='none', offload=0.0):
+    """None, or the one-line reason this layout can't run (checked on every rank before anything),
+    with these recompute and offload knobs (offload.py can't replay ring attention)."""
     if tp < 1 or cp < 1 or world % (tp * cp):
         return f"world size {world} is not divisible by tp_size * cp_size = {tp} * {cp}"
     if n_head % tp:
@@ -93,7 +96,7 @@ def check_layout(world, tp, cp, cp_impl, seq_len, n_head, n_kv_head, intermediat
             return f"{kv} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"
     if tp > 1 and (seq_len // cp) % tp:
         return f"seq_len / cp_size = {seq_len // cp} is not divisible by tp_size={tp} (sequence parallelism)"
-    return None
+    return offload_layout_error(recompute, offload, cp, cp_impl)
 
 
 def wait_for_every_rank(what, timeout=60):

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS
 import parallel
 import memory
-from offload import bytes_to_host  # (`offload` itself is a config key below)
+from offload import bytes_to_host, check_host_memory  # (`offload` itself is a config key below)
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -335,7 +335,8 @@ def main():
     # under torchrun: refuse an impossible layout on every rank before anything is allocated
     world_env = int(os.environ.get('WORLD_SIZE', 1))
     layout_error = lambda c: parallel.check_layout(world_env, tp_size, cp_size, cp_impl, seq_len, c['n_head'],
-                                                   c['n_kv_head'], c['intermediate_size'], zero)
+                                                   c['n_kv_head'], c['intermediate_size'], zero,
+                                                   c['recompute'], c['offload'])
     if init_from == 'scratch' and layout_error(cfg):
         die(layout_error(cfg))
     world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)
@@ -357,6 +358,17 @@ def main():
     # the memory report, before anything is on the device: stops here if the run can't fit (80% rule);
     # auto_memory=True first sets the cheapest recompute / chunks / offload that fits
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
+    if model.config.offload > 0:  # as auto_memory left it: can this layout run it, does host memory hold it?
+        if layout_error(asdict(model.config)):
+            die(layout_error(asdict(model.config)))
+        try:  # S / cp tokens at full width per rank: an upper bound under sequence parallelism (offload.py)
+            host_line = check_host_memory(model.config, batch_size, seq_len // cp_size, ptdtype, host_memory_budget_gb)
+        except MemoryError as e:
+            if not dry_run:  # a dry run stands in for another machine: this one's host memory says nothing
+                die(str(e))
+            host_line = str(e)
+        if master_process:
+            print(host_line)
     names = [n for n, _ in model.named_parameters()]
     n_params = model.num_params()
     flops_per_token, hw_flops_per_token = model.estimate_flops_per_token(seq_len)

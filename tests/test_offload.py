@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import memory
 import offload
 from model import Block, Llama, LlamaConfig, rope_frequencies, rope_tables
 
@@ -177,6 +178,33 @@ def test_kept_bytes_formula_matches_measurement(mode, mlp_chunks, dtype):
     assert offload.stats()['host_in_use'] == 0
 
 
+def backward_peak(cfg, seq_len=256):
+    """memory.Tracker over one forward + backward: the peak, and its activations + working set (the
+    peak but parameters and gradients, which grow with depth whatever offload does)."""
+    offload.reset()  # a fresh host pool: the tracker tells host buffers from device memory as they are made
+    model = same_model(cfg)
+    idx, targets = batch(seq_len=seq_len)
+    tracker = memory.Tracker(list(model.parameters()), inputs=[idx, targets])
+    with tracker:
+        model(idx, targets)[1].backward()
+    return tracker.peak, tracker.peak_at['activations'] + tracker.peak_at['transient']
+
+
+@pytest.mark.parametrize('mode,alpha', [('selective', 1.0), ('none', 0.5)])
+def test_a_recomputed_block_is_freed_when_its_backward_is_done(mode, alpha):
+    """One block's recomputed tensors at a time: with offload the peak's activations and working set
+    don't grow with depth (they did: the recompute's graph held its own tensors through a saved-tensor
+    hook, so every block's recomputed copy lived to the end of backward), and the peak is no higher
+    than offload off's, which keeps every block's input and attention ('selective') or everything."""
+    knobs = dict(recompute=mode, mlp_chunks=1, loss_chunks=4)  # the plain MLP: a recomputed block is large
+    two, four = (backward_peak(config(n_layer=n, offload=alpha, **knobs)) for n in (2, 4))
+    assert four[1] == two[1]
+    assert four[0] <= backward_peak(config(n_layer=4, **knobs))[0]
+    if mode == 'selective':  # two blocks: in block 1's backward offload off keeps block 0's input and
+        # attention, exactly what the prefetch brings back
+        assert two[0] == backward_peak(config(n_layer=2, **knobs))[0]
+
+
 def test_tiny_tensors_and_last_blocks_stay(monkeypatch):
     cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
     ref_loss, ref_grads = reference((3, 4))
@@ -283,11 +311,16 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
     for j in range(3):  # block j comes back while block j+1's backward runs, not earlier
         assert at(('fetch', j)) < at(('use', j + 1))
         assert j + 2 > 3 or at(('use', j + 2)) < at(('fetch', j))
-    # with the last blocks kept, the last offloaded one is prefetched too
+    # with the last blocks kept, the last offloaded one is prefetched too, when the kept block after it
+    # begins its backward: not before block 3's backward is done (its weights' gradients made)
     events.clear()
     monkeypatch.setattr(offload, 'KEEP_LAST', 2)
-    step(same_model(cfg), *batch())
-    assert events.index(('fetch', 1)) < events.index(('use', 1))
+    model = same_model(cfg)
+    for p in model.layers[3].parameters():
+        p.register_post_accumulate_grad_hook(lambda p: events.append(('grad', 3)))
+    step(model, *batch())
+    last_grad_of_block_3 = max(i for i, e in enumerate(events) if e == ('grad', 3))
+    assert last_grad_of_block_3 < events.index(('fetch', 1)) < events.index(('use', 1))
 
 
 # ----------------------------------------------------------------------------- edges

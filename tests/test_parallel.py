@@ -204,6 +204,103 @@ def test_collectives_per_block(results, name):
     assert results[name]['block_recompute'] == again
 
 
+# ----------------------------------------------------------------------------- offload under sp and cp
+
+# (tp, cp, cp_impl, recompute, offload) on 2 ranks, sequence parallel with tp: S = 16 tokens are 8 per
+# rank, so offload 0.5 sends the last 4 of every rank's run to host and recomputes the first 4
+OFFLOAD_LAYOUTS = [(2, 1, 'ulysses', 'none', 0.5), (2, 1, 'ulysses', 'none', 1.0), (2, 1, 'ulysses', 'selective', 1.0),
+                   (2, 1, 'ulysses', 'full', 0.5), (1, 2, 'ulysses', 'none', 0.5), (1, 2, 'ulysses', 'none', 1.0),
+                   (1, 2, 'ulysses', 'selective', 0.5), (1, 2, 'ring', 'none', 1.0), (1, 2, 'ring', 'full', 0.5),
+                   (1, 2, 'ring', 'none', 0.5), (1, 2, 'ring', 'selective', 1.0)]  # the last two are refused
+
+
+def _offload_worker(rank, world, port, out_dir):
+    import memory
+    import offload
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    offload.KEEP_LAST, offload.MIN_BYTES = 0, 0  # our model is tiny: offload both blocks, every tensor
+    dist.init_process_group('gloo')
+    results = {}
+    for layout in OFFLOAD_LAYOUTS:
+        tp, cp, cp_impl, recompute, alpha = layout
+        runs = []
+        for a in (0.0, alpha):  # the same layout with offload off, then on
+            config = model_config(dict(recompute=recompute, offload=a))
+            mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head)
+            torch.manual_seed(0)
+            model = parallel.parallelize(Llama(config), mesh)
+            before = offload.stats()
+            try:
+                loss, _, grads, _ = one_step(model, mesh, config, zero=0)
+            except ValueError as e:  # refused by every rank alike, in the first block's forward
+                runs.append(str(e))
+                continue
+            moved = {k: offload.stats()[k] - before[k] for k in ('bytes_to_host', 'bytes_to_device')}
+            runs.append((loss, grads, moved, offload.stats()['host_in_use']))
+        results[layout] = runs
+    # backward's peak (memory.Tracker) under sequence parallelism with a model whose activations
+    # dominate: 'selective' with offload against without
+    for alpha in (0.0, 1.0):
+        offload.reset()
+        config = LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=64,
+                             recompute='selective', offload=alpha, loss_chunks=4)
+        torch.manual_seed(0)
+        model = parallel.parallelize(Llama(config), parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head))
+        x = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(1))
+        tracker = memory.Tracker(list(model.parameters()), inputs=[x])
+        with tracker:
+            model(x, x.roll(-1, 1))[1].backward()
+        results['sp peak', alpha] = tracker.peak
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, 'offload.pt'))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def offload_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp('offload')
+    mp.spawn(_offload_worker, args=(2, free_port(), str(out)), nprocs=2)
+    return torch.load(out / 'offload.pt')
+
+
+@pytest.mark.parametrize('layout', OFFLOAD_LAYOUTS, ids=lambda l: '-'.join(map(str, l)))
+def test_offload_under_sp_and_cp_gives_the_gradients_of_offload_off(offload_results, layout, monkeypatch):
+    """Under sequence parallelism a block's input holds 8 tokens and its q, k, v 16; under Ulysses attention
+    holds both ranks' runs: the token-wise recompute cuts every run (offload.py's header). Ring attention
+    can't be replayed: refused with check_layout's one line."""
+    import offload
+    monkeypatch.setattr(offload, 'KEEP_LAST', 0)  # as the ranks ran
+    monkeypatch.setattr(offload, 'MIN_BYTES', 0)
+    tp, cp, cp_impl, recompute, alpha = layout
+    (ref_loss, ref_grads, _, _), run = offload_results[layout]
+    why = parallel.check_layout(2, tp, cp, cp_impl, S, MODEL['n_head'], MODEL['n_kv_head'],
+                                MODEL['intermediate_size'], 0, recompute, alpha)
+    if isinstance(run, str):
+        assert run == why and '\n' not in why and f"recompute={recompute!r} and cp_impl='ring'" in why
+        assert "recompute='full'" in why
+        return
+    assert why is None
+    loss, grads, moved, host_in_use = run
+    assert abs(loss - ref_loss) <= 1e-6 * ref_loss
+    for n in ref_grads:
+        assert rel(grads[n], ref_grads[n]) <= 1e-6, (n, rel(grads[n], ref_grads[n]))
+    assert moved['bytes_to_host'] > 0 and moved['bytes_to_device'] == moved['bytes_to_host']
+    assert host_in_use == 0
+    if recompute != 'none':  # only whole tensors move, the input (and attention's output): the formula's
+        # bytes on this rank's tokens, for 2 micro-steps of 2 rows
+        assert moved['bytes_to_host'] == 2 * offload.host_bytes(model_config(dict(recompute=recompute, offload=alpha)),
+                                                                2, S // (tp * cp))
+
+
+def test_offload_under_sp_holds_no_more_than_offload_off(offload_results):
+    """'selective' with offload keeps nothing of a block but on host, and its recompute stops once every
+    saved tensor is back (as torch's checkpoint does), before the last matmul and its reduce-scatter,
+    which would hold two whole-sequence tensors on top of the recomputed block."""
+    off, on = offload_results['sp peak', 0.0], offload_results['sp peak', 1.0]
+    assert on <= off, (on, off)
+
+
 # ----------------------------------------------------------------------------- train.py under torchrun
 
 TINY = [os.path.join(ROOT, 'config', 'train_tiny.py'), '--device=cpu', '--seq_len=64', '--eval_iters=1',
@@ -306,11 +403,16 @@ def test_resume_under_tp_cp_equals_an_uninterrupted_run_and_exports(tmp_path):
     assert text(a) == text(b) and len(''.join(text(a))) > 8
 
 
-def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path):
-    p = torchrun(2, *TINY, '--tp_size=3', '--max_iters=1', f'--out_dir={tmp_path}', check=False, timeout=120)
+@pytest.mark.parametrize('layout,reason', [
+    (['--tp_size=3'], 'not divisible by tp_size * cp_size'),
+    # offload.py can't replay ring attention in a token-wise recompute
+    (['--cp_size=2', '--cp_impl=ring', '--offload=0.5'], "offload=0.5 with recompute='none' and cp_impl='ring'"),
+])
+def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path, layout, reason):
+    p = torchrun(2, *TINY, *layout, '--max_iters=1', f'--out_dir={tmp_path}', check=False, timeout=120)
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if line.startswith('error:')]
-    assert len(lines) == 2 and 'not divisible by tp_size * cp_size' in lines[0], p.stderr[-2000:]
+    assert len(lines) == 2 and reason in lines[0], p.stderr[-2000:]
 
 
 

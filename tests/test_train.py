@@ -163,6 +163,20 @@ def test_data_whose_vocabulary_does_not_fit_is_a_clear_error(tmp_path):
     assert last.startswith('error:') and 'vocab_size' in last
 
 
+def test_offload_that_does_not_fit_in_host_memory_stops_before_the_first_step(tmp_path):
+    # 3 layers: block 0 is offloaded (offload.KEEP_LAST = 2); 4 x 1024 tokens x 64 x 4 bytes: its input
+    # alone is 1 MiB (offload.MIN_BYTES), so it goes to host
+    big = [*SMALL, '--n_layer=3', '--n_embd=64', '--seq_len=1024', '--offload=0.5', '--max_iters=1']
+    p = run_train(*big, '--host_memory_budget_gb=1e-9', f'--out_dir={tmp_path / "tiny_budget"}', check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error:')]
+    assert len(errors) == 1 and 'GiB of host memory per rank (1 blocks)' in errors[0], p.stderr[-2000:]
+    assert 'host_memory_budget_gb' in errors[0]
+    assert not os.path.exists(tmp_path / 'tiny_budget' / 'log.jsonl')  # no step ran
+    p = run_train(*SMALL, '--n_layer=3', '--offload=0.5', '--max_iters=1', f'--out_dir={tmp_path / "fits"}')
+    assert 'offload=0.5: 0.00 GiB of host memory per rank (1 blocks)' in p.stdout
+
+
 def test_init_from_a_hugging_face_directory_fine_tunes_it(tmp_path):
     torch.manual_seed(0)
     Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
