@@ -58,8 +58,8 @@ below are per rank (/tp): Megatron's sequence parallelism splits every per-token
                      SDPA's outputs)·T recomputed first tokens beside their stitched copies (+ the
                      bf16 input a·h·T, freed once recomputed). Layers 1 and 0 stand for the run
                      (gradients grow linearly in between; layer 0 prefetches nothing)
-     kept layers     with offload + P: offload.py prefetches the last offloaded layer when the
-                     first kept layer's backward begins, and it waits through all kept layers
+     kept layers     with offload, the first kept layer (n_off) + P: offload.py prefetches the
+                     last offloaded layer when the backward of the layer after it begins
      CUDA offload    until backward begins, the device tensors of the last min(MAX_IN_FLIGHT,
                      n_off) layers sent wait for their copies: that many (seen - small)·T over
                      the LM head, the final norm and a checkpointed last layer's forward
@@ -295,9 +295,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
             # tensors that stayed on the device
             act = min(small, own)
             return act, own - act + (prefetch if i > 0 else 0)
-        # offload.py prefetches the last offloaded block when the first kept block's backward
-        # begins: it waits on the device through every kept block's backward
-        early = prefetch if n_off else 0
+        # offload.py prefetches the last offloaded block when the block after it (the first kept
+        # one) begins its backward: it is on the device beside that block's backward only
+        early = prefetch if n_off and i == n_off else 0
         if c.recompute == 'none':
             return own, early
         act = inp + (it['o'] + it['lse'] if c.recompute == 'selective' and 'o' in alive else 0)
