@@ -341,10 +341,17 @@ def _meta(t):
     return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
 
+def _storage_bytes(t):
+    """All of t's storage as one uint8 tensor, a view (not Tensor.set_: under fake tensors, in the dry
+    run, a storage once passed to set_ is never freed, and every offloaded block would stay counted)."""
+    nbytes = t.untyped_storage().nbytes()
+    return t.as_strided((1,), (1,), 0).view(torch.uint8).as_strided((nbytes,), (1,), 0)
+
+
 def _as_view(base, meta):
     """The view `meta` describes, on base's storage (a storage's bytes come back as one uint8 tensor)."""
     shape, stride, offset, dtype = meta
-    return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
+    return _storage_bytes(base).view(dtype).as_strided(shape, stride, offset)
 
 
 def _tokens(t, token, seq_len):
@@ -498,7 +505,7 @@ class _BlockActivations:
         sources, sizes = [], []
         for g in self.groups.values():
             if g.kind == WHOLE:  # the storage's bytes, so that every view of it comes back as it was
-                g.source = torch.empty(0, dtype=torch.uint8, device=g.tensor.device).set_(g.tensor.untyped_storage())
+                g.source = _storage_bytes(g.tensor)
             elif g.kind == SPLIT:  # the last n tokens
                 t, dim = _tokens(g.tensor, g.token, S)
                 g.source = t.narrow(dim, S - n, n)
