@@ -196,7 +196,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         seen = {'none': [p for k in it for p in pieces[k]], 'selective': pieces['o'] + pieces['lse'],
                 'full': []}[c.recompute] + ([inp] if bf16 or c.recompute != 'none' else [])
         small = sum(p for p in seen if T * p < off.MIN_BYTES)  # stay: all else went or is recomputed
-        block_host = off.block_host_bytes(c, batch_size, int(S), dt)
+        # under sequence parallelism the input is a sequence shard and attention's outputs a head
+        # shard: T/t tokens at full width ('none' also sends all-gathered tensors: T tokens, a bound)
+        block_host = off.block_host_bytes(c, batch_size, int(S) if c.recompute == 'none' else int(S) // t, dt)
         host = n_off * block_host
         # the block input comes back whole. In fp32 it is what the first RMSNorm keeps (part of n1);
         # in bf16 (the norm keeps an fp32 copy) it is freed once the block is recomputed

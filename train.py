@@ -33,7 +33,7 @@ from tqdm import tqdm
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS
 import parallel
 import memory
-from offload import bytes_to_host, check_host_memory  # (`offload` itself is a config key below)
+from offload import bytes_to_host, check_host_memory, host_bytes  # (`offload` itself is a config key below)
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -361,12 +361,17 @@ def main():
     if model.config.offload > 0:  # as auto_memory left it: can this layout run it, does host memory hold it?
         if layout_error(asdict(model.config)):
             die(layout_error(asdict(model.config)))
-        try:  # S / cp tokens at full width per rank: an upper bound under sequence parallelism (offload.py)
-            host_line = check_host_memory(model.config, batch_size, seq_len // cp_size, ptdtype, host_memory_budget_gb)
-        except MemoryError as e:
-            if not dry_run:  # a dry run stands in for another machine: this one's host memory says nothing
+        # this rank's tokens: under sequence parallelism a block's input and attention's outputs are
+        # split tp ways too ('none' also sends all-gathered tensors: seq_len / cp is its bound)
+        rank_tokens = seq_len // cp_size // (tp_size if model.config.recompute != 'none' else 1)
+        if dry_run:  # it stands in for another machine: this one's host memory says nothing
+            need = host_bytes(model.config, batch_size, rank_tokens, ptdtype)
+            host_line = f"offload={model.config.offload}: {need / 2**30:.2f} GiB of host memory per rank on the target"
+        else:
+            try:
+                host_line = check_host_memory(model.config, batch_size, rank_tokens, ptdtype, host_memory_budget_gb)
+            except MemoryError as e:
                 die(str(e))
-            host_line = str(e)
         if master_process:
             print(host_line)
     names = [n for n, _ in model.named_parameters()]

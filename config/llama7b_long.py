@@ -1,32 +1,30 @@
-# Llama-2-7B's shape at a 512K-token context on one node of 8 x 80 GB GPUs (H100 / A100 / A800):
+# Llama-2-7B's shape at a 1M-token context (1,048,576) on one node of 8 x 80 GB GPUs (H100 / A100 / A800):
 #   torchrun --nproc_per_node=8 train.py config/llama7b_long.py
 # Check the fit on a laptop first (memory.py's dry run: rank 0 of 8 on fake tensors, no GPU needed):
 #   python train.py config/llama7b_long.py --dry_run=True
 #
-# The layout, and why (per rank; P = 6.74e9 parameters, S = 524,288 tokens, h = 4096, 32 layers):
-# - tp_size = 8 (Megatron tensor + sequence parallelism over the node's NVLink): model states are
-#   18 bytes/param (bf16 weights, fp32 grads, fp32 master + Adam m, v) / 8 = 15.2 GB per rank. 7B
-#   can't be replicated: cp = 8 with tp = 1 keeps 18·P = 121 GB of states on every rank (ZeRO-1 over
-#   the 8 cp ranks still leaves 10·P = 67 GB), so the GPUs go to tp first. 32 heads / 8 = 4 per rank;
-#   Llama-2-7B has no GQA (32 kv heads), so kv heads split evenly too.
-# - cp_size = 1: with tp = 8 there is no GPU left for it. On 16 GPUs (--nnodes=2), keep tp = 8 within
-#   each node and add cp_size = 2 with cp_impl = 'ring' across nodes: the ring moves only k, v
-#   (2·S·kv·2/cp bytes per hop), overlapped with attention, and doubles the context to 1M.
-# - recompute = 'full' keeps one bf16 tensor per layer, the block input on its sequence shard:
-#   S/8 · h · 2 bytes = 0.5 GiB per layer, 16 GiB for 32 layers.
-# - the transient working set is one recomputed block in backward: under sequence parallelism its
-#   input is all-gathered to the whole S · h (4 GiB in bf16) and the row-parallel outputs are whole
-#   S · h partial sums until their reduce-scatter; q, k, v for 4 heads, the MLP in mini-sequences and
-#   the loss in vocabulary-parallel chunks (chunked.py, automatic) stay small beside them.
-# The dry run (memory.py, rank 0 of 8): params 1.57, grads 3.14, optimizer 9.42, activations 16.51,
-# transient 24.24 GiB: 54.87 GiB measured on fake tensors (estimate 55.38) + 1.60 GiB overhead =
-# 56.98 GiB, 71% of 80 GB: fits under the 80% rule.
-# 1M tokens on these 8 GPUs: the same layout needs 96.6 GiB (the all-gathered S·h tensors grow with S);
-# offload = 1.0 (offload.py) moves the block inputs to host memory, but its dry run under tp = 8 does not
-# fit yet either (it keeps more than full recompute under sequence parallelism: an open issue).
-# With 16 GPUs (two nodes: --nnodes=2 ... --cp_size=2 --seq_len=1048576, ring attention between the
-# nodes, zero=1 splitting the AdamW moments over the 2 cp ranks) 1M tokens fit: the dry run measures
-# 52.25 GiB (estimate 52.33) + 2.60 GiB overhead per rank.
+# The layout, and why (per rank; P = 6.74e9 parameters, S = 1,048,576 tokens, h = 4096, 32 layers):
+# - tp_size = 4 (Megatron tensor + sequence parallelism over NVLink): model states are 18 bytes per
+#   parameter (bf16 weights, fp32 grads, fp32 master + Adam m, v); tp = 4 leaves 18·P/4 = 30 GB, and
+#   zero = 1 splits the Adam moments over the 2 cp ranks: 22 GiB. 7B can't be replicated: tp = 1 keeps
+#   18·P = 121 GB of states on every rank.
+# - cp_size = 2 with Ulysses (cp_impl = 'ulysses': an all-to-all turns sequence shards into head
+#   shards around attention; 32 heads / tp 4 = 8 per rank, divisible by cp): each rank holds S/2 tokens,
+#   so the whole-sequence tensors of sequence parallelism (the all-gathered input of the column-parallel
+#   matmuls, the row-parallel outputs before their reduce-scatter) are S/2 · h, 4 GiB in bf16 each.
+#   tp = 8, cp = 1 makes them S · h (8 GiB each): the dry run then needs 66.6 + 2.6 GiB, over 80%.
+# - recompute = 'full' keeps one bf16 tensor per layer, the block input on its shard: S/(cp·tp) · h ·
+#   2 bytes = 1 GiB per layer, 32 GiB for 32 layers; offload = 1.0 (offload.py, Memo) sends it to host
+#   memory while the next layer computes and brings it back one layer ahead of backward: 30 GiB of host
+#   memory per rank (240 GiB for the node), the last 2 layers stay on the GPU. A layer's forward at S/8
+#   tokens per rank takes far longer than its 1 GiB copy over PCIe (~40 ms at 25 GB/s): it hides.
+# - the transient working set is one recomputed block in backward at S/2 tokens: the all-gathered input
+#   and the row-parallel partial sums (4 GiB each), q, k, v for 8 heads, the MLP in mini-sequences and
+#   the loss in vocabulary-parallel chunks (chunked.py, automatic).
+# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's): params 3.14, grads 6.28,
+# optimizer 12.55 GiB, activations and transient 40.0 GiB: 61.97 GiB measured on fake tensors
+# (estimate for CUDA 58.03) + 2.60 GiB overhead: 77% of 80 GiB, fits under the 80% rule.
+# 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (55.4 GiB estimated).
 out_dir = 'out-llama7b-long'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama-2's 32,000-token vocabulary)
 eval_interval = 50
@@ -43,19 +41,19 @@ vocab_size = 32000
 rope_theta = 10000.0
 norm_eps = 1e-5
 
-seq_len = 524288
+seq_len = 1048576
 batch_size = 1
-gradient_accumulation_steps = 8  # 4M tokens per step
+gradient_accumulation_steps = 4  # 4M tokens per step
 
-tp_size = 8
-cp_size = 1
-cp_impl = 'ring'  # used when cp_size > 1 (see above); Ulysses needs heads/tp divisible by cp
-zero = 1          # no effect with dp = cp = 1; shards the AdamW moments once cp or dp > 1
+tp_size = 4
+cp_size = 2
+cp_impl = 'ulysses'
+zero = 1          # the AdamW moments split over the 2 cp ranks
 
 mlp_chunks = 0    # automatic: ceil(I / h) mini-sequences
-loss_chunks = 0   # automatic: ceil(V / h) chunks, vocabulary-parallel over the 8 ranks
+loss_chunks = 0   # automatic: ceil(V / h) chunks, vocabulary-parallel over the 4 tp ranks
 recompute = 'full'
-offload = 0.0
+offload = 1.0    # every block input to host memory (Memo's alpha; with 'full' only the input is kept)
 
 learning_rate = 3e-4
 min_lr = 3e-5
