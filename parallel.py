@@ -247,7 +247,9 @@ class _GatherSeq(Function):   # sp: sequence shards -> the whole sequence, befor
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return all_gather(x, 1, group)
+        # [B, S, h] in memory: with B > 1 the gathered [S, B, h] order would make each matmul after
+        # this (wq, wk, wv; w1, w3) keep its own contiguous copy for backward; one copy here is shared
+        return all_gather(x, 1, group).contiguous()
 
     @staticmethod
     def backward(ctx, g):     # the ranks' partial dx, summed, and only our tokens kept
