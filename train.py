@@ -226,8 +226,8 @@ def peak_flops(device, dtype):
         b.sum().item()
         return time.perf_counter() - t0
 
-    # the largest square matmul up to 1024 that takes a few tens of ms: bf16 on a CPU without bf16
-    # units is ~100x slower than fp32, and this must stay well under a second either way
+    # double the size from 128 until one matmul takes over 20 ms (or n = 1024): bf16 on a CPU without
+    # bf16 units is ~100x slower than fp32, and this must stay well under a second either way
     n = 128
     while True:
         a = torch.randn(n, n, device=device, dtype=dtype)
