@@ -524,7 +524,12 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x):
         x = enter_tp(x, self.mesh)
-        y = chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, self.chunks)
+        chunks = self.chunks
+        if chunks == 0:  # as model.MLP counts them, from one sequence and the whole intermediate size:
+            # under sequence parallelism a rank's chunk, n·I/tp, is then about its block input, S/tp·h
+            # (and memory.py and offload.py count the same way)
+            chunks = chunked.auto_mlp_chunks(x.shape[-2], x.shape[-1], self.w1.weight.shape[0] * self.mesh.tp)
+        y = chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
         return leave_tp(y, self.mesh)
 
 

@@ -476,3 +476,18 @@ def test_sequence_parallel_memory_is_what_the_estimate_says(tmp_path):
         rank0 = json.load(f)['ranks'][0]
     est, measured = rank0['estimate']['total'], rank0['measured']['total']
     assert abs(est - measured) <= 0.05 * measured, (est, measured)
+
+
+def test_parallel_mlp_chunks_as_the_estimate_counts_them(tmp_path):
+    """mlp_chunks=0 under tp: ParallelMLP picks the chunk count model.MLP and memory.py pick (one sequence, the
+    whole intermediate size), so the dry run of rank 0 of 2 (fake tensors, real kernels' bookkeeping) is
+    what the estimate says. Before, it chunked by the rank's intermediate size: fewer chunks, 8% more."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, '--n_embd=512', '--n_head=8',
+                        '--intermediate_size=1376', '--n_layer=2', '--seq_len=2048', '--batch_size=1',
+                        '--mlp_chunks=0', '--recompute=full', '--tp_size=2', '--dry_run=True', f'--out_dir={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'WORLD_SIZE': '2'})
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(os.path.join(tmp_path, 'memory.json')) as f:
+        rank0 = json.load(f)['ranks'][0]
+    est, measured = rank0['estimate']['total'], rank0['measured']['total']
+    assert abs(est - measured) <= 0.01 * measured, (est, measured)
