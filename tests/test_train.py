@@ -1,6 +1,7 @@
 """train.py: exact resume, crash-safe checkpoints, gradient accumulation, signals, a falling val loss."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,20 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     for key in ('tokens_per_s', 'mfu', 'peak_mem_bytes', 'offload_bytes'):
         assert key in a[-1]
     assert 'val_loss' in a[0] and 'val_loss' in a[3] and 'val_loss' not in a[1]
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ('g++', 'c++', 'clang++')),
+                    reason="torch.compile on a CPU builds C++ kernels: no C++ compiler here")
+def test_compile_gives_the_losses_of_eager(tmp_path):
+    """--compile=True trains the same model (bench/vs_nanogpt.py times it): the losses equal eager's up
+    to the rounding of inductor's fused kernels, which sum in another order."""
+    eager, compiled = str(tmp_path / 'eager'), str(tmp_path / 'compiled')
+    run_train(*SMALL, '--max_iters=4', '--eval_interval=3', f'--out_dir={eager}')
+    run_train(*SMALL, '--max_iters=4', '--eval_interval=3', f'--out_dir={compiled}', '--compile=True')
+    a, b = read_log(eager), read_log(compiled)
+    assert [r['iter'] for r in b] == [r['iter'] for r in a] == list(range(4))
+    np.testing.assert_allclose([r['loss'] for r in b], [r['loss'] for r in a], rtol=1e-5)
+    np.testing.assert_allclose(b[3]['val_loss'], a[3]['val_loss'], rtol=1e-5)
 
 
 def test_resume_of_a_bf16_run_keeps_fp32_master_weights(tmp_path):
