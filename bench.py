@@ -9,10 +9,10 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                  recompute          recompute='full', mlp_chunks=1, loss_chunks=1
                  chunked+recompute  recompute='full', mlp_chunks=0, loss_chunks=0 (automatic)
   --mode=loss  the LM head + loss alone, forward + backward, N=8192 tokens, D=256, V=128,256:
-               ours chunked_cross_entropy (automatic chunks), torch F.linear_cross_entropy with
-               LinearCrossEntropyOptions (batch_chunk_size=256, and the defaults), plain
-               F.cross_entropy(h @ W.T), and the three unavoidable matmuls alone (logits, input grad,
-               weight grad, full size, no_grad).
+               ours chunked_cross_entropy (automatic chunks: 256 tokens each here, and 384-token
+               chunks), torch F.linear_cross_entropy with LinearCrossEntropyOptions (batch_chunk_size
+               256 and 384, and the defaults), plain F.cross_entropy(h @ W.T), and the three unavoidable
+               matmuls alone (logits, input grad, weight grad, full size, no_grad).
 
 How: every (variant, seq_len) runs in a fresh subprocess, so its peak resident set is its own.
   memory   peak RSS rise = VmHWM - VmRSS, with VmHWM reset (echo 5 > /proc/self/clear_refs) and freed
@@ -22,7 +22,8 @@ How: every (variant, seq_len) runs in a fresh subprocess, so its peak resident s
            gradients and the optimizer's transients. --warmup=full instead runs one whole step at the
            measured seq_len first.
   time     step mode: the one measured step -> tokens/s. loss mode: the median of --reps runs (the
-           first one included: it is also the one the memory peak covers).
+           first one included: it is also the one the memory peak covers) in each of --rounds rounds;
+           a round runs every variant once, in turn, so a shared machine's drift hits them all alike.
 A variant whose loss path keeps the full logits (loss_chunks=1) is not run when its estimate
 3 * S * V * 4 bytes (fp32 logits, the log-softmax kept for backward, and their gradient) exceeds
 --mem_limit_gb: it is reported as "OOM (est. X GB)".
@@ -36,6 +37,7 @@ memory figures do not depend on the load.
 import ctypes
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -55,7 +57,8 @@ seq_lens = '2048,8192'        # step mode: comma-separated
 variants = ''                 # comma-separated subset of the mode's variants; '' = all
 n_layer, n_embd, n_head, n_kv_head, intermediate_size, vocab_size = 2, 256, 4, 4, 768, 128256
 loss_tokens = 8192            # loss mode: N
-reps = 3                      # loss mode: timed runs per variant (median)
+reps = 3                      # loss mode: timed runs per variant and round (median)
+rounds = 1                    # loss mode: rounds over the variants (a fresh process per variant and round)
 slow_reps = 1                 # loss mode: timed runs for the slow variants (plain, torch LCE default)
 warmup = 'cheap'              # step mode: 'cheap' (see above) | 'full' (one whole step first)
 mem_limit_gb = 20.0           # estimated logits above this: reported OOM, not run (box: 23 GiB RAM)
@@ -71,8 +74,8 @@ STEP_VARIANTS = {  # name -> (recompute, mlp_chunks, loss_chunks)
     'recompute': ('full', 1, 1),
     'chunked+recompute': ('full', 0, 0),
 }
-LOSS_VARIANTS = ['ours chunked (auto)', 'torch LCE chunk=256', 'torch LCE default',
-                 'plain F.cross_entropy(h@W.T)', '3 matmuls alone']
+LOSS_VARIANTS = ['ours chunked (auto)', 'ours chunked (384 tokens)', 'torch LCE chunk=256',
+                 'torch LCE chunk=384', 'torch LCE default', 'plain F.cross_entropy(h@W.T)', '3 matmuls alone']
 SLOW = {'torch LCE default', 'plain F.cross_entropy(h@W.T)'}
 
 
@@ -164,8 +167,11 @@ def loss_worker(name):
     LCE = torch.nn.LinearCrossEntropyOptions
     fns = {
         'ours chunked (auto)': fb(lambda: chunked_cross_entropy(h, W, t, 0)),
+        'ours chunked (384 tokens)': fb(lambda: chunked_cross_entropy(h, W, t, math.ceil(N / 384))),
         'torch LCE chunk=256': fb(lambda: F.linear_cross_entropy(
             h, W, t, options=LCE(batch_chunk_size=256, chunking_method=None))),
+        'torch LCE chunk=384': fb(lambda: F.linear_cross_entropy(
+            h, W, t, options=LCE(batch_chunk_size=384, chunking_method=None))),
         'torch LCE default': fb(lambda: F.linear_cross_entropy(h, W, t, options=LCE())),
         'plain F.cross_entropy(h@W.T)': fb(lambda: F.cross_entropy(h @ W.t(), t)),
         '3 matmuls alone': mm3,
@@ -195,7 +201,7 @@ if worker:
 def spawn(spec):
     args = [sys.executable, os.path.abspath(__file__), f'--mode={mode}', f'--worker={json.dumps(spec)}']
     for k in ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'vocab_size',
-              'loss_tokens', 'reps', 'slow_reps', 'warmup', 'threads', 'seed'):
+              'loss_tokens', 'reps', 'slow_reps', 'warmup', 'threads', 'seed'):  # not rounds: the driver's
         args.append(f'--{k}={globals()[k]!r}' if isinstance(globals()[k], str) else f'--{k}={globals()[k]}')
     p = subprocess.run(args, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     for line in p.stdout.splitlines():
@@ -239,14 +245,27 @@ if mode == 'step':
 elif mode == 'loss':
     header = (f'| N={loss_tokens:,}, D={n_embd}, V={vocab_size:,} | peak RSS rise | time (median) | runs | load avg before |\n'
               '|---|---:|---:|---|---|')
-    for name in pick(LOSS_VARIANTS):
-        la = loadavg()
-        r = spawn(dict(name=name))
-        if 'error' in r:
-            row = f'| {name} | error: {r["error"]} | - | - | {la} |'
+    names = pick(LOSS_VARIANTS)
+    runs = {name: [] for name in names}
+    for rnd in range(rounds):
+        for name in names:
+            load = loadavg()
+            r = spawn(dict(name=name))
+            r['load'] = load
+            runs[name].append(r)
+            print(f'round {rnd + 1}/{rounds} {name}: ' + (r['error'] if 'error' in r else
+                  ', '.join('%.2f s' % x for x in r['times'])), flush=True)
+    for name in names:
+        ok = [r for r in runs[name] if 'error' not in r]
+        la = ' / '.join(r['load'] for r in runs[name]) if rounds == 1 else \
+            '1-min %.2f to %.2f' % (min(float(r['load'].split()[0]) for r in runs[name]),
+                                   max(float(r['load'].split()[0]) for r in runs[name]))
+        if len(ok) < len(runs[name]):
+            row = f'| {name} | error: {next(r["error"] for r in runs[name] if "error" in r)} | - | - | {la} |'
         else:
-            row = (f'| {name} | {gb(r["peak"])} | {r["time"]:.2f} s | '
-                   f'{", ".join("%.2f" % x for x in r["times"])} | {la} |')
+            times = [x for r in ok for x in r['times']]
+            row = (f'| {name} | {gb(max(r["peak"] for r in ok))} | {statistics.median(times):.2f} s | '
+                   f'{", ".join("%.2f" % x for x in times)} | {la} |')
         print(row, flush=True)
         rows.append(row)
 else:
