@@ -234,7 +234,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
             chunk = max(10 * nv + mm, 6 * nv + 2 * V * hf) if lc > 1 else 6 * nv + 2 * V * hf
         else:
             chunk = 8 * nv if lc > 1 else 4 * nv
-        head_fwd = T * (a * hf + 18) + chunk
+        head_fwd = T * (a * hf + a * h + 18) + chunk  # + the norm's output shard, bound while the loss runs
         head_bwd = 2 * V * hf if bf16 else 0
     elif lc == 1:
         head_kept = T * (norm + 4 * V + tcopy)  # final norm, fp32 log-softmax, flat targets

@@ -223,7 +223,8 @@ class Llama(nn.Module):
                 x = block(x, cos, sin, kv_caches[i])
             else:  # keep, recompute or offload what the block saves for backward (offload.py)
                 x = offload.run_block(block, x, cos, sin, self.config, i)
-        return self.head(self.norm(x), targets)
+        x = self.norm(x)  # rebound: in bf16 the last block's output is not kept alive through the head
+        return self.head(x, targets)
 
     def head(self, x, targets=None):
         """LM head: logits, or (logits or None, loss) with targets. parallel.py swaps in its vocab-parallel

@@ -22,8 +22,8 @@
 #   and the row-parallel partial sums (4 GiB each), q, k, v for 8 heads, the MLP in mini-sequences and
 #   the loss in vocabulary-parallel chunks (chunked.py, automatic).
 # The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's): params 3.14, grads 6.28,
-# optimizer 12.55 GiB, activations 9.65 and transient 29.45 GiB (peak in the LM head's forward):
-# 61.06 GiB measured on fake tensors (estimate 59.10 for those kernels, 58.03 for CUDA's) + 2.60 GiB
+# optimizer 12.55 GiB, activations 9.65 and transient 28.45 GiB (peak in the LM head's forward):
+# 60.06 GiB measured on fake tensors (estimate 60.10 for those kernels, 58.19 for CUDA's) + 2.60 GiB
 # overhead: under 80% of 80 GiB, it fits.
 # 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (55.4 GiB estimated).
 out_dir = 'out-llama7b-long'

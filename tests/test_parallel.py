@@ -491,3 +491,21 @@ def test_parallel_mlp_chunks_as_the_estimate_counts_them(tmp_path):
         rank0 = json.load(f)['ranks'][0]
     est, measured = rank0['estimate']['total'], rank0['measured']['total']
     assert abs(est - measured) <= 0.01 * measured, (est, measured)
+
+
+def test_the_lm_head_peak_under_tp_is_what_the_estimate_says(tmp_path):
+    """A bf16 step whose peak is the vocabulary-parallel loss's forward (Llama 3's vocabulary, 16K tokens,
+    tp 2): the dry run of rank 0 equals the estimate for the kernels it ran. Before, the last block's
+    output stayed bound in Llama.forward through the head (now rebound to the final norm's output) and the
+    estimate left out that norm output's sequence shard, bound while the loss runs: 1.2% over."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, '--n_embd=512', '--n_head=8',
+                        '--intermediate_size=1376', '--n_layer=2', '--vocab_size=128256', '--seq_len=16384',
+                        '--batch_size=1', '--mlp_chunks=0', '--loss_chunks=0', '--recompute=full', '--tp_size=2',
+                        '--dtype=bfloat16', '--dry_run=True', f'--out_dir={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'WORLD_SIZE': '2'})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 'peak at: forward: LM head and loss' in p.stdout, p.stdout[-2000:]
+    # the dry run's table: estimate (CPU kernels) and dry run side by side, then the error
+    total = [line for line in p.stdout.splitlines() if line.strip().startswith('total') and '%' in line][-1]
+    error = float(total.split('%')[0].split()[-1])
+    assert abs(error) <= 0.3, total
