@@ -37,7 +37,7 @@ from configurator import configure  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 # -----------------------------------------------------------------------------
-dataset = 'char'   # a folder of data/ with train.bin, val.bin, meta.json
+dataset = 'char'   # a folder of data/ (or any path) with train.bin, val.bin, meta.json
 steps = 300        # timed steps of each trainer
 warmup = 10        # untimed steps of each first (with compile=True, the compilation)
 compile = 'none'   # 'none' | 'both' | 'nanolong'
@@ -50,7 +50,7 @@ if compile not in ('none', 'both', 'nanolong'):
 if threads:
     torch.set_num_threads(threads)
 B, S, LAYERS, HEADS, WIDTH = 12, 64, 4, 4, 128
-data_dir = os.path.join(ROOT, 'data', dataset)
+data_dir = os.path.join(ROOT, 'data', dataset)  # an absolute path stays as it is
 with open(os.path.join(data_dir, 'meta.json')) as f:
     meta = {**json.load(f), 'dir': data_dir}
 V = meta['vocab_size']

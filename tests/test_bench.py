@@ -1,0 +1,54 @@
+"""bench.py and bench/vs_nanogpt.py run end to end at toy sizes (their figures are for bench/RESULTS.md, not
+for tests: nothing here is timed). What they compute is checked where it has a right answer: the step
+benchmark's three variants train the same model, so their losses agree."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = ['--n_layer=1', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64', '--vocab_size=1000',
+       '--results=']
+
+
+def run(script, *args):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def table_rows(out):
+    return [[c.strip() for c in line.strip('|').split('|')] for line in out.splitlines()
+            if line.startswith('| ') and not line.startswith('| seq_len') and not line.startswith('| N=')]
+
+
+def test_step_mode_runs_every_variant_to_the_same_loss():
+    rows = table_rows(run('bench.py', '--mode=step', '--seq_lens=300', *TOY))
+    assert [(r[0], r[1]) for r in rows] == [('300', v) for v in ('plain', 'recompute', 'chunked+recompute')]
+    assert len({float(r[5]) for r in rows}) == 1, rows  # recompute and chunking change memory, not the loss
+    for r in rows:
+        assert r[2].endswith(' GB') and float(r[3].replace(',', '')) > 0
+
+
+def test_loss_mode_runs_the_variants_in_rounds():
+    names = ['ours chunked (auto)', 'ours chunked (384 tokens)', 'torch LCE chunk=256']
+    rows = table_rows(run('bench.py', '--mode=loss', '--loss_tokens=600', '--reps=1', '--rounds=2',
+                          '--variants=' + ','.join(names), *TOY))
+    assert [r[0] for r in rows] == names
+    for r in rows:
+        assert 'error' not in r[1], r
+        times = r[3].split(', ')
+        assert len(times) == 2 and all(float(t) >= 0 for t in times)  # one run per round
+
+
+def test_vs_nanogpt_times_both_trainers(tmp_path):
+    sys.path.insert(0, ROOT)
+    from data.char.prepare import prepare
+    text = tmp_path / 'input.txt'
+    text.write_text('the quick brown fox jumps over the lazy dog.\n' * 400)
+    prepare(str(text), str(tmp_path / 'toy'))
+    out = run('bench/vs_nanogpt.py', f'--dataset={tmp_path / "toy"}', '--steps=2', '--warmup=1')
+    lines = [line for line in out.splitlines() if not line.startswith('Overriding:')]
+    assert lines[0].startswith('parameters: nanoGPT ') and 'compile=none' in lines[0]
+    assert lines[1].startswith('nanoGPT, GPT-2 block') and lines[2].startswith('nanolong, Llama')
+    assert float(lines[3].rsplit(' ', 1)[1]) > 0
