@@ -111,12 +111,13 @@ def loadavg():
 
 def step_worker(name, S):
     from model import Llama, LlamaConfig
+    import offload
     recompute, mlp_chunks, loss_chunks = STEP_VARIANTS[name]
     torch.manual_seed(seed)
     cfg = LlamaConfig(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                       intermediate_size=intermediate_size, vocab_size=vocab_size,
                       recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks)
-    model = Llama(cfg)
+    model = offload.apply(Llama(cfg))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
     idx = torch.randint(0, vocab_size, (1, S + 1))

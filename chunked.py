@@ -59,6 +59,18 @@ def auto_loss_chunks(n_tokens, dim, vocab):
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
 
+def mlp_chunks(config, n_tokens):
+    """config.mlp_chunks, with 0 resolved from one sequence's n_tokens and the whole intermediate size
+    (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input). The one
+    place a count is chosen: model.py, offload.py and memory.py all ask here."""
+    return config.mlp_chunks or auto_mlp_chunks(int(n_tokens), config.n_embd, config.intermediate_size)
+
+
+def loss_chunks(config, n_tokens):
+    """config.loss_chunks, with 0 resolved from the n_tokens of one micro-batch (all its rows)."""
+    return config.loss_chunks or auto_loss_chunks(int(n_tokens), config.n_embd, config.vocab_size)
+
+
 def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
     """M such that one chunk's transient, (S/M) · bytes_per_token, fits in budget_bytes."""
     return max(1, min(n_tokens, math.ceil(n_tokens * bytes_per_token / budget_bytes)))

@@ -98,6 +98,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import chunked
+
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient')
 GiB = 2 ** 30
 FIT_FRACTION = 0.8  # Fujii et al. 2024
@@ -164,7 +166,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     tied = (2 if bf16 else 4) * V * hf if c.tie_embeddings else 0
 
     # chunk counts as model.py resolves them: the MLP's from the sequence, the loss's from all tokens
-    mlp_chunks = c.mlp_chunks or _auto_mlp_chunks(S, hf, c.intermediate_size)
+    mlp_chunks = chunked.mlp_chunks(c, S)
     n_mlp = math.ceil(T / mlp_chunks)
     # one layer's tensors kept for backward, bytes per token (module docstring)
     norm = 4 * h + 4 + 2 * a * h
@@ -222,7 +224,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     tcopy = 8 if batch_size > 1 else 0  # targets (a strided view) flattened: an int64 copy
 
     # the LM head and loss
-    lc = c.loss_chunks or _auto_loss_chunks(T, hf, V)
+    lc = chunked.loss_chunks(c, T)
     n_ce = math.ceil(T / lc)
     if sp:  # parallel.py's vocabulary-parallel loss, chunked even with loss_chunks=1: the gathered
         # h; per chunk fp32 logits p (4nV) and, in bf16, the gradient g (2nV; on a CPU first the
@@ -361,16 +363,6 @@ def materialize_optimizer_state(optimizer):
             state['step'] = 0
     for p in params:
         p.grad = None
-
-
-def _auto_mlp_chunks(n_tokens, dim, intermediate):
-    import chunked
-    return chunked.auto_mlp_chunks(int(n_tokens), dim, intermediate)
-
-
-def _auto_loss_chunks(n_tokens, dim, vocab):
-    import chunked
-    return chunked.auto_loss_chunks(int(n_tokens), dim, vocab)
 
 
 # ----------------------------------------------------------------------------- the measurement
@@ -740,18 +732,15 @@ FLOPS, PCIE = 0.4 * 989e12, 25e9
 
 def _flops(c, seq_len):
     """(model, hardware) FLOPs per token, from model.py's own formula."""
-    from model import Llama
-    from types import SimpleNamespace
-    n = c.n_layer * (2 * c.n_embd + 2 * c.n_embd ** 2 + 2 * c.n_kv_head * c.head_dim * c.n_embd
-                     + 3 * c.n_embd * c.intermediate_size) + c.vocab_size * c.n_embd + c.n_embd
-    return Llama.estimate_flops_per_token(SimpleNamespace(config=c, num_params=lambda: n), seq_len)
+    from model import flops_per_token
+    return flops_per_token(c, seq_len)
 
 
 def cost(c, base, batch_size, seq_len, dtype='bfloat16'):
     """Extra step time of config c over base (same model, other knobs), as a fraction of compute."""
     mfu, hfu = _flops(c, seq_len)
     extra = (hfu - mfu) / mfu
-    chunks = c.mlp_chunks or _auto_mlp_chunks(seq_len, c.n_embd, c.intermediate_size)
+    chunks = chunked.mlp_chunks(c, seq_len)
     if chunks > 1 and c.recompute != 'full':
         extra += 4 * c.n_layer * c.n_embd * c.intermediate_size / mfu
     if c.offload > 0:
@@ -771,8 +760,8 @@ def _variants(c, seq_len, host_free, batch_size, dtype, device_type):
     """Knob settings worth trying from c: every recompute mode, MLP and loss chunks as they are, automatic
     or 4x automatic, offload off or at choose_alpha's α (on CUDA)."""
     from dataclasses import replace as dc_replace
-    auto_m = _auto_mlp_chunks(seq_len, c.n_embd, c.intermediate_size)
-    auto_l = _auto_loss_chunks(batch_size * seq_len, c.n_embd, c.vocab_size)
+    auto_m = chunked.mlp_chunks(dc_replace(c, mlp_chunks=0), seq_len)
+    auto_l = chunked.loss_chunks(dc_replace(c, loss_chunks=0), batch_size * seq_len)
     mlps = sorted({c.mlp_chunks, 0, max(1, min(seq_len, 4 * auto_m))} - ({0} if auto_m == 1 else set()))
     losses = sorted({c.loss_chunks, 0, max(1, min(batch_size * seq_len, 4 * auto_l))})
     for rc in ('none', 'selective', 'full'):
@@ -864,14 +853,9 @@ def suggestions(config, budget, overhead, host_free, batch_size, seq_len, world=
 
 
 def apply_knobs(model, knobs):
-    """Set memory knobs on a built model: its config (read at every forward) and the MLPs' chunk
-    counts (read when they were built)."""
+    """Set memory knobs on a built model: its config, which forward reads at every call."""
     for k, v in knobs.items():
         setattr(model.config, k, v)
-    if 'mlp_chunks' in knobs:
-        for m in model.modules():
-            if hasattr(m, 'chunks') and hasattr(m, 'w1'):
-                m.chunks = knobs['mlp_chunks']
 
 
 # ----------------------------------------------------------------------------- train.py's side

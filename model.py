@@ -29,7 +29,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import chunked
-import offload
 
 
 MEMORY_KNOBS = ('mlp_chunks', 'loss_chunks', 'recompute', 'offload')
@@ -125,10 +124,19 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+def attention(q, k, v, is_causal=True):
+    """The attention core: softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd] with K | H
+    (grouped-query: kv heads are never repeated in memory). A fork that adds an attention variant (a
+    sliding window, a document mask) changes this function; parallel.py's Ulysses calls it unchanged
+    on the whole sequence for a share of the heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.head_dim = config.head_dim
+        self.attend = attention  # parallel.py wraps it for context parallelism (Ulysses, ring)
         self.wq = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=False)
         self.wk = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
         self.wv = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
@@ -136,30 +144,29 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache=None):
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # heads from the weights' shapes: under tensor parallelism this rank holds a share of them
+        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        causal = True
-        if kv_cache is not None:  # sampling: append to the cache; one new token sees every key
+        if kv_cache is None:
+            y = self.attend(q, k, v)
+        else:  # sampling: append to the cache; one new token sees every key
             k, v = kv_cache.update(k, v)
-            causal = S > 1
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            y = attention(q, k, v, is_causal=S > 1)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.chunks = config.mlp_chunks
+        self.config = config  # mlp_chunks, read at every forward (chunked.mlp_chunks)
         self.w1 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)  # gate
         self.w3 = nn.Linear(config.n_embd, config.intermediate_size, bias=False)  # up
         self.w2 = nn.Linear(config.intermediate_size, config.n_embd, bias=False)  # down
 
     def forward(self, x):
-        chunks = self.chunks
-        if chunks == 0:  # automatic, from one sequence's length (memory.py and offload.py count the same way)
-            chunks = chunked.auto_mlp_chunks(x.shape[-2], x.shape[-1], self.w1.out_features)
+        chunks = chunked.mlp_chunks(self.config, x.shape[-2])  # from one sequence's length
         return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
 
 
@@ -202,10 +209,7 @@ class Llama(nn.Module):
     def num_params(self, non_embedding=True):
         """Parameters, without the embedding table by default (it is a lookup, not a matmul).
         With tied embeddings the shared matrix still counts once, as the LM head."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and not self.config.tie_embeddings:
-            n -= self.tok_embeddings.weight.numel()
-        return n
+        return num_params(self.config, non_embedding)
 
     def forward(self, idx, targets=None, positions=None, kv_caches=None):
         """idx [B, S] -> logits [B, S, V]; with targets -> (logits or None, mean loss over targets != -100).
@@ -219,10 +223,7 @@ class Llama(nn.Module):
             cos, sin = rope_tables(self.inv_freq, positions)
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
-            if kv_caches is not None:
-                x = block(x, cos, sin, kv_caches[i])
-            else:  # keep, recompute or offload what the block saves for backward (offload.py)
-                x = offload.run_block(block, x, cos, sin, self.config, i)
+            x = block(x, cos, sin) if kv_caches is None else block(x, cos, sin, kv_caches[i])
         x = self.norm(x)  # rebound: in bf16 the last block's output is not kept alive through the head
         return self.head(x, targets)
 
@@ -231,29 +232,12 @@ class Llama(nn.Module):
         one under tensor parallelism."""
         if targets is None:
             return self.output(x)
-        chunks = self.config.loss_chunks
-        if chunks == 0:
-            chunks = chunked.auto_loss_chunks(targets.numel(), self.config.n_embd, self.config.vocab_size)
+        chunks = chunked.loss_chunks(self.config, targets.numel())
         if chunks == 1:  # the plain path keeps the [B, S, V] logits and hands them back
             logits = self.output(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction='sum')
             return logits, loss / (targets != -100).sum().clamp(min=1)
         return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks)
-
-    def estimate_flops_per_token(self, seq_len):
-        """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
-        parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or
-        not). Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the
-        projections for 'selective', the attention kernel not)."""
-        c, N = self.config, self.num_params()
-        attn = 12 * c.n_layer * c.n_embd * seq_len
-        mfu_flops = 6 * N + attn
-        if c.recompute == 'full':
-            return mfu_flops, mfu_flops + 2 * N + attn // 3
-        if c.recompute == 'selective':
-            head = c.vocab_size * c.n_embd
-            return mfu_flops, mfu_flops + 2 * (N - head)
-        return mfu_flops, mfu_flops
 
     # -------------------------------------------------------------------------
     # Hugging Face checkpoints
@@ -319,6 +303,32 @@ class Llama(nn.Module):
                   torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
         with open(os.path.join(out_dir, 'config.json'), 'w') as f:
             json.dump(hf, f, indent=2)
+
+
+def num_params(config, non_embedding=True):
+    """Parameters of Llama(config), without the embedding table by default (a lookup, not a matmul).
+    With tied embeddings the shared matrix counts once, as the LM head. The one parameter count:
+    train.py's MFU and memory.py's model states read it."""
+    h, kv, I, V, L = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size, \
+        config.vocab_size, config.n_layer
+    per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I  # two norms, wq wo, wk wv, w1 w2 w3
+    head = 0 if config.tie_embeddings else V * h
+    return L * per_layer + h + head + (0 if non_embedding and not config.tie_embeddings else V * h)
+
+
+def flops_per_token(config, seq_len):
+    """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
+    parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or not).
+    Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections for
+    'selective', the attention kernel not)."""
+    c, N = config, num_params(config)
+    attn = 12 * c.n_layer * c.n_embd * seq_len
+    mfu_flops = 6 * N + attn
+    if c.recompute == 'full':
+        return mfu_flops, mfu_flops + 2 * N + attn // 3
+    if c.recompute == 'selective':
+        return mfu_flops, mfu_flops + 2 * (N - c.vocab_size * c.n_embd)
+    return mfu_flops, mfu_flops
 
 
 def _hf_names(config):

@@ -126,10 +126,7 @@ def saved_per_token(config, dtype=torch.float32, seq_len=None):
                                        ('attention logsumexp', 4 * H, 'attention'),
                                        ('ffn_norm fp32 input (x + attention)', 4 * h, 'other')]
     saved += norm('ffn_norm')  # whose output is the MLP's input
-    chunks = config.mlp_chunks
-    if chunks == 0:
-        chunks = chunked.auto_mlp_chunks(seq_len, h, I)
-    if chunks == 1:  # the plain MLP keeps its intermediates; chunked.py's keeps only its input
+    if chunked.mlp_chunks(config, seq_len) == 1:  # the plain MLP keeps its intermediates; chunked.py's keeps only its input
         saved += [(f'MLP {name}', b * I, 'other') for name in ('x W1ᵀ', 'x W3ᵀ', 'silu(x W1ᵀ)', 'product')]
     return saved
 
@@ -259,7 +256,24 @@ def _keep_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_block(block, x, cos, sin, config, i):
+def apply(model):
+    """Wrap every block of model (at build time, as torchtitan applies activation checkpointing) so
+    that its forward keeps, recomputes or offloads what it saves as model.config says; model.forward
+    stays a plain loop. Idempotent; the knobs are read at every call, so they may change later."""
+    for i, block in enumerate(model.layers):
+        if 'forward' in vars(block):
+            continue
+        inner = block.forward
+
+        def forward(x, cos, sin, kv_cache=None, block=block, inner=inner, i=i):
+            if kv_cache is not None:
+                return inner(x, cos, sin, kv_cache)
+            return run_block(block, inner, x, cos, sin, model.config, i)
+        block.forward = forward
+    return model
+
+
+def run_block(block, fn, x, cos, sin, config, i):
     """block(x, cos, sin) for block i of config.n_layer, keeping, recomputing or offloading what it
     saves for backward as config.recompute and config.offload = α say (the header's table):
       α = 0, the last KEEP_LAST blocks, forwards without grad: the block as is ('none'), under torch's
@@ -272,11 +286,11 @@ def run_block(block, x, cos, sin, config, i):
     saved = None
     if alpha == 0 or i >= config.n_layer - KEEP_LAST or not torch.is_grad_enabled():
         if mode == 'none':
-            y = block(x, cos, sin)
+            y = fn(x, cos, sin)
         elif mode == 'full':
-            y = checkpoint(block, x, cos, sin, use_reentrant=False)
+            y = checkpoint(fn, x, cos, sin, use_reentrant=False)
         else:
-            y = checkpoint(block, x, cos, sin, use_reentrant=False,
+            y = checkpoint(fn, x, cos, sin, use_reentrant=False,
                            context_fn=lambda: create_selective_checkpoint_contexts(_keep_attention))
     else:
         mesh = getattr(getattr(block, 'attention', None), 'mesh', None)  # parallel.py's blocks carry their layout
@@ -284,14 +298,15 @@ def run_block(block, x, cos, sin, config, i):
         if why:
             raise ValueError(why)
         saved = _BlockActivations(_engine(x), block, x, cos, sin, i, mode, alpha)
+        saved.fn = fn
         if mode == 'full':  # torch's checkpoint keeps only its inputs, through our hooks
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
-                y = checkpoint(block, x, cos, sin, use_reentrant=False)
+                y = checkpoint(fn, x, cos, sin, use_reentrant=False)
         else:  # we keep input and attention and recompute the rest ourselves, token-wise
             if 0 < saved.n_host < saved.seq_len:
                 saved.probe_token_dims()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack), _WatchAttention(saved.attention):
-                y = block(x, cos, sin)
+                y = fn(x, cos, sin)
         saved.offload()
     if alpha > 0 and torch.is_grad_enabled():
         _prefetch_on_backward(y, i, saved, _engine(x))
@@ -418,7 +433,7 @@ class _BlockActivations:
             with fake, self._autocast(), torch.autograd.graph.saved_tensors_hooks(
                     lambda t: shapes.append(tuple(t.shape)), _unpack):
                 xs = torch.empty((x.shape[0], s0) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-                self.block(xs.requires_grad_(x.requires_grad), *self._rope(s0))
+                self.fn(xs.requires_grad_(x.requires_grad), *self._rope(s0))
             probes[key] = shapes
         self.token_dims = probes[key]
 
@@ -583,7 +598,7 @@ class _BlockActivations:
         self.eng.wait(self.h2d_done)  # the compute stream waits for this block's copies, no others
         if any(g.kind in (SPLIT, DROP) for g in self.groups.values()):
             self.recompute()
-        self.attention = self.block = self.cos = self.sin = self.kept[0] = None
+        self.attention = self.block = self.fn = self.cos = self.sin = self.kept[0] = None
         x = self.groups[self.group_of[0]]
         if x.unpacks == 0:
             x.device = None
@@ -616,7 +631,7 @@ class _BlockActivations:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, _unpack))
             stack.enter_context(_ReplayAttention(replay, S, s0))
             try:
-                self.block(x, *self._rope(s0))
+                self.fn(x, *self._rope(s0))
             except _Recomputed:
                 pass
         if count[0] != len(self.group_of) - 1:

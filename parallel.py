@@ -519,16 +519,12 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, mlp, mesh):
         super().__init__()
-        self.mesh, self.chunks = mesh, mlp.chunks
+        self.mesh, self.config = mesh, mlp.config
         self.w1, self.w3, self.w2 = mlp.w1, mlp.w3, mlp.w2
 
     def forward(self, x):
         x = enter_tp(x, self.mesh)
-        chunks = self.chunks
-        if chunks == 0:  # as model.MLP counts them, from one sequence and the whole intermediate size:
-            # under sequence parallelism a rank's chunk, n·I/tp, is then about its block input, S/tp·h
-            # (and memory.py and offload.py count the same way)
-            chunks = chunked.auto_mlp_chunks(x.shape[-2], x.shape[-1], self.w1.weight.shape[0] * self.mesh.tp)
+        chunks = chunked.mlp_chunks(self.config, x.shape[-2])
         y = chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
         return leave_tp(y, self.mesh)
 
@@ -612,9 +608,7 @@ def vocab_parallel_head(model, mesh, x, targets=None):
         h, w = h.to(dt), w.to(dt)
     if targets is None:  # sampling / inspection: gather the vocabulary (not a training path)
         return all_gather(F.linear(h, w), h.dim() - 1, mesh.tp_group)[..., :model.config.vocab_size]
-    chunks = model.config.loss_chunks
-    if chunks == 0:
-        chunks = chunked.auto_loss_chunks(h.shape[0] * h.shape[1], h.shape[-1], w.shape[0])
+    chunks = chunked.loss_chunks(model.config, h.shape[0] * h.shape[1])
     return None, _VocabParallelCrossEntropy.apply(h, w, targets, chunks, model.config.vocab_size, mesh)
 
 

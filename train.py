@@ -30,10 +30,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS
+from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
 import parallel
 import memory
-from offload import bytes_to_host, check_host_memory, host_bytes  # (`offload` itself is a config key below)
+import offload as offload_policy  # (`offload` itself is a config key below)
+from offload import bytes_to_host, check_host_memory, host_bytes
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -376,9 +377,10 @@ def main():
             print(host_line)
     names = [n for n, _ in model.named_parameters()]
     n_params = model.num_params()
-    flops_per_token, hw_flops_per_token = model.estimate_flops_per_token(seq_len)
+    mfu_flops, hfu_flops = flops_per_token(model.config, seq_len)
     if world > 1:
         parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
+    offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
     memory.to_fake(model, ptdtype) if dry_run else model.to(device=dev, dtype=ptdtype)
     masters = make_master_weights(model)
     named_masters = list(zip(names, masters))
@@ -501,7 +503,7 @@ def main():
             dt = time.perf_counter() - t0
             tps = tokens_since / dt
             row = {'iter': iter_num - 1, 'loss': loss, 'lr': lr, 'tokens_per_s': tps,
-                   'mfu': tps * flops_per_token / device_flops, 'hfu': tps * hw_flops_per_token / device_flops,
+                   'mfu': tps * mfu_flops / device_flops, 'hfu': tps * hfu_flops / device_flops,
                    'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
             if val_loss is not None:
                 row['val_loss'] = val_loss

@@ -36,7 +36,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
     else:
         mode = nullcontext()
     with mode:
-        model = memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype)
+        model = offload.apply(memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
         masters = train.make_master_weights(model)
         opt = train.make_optimizer(model, masters, 'cpu')
         memory.materialize_optimizer_state(opt)

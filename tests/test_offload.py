@@ -58,7 +58,7 @@ def rel(a, b):
 
 def same_model(cfg, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    return Llama(cfg).to(dtype)
+    return offload.apply(Llama(cfg).to(dtype))
 
 
 _reference = {}
@@ -149,7 +149,7 @@ def kept_after_forward(cfg, dtype, mlp_chunks):
     created = _Created()
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), created:
         x = x0 * 1  # the block's input, created here so that we see whether the block keeps it
-        y = offload.run_block(block, x, cos, sin, cfg, 0)
+        y = offload.run_block(block, block.forward, x, cos, sin, cfg, 0)
     del x
     gc.collect()
     skip = {offload._key(t) for t in [y, cos, sin, *block.parameters()]}
@@ -343,7 +343,7 @@ def test_fake_tensors_run_without_host_memory():
     cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
     before = offload.stats()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = Llama(cfg)
+        model = offload.apply(Llama(cfg))
         idx = torch.randint(0, V, (B, S))
         _, loss = model(idx, idx)
         loss.backward()

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import offload  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
@@ -82,7 +83,7 @@ def one_step(model, mesh, config, zero):
 def reference(overrides, zero):
     torch.manual_seed(0)
     config = model_config(overrides)
-    model = Llama(config)
+    model = offload.apply(Llama(config))
     return one_step(model, parallel.Mesh(), config, zero)
 
 
@@ -115,7 +116,7 @@ def per_block_counts(mesh, overrides):
     """Collectives of one forward + backward with 2 layers minus with 1: what one block costs."""
     def run(n_layer):
         torch.manual_seed(0)
-        model = parallel.parallelize(Llama(model_config({**overrides, 'n_layer': n_layer})), mesh)
+        model = offload.apply(parallel.parallelize(Llama(model_config({**overrides, 'n_layer': n_layer})), mesh))
         x, y = global_batch()
         x, y, *pos = parallel.shard_batch(x, y, mesh)
         return count_collectives(lambda: model(x, y, *pos)[1].backward())
@@ -132,7 +133,7 @@ def _worker(rank, world, port, names, out_dir):
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
         torch.manual_seed(0)
-        model = parallel.parallelize(Llama(config), mesh)
+        model = offload.apply(parallel.parallelize(Llama(config), mesh))
         result = one_step(model, mesh, config, zero)
         counts = per_block_counts(mesh, {k: v for k, v in overrides.items() if k != 'recompute'})
         counts_recompute = per_block_counts(mesh, {**overrides, 'recompute': 'full'})
@@ -229,7 +230,7 @@ def _offload_worker(rank, world, port, out_dir):
             config = model_config(dict(recompute=recompute, offload=a))
             mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head)
             torch.manual_seed(0)
-            model = parallel.parallelize(Llama(config), mesh)
+            model = offload.apply(parallel.parallelize(Llama(config), mesh))
             before = offload.stats()
             try:
                 loss, _, grads, _ = one_step(model, mesh, config, zero=0)
@@ -246,7 +247,7 @@ def _offload_worker(rank, world, port, out_dir):
         config = LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=64,
                              recompute='selective', offload=alpha, loss_chunks=4)
         torch.manual_seed(0)
-        model = parallel.parallelize(Llama(config), parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head))
+        model = offload.apply(parallel.parallelize(Llama(config), parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)))
         x = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(1))
         tracker = memory.Tracker(list(model.parameters()), inputs=[x])
         with tracker:
