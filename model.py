@@ -14,7 +14,10 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow with depth; norms at 1.
 
 The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward
-runs, never what it computes: chunked.py and offload.py are the chapters that explain them.
+runs, never what it computes. Chunking happens inside MLP and the LM head (chunked.py); keep /
+recompute / offload wraps each block at build time (`offload.apply(model)`), so forward below is a
+plain loop over blocks; tensor and context parallelism shard the weights and wrap `Attention.attend`
+(parallel.py). A new attention variant is a change to `attention()` alone.
 `Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that
 transformers loads back to the same logits.
 """

@@ -11,7 +11,7 @@ all of them, clip, AdamW, log, evaluate, checkpoint. Checkpoints are atomic and 
 to continue exactly (weights, fp32 master weights, optimizer, step, data sampler and RNG states), so
 `--init_from=resume` reproduces an uninterrupted run's losses; SIGINT and SIGTERM save one and exit.
 
-Precision (DESIGN.md): with dtype='bfloat16' the model's weights and activations are bf16, gradients
+Precision: with dtype='bfloat16' the model's weights and activations are bf16, gradients
 are accumulated into fp32 as autograd produces them, and AdamW updates fp32 master weights: 2 + 4 + 12
 = 18 bytes per parameter (Megatron's scheme). With dtype='float32' (the CPU default) the optimizer
 updates the model's own weights.
@@ -212,32 +212,17 @@ def get_lr(it):
 # measurement
 
 def peak_flops(device, dtype):
-    """Dense peak FLOP/s to state MFU against: the datasheet for known GPUs (bf16), and a measured
-    matmul rate for CPUs and unknown devices (a CPU has no datasheet figure worth trusting)."""
-    if device.type == 'cuda':
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in (('H100', 989), ('H200', 989), ('H800', 989), ('A100', 312), ('A800', 312),
-                            ('L40S', 362), ('4090', 165), ('A10G', 70), ('A10', 125)):
-            if key in name:
-                return tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
-    def seconds(a, reps):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            b = a @ a
-        b.sum().item()
-        return time.perf_counter() - t0
-
-    # double the size from 128 until one matmul takes over 20 ms (or n = 1024): bf16 on a CPU without
-    # bf16 units is ~100x slower than fp32, and this must stay well under a second either way
-    n = 128
-    while True:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        seconds(a, 1)  # the first call of a kind pays for its setup
-        if n >= 1024 or seconds(a, 1) > 0.02:
-            break
-        n *= 2
-    best = min(seconds(a, 2) for _ in range(5))  # other processes only ever make a try slower
-    return 2 * 2 * n ** 3 / best
+    """The datasheet's dense peak FLOP/s of a known GPU (bf16; fp32 at half), to state MFU against; None
+    elsewhere. A CPU has no datasheet figure worth trusting, and a matmul timed once at start on a
+    shared machine made MFU swing from 61% to 488%: no MFU rather than a wrong one."""
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in (('H100', 989), ('H200', 989), ('H800', 989), ('A100', 312), ('A800', 312),
+                        ('L40S', 362), ('4090', 165), ('A10G', 70), ('A10', 125)):
+        if key in name:
+            return tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
+    return None
 
 
 def reset_peak_memory(device):
@@ -428,12 +413,14 @@ def main():
         mem.dry_run(train_step, raw_model, masters, optimizer, batches)
         return
 
-    device_flops = peak_flops(dev, ptdtype) * world  # MFU is per device: against all of them
+    peak = peak_flops(dev, ptdtype)
+    device_flops = peak * world if peak else None  # MFU is per device: against all of them
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
     if master_process:
         layout = f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} ({cp_impl}) x tp {mesh.tp}" if world > 1 else ''
         print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
-              f"device {dev} {str(ptdtype).removeprefix('torch.')}, peak {device_flops / 1e12:.2f} TFLOP/s{layout}")
+              f"device {dev} {str(ptdtype).removeprefix('torch.')}" +
+              (f", peak {device_flops / 1e12:.0f} TFLOP/s" if device_flops else '') + layout)
 
     def checkpoint(next_iter):
         scalars = {'model_args': {k: v for k, v in asdict(raw_model.config).items() if k not in _KNOBS},
@@ -503,7 +490,8 @@ def main():
             dt = time.perf_counter() - t0
             tps = tokens_since / dt
             row = {'iter': iter_num - 1, 'loss': loss, 'lr': lr, 'tokens_per_s': tps,
-                   'mfu': tps * mfu_flops / device_flops, 'hfu': tps * hfu_flops / device_flops,
+                   'mfu': device_flops and tps * mfu_flops / device_flops,  # None: no trusted peak
+                   'hfu': device_flops and tps * hfu_flops / device_flops,
                    'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
             if val_loss is not None:
                 row['val_loss'] = val_loss
@@ -515,13 +503,15 @@ def main():
                 log.write(json.dumps(row) + '\n')
                 log.flush()
             bar.set_postfix_str(f"loss {loss:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else '')
-                                + f" {tps:,.0f} tok/s mfu {100 * row['mfu']:.1f}%")
+                                + f" {tps:,.0f} tok/s" + (f" mfu {100 * row['mfu']:.1f}%" if row['mfu'] else ''))
             if bar.disable and master_process:  # not a terminal: a plain line per log step instead of the bar
                 print(f"iter {iter_num - 1}: {bar.postfix}", flush=True)
             t0, tokens_since = time.perf_counter(), 0
             reset_peak_memory(dev)
-        if world > 1 and parallel.all_reduce(torch.tensor(len(stop), device=dev), None).item() and not stop:
-            stop.append(signal.SIGTERM)  # a signal may reach the ranks in different steps: stop with the first
+            # a signal may reach the ranks in different steps: they agree on log steps only (an
+            # all-reduce and a host sync every step would stall the GPUs), and stop with the first
+            if world > 1 and parallel.all_reduce(torch.tensor(len(stop), device=dev), None).item() and not stop:
+                stop.append(signal.SIGTERM)
         if stop:
             checkpoint(iter_num)
             bar.close()

@@ -56,7 +56,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
 
 
 def errors(est, measured):
-    """(total error, worst category error), both relative to the measured total (DESIGN: categories
+    """(total error, worst category error), both relative to the measured total (categories
     are compared relative to the total)."""
     e, m = est.as_dict(), measured
     return ((e['total'] - m['total']) / m['total'],
