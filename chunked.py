@@ -33,6 +33,7 @@ Liger's fused linear cross-entropy (FLCE), also torch's `F.linear_cross_entropy(
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -188,56 +189,79 @@ def chunked_mlp(x, w1, w3, w2, chunks):
 # 3 matmuls in all. Recomputing in backward instead would redo the logits matmul, 4 in all, a third
 # more of the dominant cost, for no memory gain (dh and dW are held either way at the start of
 # backward, when every activation is still alive). Eval under no_grad does only the logits.
+#
+# Vocabulary parallel (Megatron's; `group` = the t tensor-parallel ranks): rank r holds rows
+# [r·⌈V/t⌉, (r+1)·⌈V/t⌉) of W, the last rank's rows past V padding that never becomes a logit. Each
+# rank runs the same loop on its rows: its chunk's logits are [N/M, V/t]; one all-gather of the ranks'
+# log-sum-exps (N/M floats each) gives the whole vocabulary's, which turns the local softmax into its
+# share of the global one; the rank holding a token's target adds its logit (one all-reduce of one
+# number at the end). dh is this rank's part of the sum over the vocabulary: the caller's backward
+# sums the parts over the group (parallel.py gathers the head's input and reduces its gradient).
 
-def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w):
-    """h [N, D], weight [V, D], targets [N] -> (loss sum, count, dh·count or None, dW·count or None)."""
-    N, V = h.shape[0], weight.shape[0]
+def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w, group=None, vocab_size=None):
+    """h [N, D], weight [V, D] (under group: this rank's [⌈V/t⌉, D] rows), targets [N] ->
+    (loss sum, count, dh·count or None, dW·count or None)."""
+    N, rows = h.shape[0], weight.shape[0]
+    lo = 0 if group is None else dist.get_rank(group) * rows
+    real = rows if group is None else max(0, min(rows, vocab_size - lo))  # rows that are not padding
     n = max(1, math.ceil(N / chunks))  # tokens per chunk; the last chunk takes what is left
     valid = targets != ignore_index
     count = valid.sum()  # a tensor: no host sync, here or per chunk
-    tgt = torch.where(valid, targets, 0).unsqueeze(1)  # ignored rows point at class 0, masked below
+    ours = valid & (targets >= lo) & (targets < lo + real)  # the targets whose logit this rank holds
+    tgt = torch.where(ours, targets - lo, 0).unsqueeze(1)  # others point at row 0, masked below
     mask = valid.to(h.dtype).unsqueeze(1)
     # per token: the target's logit, the row max m, and max softmax = 1 / Σ exp(x - m)
-    x_t, m, p_max = (h.new_empty(N, 1, dtype=torch.float32) for _ in range(3))
-    buf = h.new_empty(min(n, N), V, dtype=torch.float32)  # the one logits buffer, reused by every chunk
-    minus_one = h.new_full((min(n, N), 1), -1.0, dtype=torch.float32)
+    x_t, m, p_max = (h.new_zeros(N, 1, dtype=torch.float32) for _ in range(3))
+    lse = h.new_full((N, 1), -math.inf, dtype=torch.float32)  # a rank of padding only adds exp(-inf) = 0
+    buf = h.new_empty(min(n, N), real, dtype=torch.float32)  # the one logits buffer, reused by every chunk
     dh = torch.empty_like(h) if grad_h else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
-    wt = weight.t()
+    wt = weight[:real].t()
     for s in range(0, N, n):
         e = min(s + n, N)
         hc, logits = h[s:e], buf[:e - s]
-        _mm_f32(hc, wt, out=logits)
-        # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
-        # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
-        # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
-        # reductions around it: logsumexp = m - log(max softmax), exact and never log(0).
-        torch.gather(logits, 1, tgt[s:e], out=x_t[s:e])
-        torch.amax(logits, 1, keepdim=True, out=m[s:e])
-        torch.softmax(logits, 1, out=logits)
-        torch.amax(logits, 1, keepdim=True, out=p_max[s:e])
+        if real:
+            _mm_f32(hc, wt, out=logits)
+            # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
+            # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
+            # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
+            # reductions around it: logsumexp = m - log(max softmax), exact and never log(0).
+            torch.gather(logits, 1, tgt[s:e], out=x_t[s:e])
+            torch.amax(logits, 1, keepdim=True, out=m[s:e])
+            torch.softmax(logits, 1, out=logits)
+            torch.amax(logits, 1, keepdim=True, out=p_max[s:e])
+            lse[s:e] = m[s:e] - p_max[s:e].log()
+        if group is not None:  # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
+            every = lse.new_empty(dist.get_world_size(group) * (e - s))
+            dist.all_gather_single(every, lse[s:e, 0].contiguous(), group=group)
+            ours_lse = lse[s:e].clone()
+            lse[s:e, 0] = every.view(-1, e - s).logsumexp(0)
+            if real and (grad_h or grad_w):
+                logits.mul_((ours_lse - lse[s:e]).exp())
         if not (grad_h or grad_w):
             continue
-        logits.scatter_add_(1, tgt[s:e], minus_one[:e - s])  # g = softmax - onehot
+        logits.scatter_add_(1, tgt[s:e], -ours[s:e, None].float())  # g = softmax - onehot
         # ignored rows still hold a softmax in g; we zero their contribution on the small [n, D]
         # side (dh rows, h rows) instead of another pass over the [n, V] buffer
         g = logits if weight.dtype == torch.float32 else logits.to(weight.dtype)
         if grad_h:
-            torch.mm(g, weight, out=dh[s:e])
+            torch.mm(g, weight[:real], out=dh[s:e])
             dh[s:e].mul_(mask[s:e])
         if grad_w:
-            _acc_mm_(dW, g.t(), hc * mask[s:e])
-    loss_sum = ((m - p_max.log() - x_t).squeeze(1) * valid).sum()
-    return loss_sum, count, dh, dW
+            _acc_mm_(dW[:real], g.t(), hc * mask[s:e])
+    target_sum = torch.where(ours, x_t.squeeze(1), 0).sum()
+    if group is not None:  # each target's logit lives on one rank
+        dist.all_reduce(target_sum, group=group)
+    return (lse.squeeze(1) * valid).sum() - target_sum, count, dh, dW
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunks, ignore_index):
+    def forward(ctx, h, weight, targets, chunks, ignore_index, group, vocab_size):
         with torch.autocast(h.device.type, enabled=False):
             loss_sum, count, dh, dW = _ce_chunks(h, weight, targets, chunks, ignore_index,
-                                                 *ctx.needs_input_grad[:2])
+                                                 *ctx.needs_input_grad[:2], group, vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
         ctx.count, ctx.dh, ctx.dW, ctx.w_dtype = count, dh, dW, weight.dtype
@@ -257,20 +281,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             dh.mul_(scale)
         if dW is not None:
             dW = dW.mul_(scale).to(ctx.w_dtype)
-        return dh, dW, None, None, None
+        return dh, dW, None, None, None, None, None
 
 
-def chunked_cross_entropy(h, weight, targets, chunks, ignore_index=-100):
+def chunked_cross_entropy(h, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
     """Mean cross-entropy of F.linear(h, weight) (fp32 logits) against targets, over the targets
     that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. h [N, D] or
     [B, S, D], weight [V, D] (the LM head, possibly the tied embedding), targets [N] or [B, S].
     The [N, V] logits never exist whole: ceil(N / chunks) tokens at a time. chunks = 0 picks
-    auto_loss_chunks; chunks = 1 is the plain path."""
+    auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight is this rank's
+    [⌈V/t⌉, D] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
     D = h.shape[-1]
     h, targets = h.reshape(-1, D), targets.reshape(-1)
     if chunks == 0:
-        chunks = auto_loss_chunks(h.shape[0], D, weight.shape[0])
-    if chunks <= 1:
+        chunks = auto_loss_chunks(h.shape[0], D, vocab_size or weight.shape[0])
+    if chunks <= 1 and group is None:
         count = (targets != ignore_index).sum()
         loss_sum = F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=ignore_index,
                                    reduction='sum')
@@ -279,7 +304,8 @@ def chunked_cross_entropy(h, weight, targets, chunks, ignore_index=-100):
     if dt is not None:
         h, weight = h.to(dt), weight.to(dt)
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(h, weight, targets, chunks, ignore_index)
+        return _ChunkedCrossEntropy.apply(h, weight, targets, max(chunks, 1), ignore_index, group, vocab_size)
     with torch.autocast(h.device.type, enabled=False):  # eval: the logits only, no gradient work
-        loss_sum, count, _, _ = _ce_chunks(h, weight, targets, chunks, ignore_index, False, False)
+        loss_sum, count, _, _ = _ce_chunks(h, weight, targets, max(chunks, 1), ignore_index, False, False,
+                                           group, vocab_size)
     return loss_sum / count.clamp(min=1)

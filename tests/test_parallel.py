@@ -275,8 +275,7 @@ def test_offload_under_sp_and_cp_gives_the_gradients_of_offload_off(offload_resu
     monkeypatch.setattr(offload, 'MIN_BYTES', 0)
     tp, cp, cp_impl, recompute, alpha = layout
     (ref_loss, ref_grads, _, _), run = offload_results[layout]
-    why = parallel.check_layout(2, tp, cp, cp_impl, S, MODEL['n_head'], MODEL['n_kv_head'],
-                                MODEL['intermediate_size'], 0, recompute, alpha)
+    why = parallel.check_layout(model_config(dict(recompute=recompute, offload=alpha)), 2, tp, cp, cp_impl, S)
     if isinstance(run, str):
         assert run == why and '\n' not in why and f"recompute={recompute!r} and cp_impl='ring'" in why
         assert "recompute='full'" in why
