@@ -214,7 +214,7 @@ def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w, group=N
     x_t, m, p_max = (h.new_zeros(N, 1, dtype=torch.float32) for _ in range(3))
     lse = h.new_full((N, 1), -math.inf, dtype=torch.float32)  # a rank of padding only adds exp(-inf) = 0
     buf = h.new_empty(min(n, N), real, dtype=torch.float32)  # the one logits buffer, reused by every chunk
-    dh = torch.empty_like(h) if grad_h else None
+    dh = (torch.empty_like(h) if real else torch.zeros_like(h)) if grad_h else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
     wt = weight[:real].t()
     for s in range(0, N, n):
@@ -238,7 +238,7 @@ def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w, group=N
             lse[s:e, 0] = every.view(-1, e - s).logsumexp(0)
             if real and (grad_h or grad_w):
                 logits.mul_((ours_lse - lse[s:e]).exp())
-        if not (grad_h or grad_w):
+        if not (real and (grad_h or grad_w)):
             continue
         logits.scatter_add_(1, tgt[s:e], -ours[s:e, None].float())  # g = softmax - onehot
         # ignored rows still hold a softmax in g; we zero their contribution on the small [n, D]
