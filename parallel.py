@@ -1,42 +1,36 @@
 """
 Tensor, sequence, context and data parallelism over torchrun, as hooks on the model's own modules.
 
-A mesh of world = d × c × t ranks (t fastest: a tp group is neighbouring GPUs on one node). With S tokens
-per sequence, B sequences per rank, h width, H heads, K kv heads, I the MLP's width, V the vocabulary,
-N parameters, b bytes per element:
+A mesh of world = d × c × t ranks (t fastest: a tp group is neighbouring GPUs on one node). S tokens
+per sequence, B sequences per rank, h width, H heads, K kv heads, I the MLP's width, V vocabulary,
+N parameters, b bytes per element. What each dimension saves, per rank:
 
-  t   tensor parallel (Megatron, Shoeybi 2019): wq, wk, wv, w1, w3 split by output (heads, I), wo and w2
+  t   tensor parallel (Megatron, Shoeybi 2019): wq, wk, wv, w1, w3 split by output (heads, I), wo, w2
       by input, embedding and LM head by vocabulary rows (⌈V/t⌉ each, the last rank's past V padding);
-      kv heads are replicated when K < t. Weights, gradients, optimizer states N -> about N/t.
-  sp  sequence parallel (Korthikanti 2022), on with t: between the matmuls (norms, residuals) a rank
-      holds S/t tokens, so the activations kept per layer drop from S·B·h·(10 + 24/t) bytes to
-      S·B·h·34/t (Megatron's count, bf16). Its price is transient: the all-gathered input of the
-      column-parallel matmuls and the partial sums of the row-parallel ones are whole S·B·h·b tensors.
-  c   context parallel: every activation holds S/c tokens. Attention either swaps sequence shards for
-      head shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention runs on the whole sequence
-      for H/c heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the
-      causal mask).
-  d   data parallel: different sequences, gradients summed over d·c; ZeRO-1 shards the optimizer over
-      d·c (Rajbhandari 2019). The state side, below the marker line.
+      kv heads replicated when K < t. Weights, gradients, optimizer states: N -> about N/t.
+  sp  sequence parallel (Korthikanti 2022), on with t: norms and residuals hold S/t tokens; activations
+      kept per layer S·B·h·(10 + 24/t) bytes -> S·B·h·34/t (Megatron's count, bf16). The price is
+      transient: the gathered input and the partial sums of the matmuls are whole S·B·h·b tensors.
+  c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
+      shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
+      heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
+  d   data parallel: other sequences; gradients summed over d·c, ZeRO-1 over d·c (below the marker).
 
-How: parallelize(model, mesh) shards the weights in place and hooks Megatron's f (before the
-column-parallel matmuls: identity, or the all-gather of the sequence under sp) and g (after the
-row-parallel ones: all-reduce, or reduce-scatter) onto block.attention and block.feed_forward, whose
-head counts follow from the weights' shapes. For c it wraps Attention.attend, the attention core. It
-sets Llama.vocab_group: the LM head's loss is chunked.py's, vocabulary parallel. model.py runs unchanged,
-so a fork that changes model.attention (a sliding window) runs under t and Ulysses as it is.
+parallelize(model, mesh) shards the weights in place and hooks Megatron's f (before the column-parallel
+matmuls: identity, or all-gather of the sequence) and g (after the row-parallel ones: all-reduce, or
+reduce-scatter) onto block.attention and block.feed_forward, which read their head counts from the
+weights' shapes; wraps Attention.attend for c; and sets Llama.vocab_group, so the LM head's loss is
+chunked.py's, vocabulary parallel. A fork that changes model.attention runs under t and Ulysses as is.
 
-Every collective goes through the six functions below (chunked.py's loss makes its own two); the
-autograd Function around them says what backward moves. Per block, forward (backward), B·S·h elements
-each unless said:
-  t without sp    2 all-reduce (2 all-reduce)                      f before wq|w1, g after wo|w2
-  t with sp       2 all-gather + 2 reduce-scatter (2 + 2)          the same volume as the all-reduces
-  c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other (H/c heads move)
-  c ring          c-1 ring shifts of k, v (c-1 of k, v + c of dk, dv); kv heads, never repeated ones
-  recompute=full  the forward's once more in backward, but the last reduction (after w2): torch's
-                  checkpoint stops recomputing once it has every tensor backward saves
-Once per step: embedding 1 (all-reduce or reduce-scatter), LM head 1 in (gather / copy) + one
-all-gather of [tokens/chunks] log-sum-exps per loss chunk + 1 all-reduce of the target logits.
+What moves per block, forward (backward), B·S·h elements each unless said; every collective is one of
+the six functions below (chunked.py's loss makes its own):
+  t               2 all-reduce (2)                                  f before wq|w1, g after wo|w2
+  t with sp       2 all-gather + 2 reduce-scatter (2 + 2)           the same volume
+  c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other   (H/c heads move)
+  c ring          c-1 shifts of k, v (c-1 of k, v + c of dk, dv); kv heads, never repeated ones
+  recompute=full  the forward's again in backward but the last g (torch's checkpoint stops early)
+Per step: embedding 1 (g), LM head input 1 (f), per loss chunk one all-gather of [B·S/chunks]
+log-sum-exps, 1 all-reduce of the target logits.
 """
 import functools
 import math
@@ -77,10 +71,9 @@ class Mesh:
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
                  dtype=torch.float32):
-    """None, or the one-line reason this layout can't run config (a LlamaConfig, or anything with its
-    fields), checked on every rank before anything is allocated. The one place layout rules live."""
-    c, S = config, seq_len
-    H, K, hd = c.n_head, c.n_kv_head, c.n_embd // c.n_head
+    """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
+    fields), asked on every rank before anything is allocated. The one owner of the layout rules."""
+    c, S, H, K, hd = config, seq_len, config.n_head, config.n_kv_head, config.n_embd // config.n_head
     if tp < 1 or cp < 1 or world % (tp * cp):
         return f"world size {world} is not divisible by tp_size * cp_size = {tp} * {cp}"
     if H % tp:
@@ -98,16 +91,15 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
             return f"seq_len={S} is not divisible by cp_size={cp}"
         if (H // tp) % cp:
             return f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"
-        if max(1, K // tp) % cp and cp % max(1, K // tp):
-            return f"{max(1, K // tp)} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"
+        if (K // tp or 1) % cp and cp % (K // tp or 1):
+            return f"{K // tp or 1} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"
     if cp > 1 and cp_impl == 'ring':
         if S % (2 * cp):
             return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring attention's zigzag chunks)"
-        why = flash_error(device_type, dtype, hd)
-        if why:
-            return why
-        # offload.py recomputes a block token-wise, handing back attention's saved output: the ring's
-        # output is merged from several kernel calls with shifts between them, so it can't be handed back
+        if flash_error(device_type, dtype, hd):
+            return flash_error(device_type, dtype, hd)
+        # offload.py's token-wise recompute hands attention's saved output back: the ring's is merged
+        # from several kernel calls with shifts between them, nothing to hand back
         if c.offload > 0 and (c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1):
             instead = "recompute='full', cp_impl='ulysses' or offload=1" if c.recompute == 'none' else \
                 "recompute='full' or cp_impl='ulysses'"
@@ -238,7 +230,7 @@ def broadcast(x, src, group):
 # ----------------------------------------------------------------------------- Megatron's f and g
 
 class _Pair(Function):
-    """A collective in forward whose backward is another (its adjoint)."""
+    """A collective in forward, its adjoint in backward."""
 
     @staticmethod
     def forward(ctx, x, forward, backward):
@@ -393,66 +385,62 @@ def flash(q, k, v, causal, backward=None):
     return bwd(grad_out=dout, out=out, logsumexp=lse, **kw, **saved)[:3]
 
 
-def _ring_pieces(s, r, c, P):
-    """At ring step s rank r holds the k, v of rank (r - s) mod P. Zigzag: rank r's tokens are chunk r then
-    chunk 2P-1-r of 2P. Returns (q rows, kv rows, causal): step 0 is causal over our own two chunks; an
-    earlier rank's first chunk precedes all our tokens (its second chunk follows them all); a later
-    rank's two chunks both precede our second chunk and follow our first."""
-    if s == 0:
-        return slice(None), slice(None), True
-    return (slice(None), slice(0, c), False) if (r - s) % P < r else (slice(c, None), slice(None), False)
+def _ring_steps(kv, group):
+    """Rank r of P holds zigzag chunks r and 2P-1-r of 2P (n tokens each). At step s it holds the k, v of
+    rank (r - s) mod P and yields (its q rows, those kv rows, causal, kv): step 0 is causal over our own
+    chunks; an earlier rank's first chunk precedes all our tokens (its second follows them all); a later
+    rank's two chunks precede our second chunk and follow our first. The next k, v moves meanwhile."""
+    P, r, n = dist.get_world_size(group), dist.get_rank(group), kv.shape[3] // 2
+    for s in range(P):
+        nxt = ring_shift(kv, group) if s < P - 1 else None
+        if s == 0:
+            yield slice(None), slice(None), True, kv
+        else:
+            yield (slice(None), slice(0, n), False, kv) if (r - s) % P < r else (slice(n, None), slice(None), False, kv)
+        kv = nxt() if nxt else kv
 
 
 class _RingAttention(Function):
+    """Each step's flash kernel gives (out, lse) over one block of keys; the online softmax merges them.
+    Backward: with the final out and lse each block's flash backward is its exact share of the gradient,
+    and dk, dv travel around the ring with their k, v until they are back with their owner."""
 
     @staticmethod
     def forward(ctx, q, k, v, group):
-        P, r, H, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1], q.shape[2] // 2
-        rep = lambda t: t.repeat_interleave(H // t.shape[1], dim=1).contiguous()  # GQA: q's head count
+        H = q.shape[1]
+        rep = lambda t: t.repeat_interleave(H // k.shape[1], dim=1).contiguous()  # the kernel: q's head count
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])  # what travels: the kv heads, not repeated
-        saved = []
-        for s in range(P):
-            nxt = ring_shift(kv, group) if s < P - 1 else None  # the next block moves while we compute
-            rows, cols, causal = _ring_pieces(s, r, c, P)
-            o, l, extra = flash(q[:, :, rows].contiguous(), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal)
-            saved.append(extra)
-            new = torch.logaddexp(lse[:, :, rows], l)  # online softmax: merge this block's (out, lse)
+        ctx.saved = []
+        for rows, cols, causal, kv in _ring_steps(torch.stack([k, v]), group):  # kv heads travel, not repeats
+            o, l, saved = flash(q[:, :, rows].contiguous(), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal)
+            new = torch.logaddexp(lse[:, :, rows], l)
             out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + \
                 o.float() * (l - new).exp().unsqueeze(-1)
             lse[:, :, rows] = new
-            if nxt is not None:
-                kv = nxt()
+            ctx.saved.append(saved)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.saved = group, saved
+        ctx.group = group
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, H, c = ctx.group, q.shape[1], q.shape[2] // 2
-        P, r, K = dist.get_world_size(group), dist.get_rank(group), k.shape[1]
+        H, K = q.shape[1], k.shape[1]
         rep = lambda t: t.repeat_interleave(H // K, dim=1).contiguous()
-        fold = lambda g: g.view(g.shape[0], K, H // K, *g.shape[2:]).sum(2)  # repeated heads -> kv heads
-        dout = dout.contiguous()
+        fold = lambda g: g.float().view(g.shape[0], K, H // K, *g.shape[2:]).sum(2)  # repeats -> kv heads
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its k, v
-        for s in range(P):
-            nxt = ring_shift(kv, group) if s < P - 1 else None
-            rows, cols, causal = _ring_pieces(s, r, c, P)
-            # with the final out and lse, each block's flash backward gives its exact share of the gradient
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+        steps = _ring_steps(torch.stack([k, v]), ctx.group)
+        for (rows, cols, causal, kv), saved in zip(steps, ctx.saved):
             part = lambda t: t[:, :, rows].contiguous()
             g = flash(part(q), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal,
-                      backward=(part(dout), part(out), part(lse), ctx.saved[s]))
+                      backward=(part(dout), part(out), part(lse), saved))
             dq[:, :, rows] += g[0].float()
-            dkv[0][:, :, cols] += fold(g[1].float())
-            dkv[1][:, :, cols] += fold(g[2].float())
-            dkv = ring_shift(dkv, group)()  # after P shifts each dk, dv is back with its owner
-            if nxt is not None:
-                kv = nxt()
+            dkv[0][:, :, cols] += fold(g[1])
+            dkv[1][:, :, cols] += fold(g[2])
+            dkv = ring_shift(dkv, ctx.group)()  # after P shifts each dk, dv is back with its owner
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
@@ -462,25 +450,17 @@ def ring(group, q, k, v):
     return _RingAttention.apply(q, k, v, group)
 
 
-def cp_shard(S, mesh):
-    """The positions [S/c] of this cp rank's tokens: contiguous for Ulysses, zigzag for the ring."""
-    if mesh.cp == 1:
-        return torch.arange(S)
-    if mesh.cp_impl == 'ulysses':
-        n = S // mesh.cp
-        return torch.arange(mesh.cp_rank * n, (mesh.cp_rank + 1) * n)
-    c, r = S // (2 * mesh.cp), mesh.cp_rank
-    return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * mesh.cp - 1 - r) * c, (2 * mesh.cp - r) * c)])
-
-
 def shard_batch(x, y, mesh):
     """A global micro-batch (the same on every rank) -> this rank's (x, y[, positions]): our dp rank's
-    rows, our cp rank's tokens; what model(x, y, positions) takes."""
-    n = x.shape[0] // mesh.dp
+    rows, our cp rank's tokens (contiguous for Ulysses; zigzag chunks r and 2c-1-r of 2c for the ring)."""
+    n, (c, r) = x.shape[0] // mesh.dp, (mesh.cp, mesh.cp_rank)
     x, y = x[mesh.dp_rank * n:(mesh.dp_rank + 1) * n], y[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
-    if mesh.cp == 1:
+    if c == 1:
         return x, y
-    pos = cp_shard(x.shape[1], mesh).to(x.device)
+    S, k = x.shape[1], x.shape[1] // (2 * c)  # k: tokens per zigzag chunk
+    pos = torch.arange(r * S // c, (r + 1) * S // c) if mesh.cp_impl == 'ulysses' else \
+        torch.cat([torch.arange(r * k, (r + 1) * k), torch.arange((2 * c - 1 - r) * k, (2 * c - r) * k)])
+    pos = pos.to(x.device)
     return x[:, pos], y[:, pos], pos
 
 
