@@ -475,6 +475,50 @@ def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path, layout, reason
 
 
 
+@pytest.mark.parametrize('layout,reason', [
+    (dict(world=6, tp=4), 'not divisible by tp_size * cp_size'),
+    (dict(world=3, tp=3), 'n_head=4 is not divisible by tp_size=3'),
+    (dict(world=4, tp=4, n_kv_head=1, n_head=8), None),  # kv heads replicated
+    (dict(world=4, tp=4, n_kv_head=3, n_head=12, n_embd=48), 'n_kv_head=3 and tp_size=4: one must divide the other'),
+    (dict(world=3, cp=3, n_kv_head=2, n_head=6, n_embd=48, seq_len=18), '2 kv heads per rank and cp_size=3'),
+    (dict(world=4, tp=4, n_kv_head=2, n_head=8, n_embd=64), None),
+    (dict(world=8, tp=8, n_kv_head=4, n_head=8, n_embd=64), None),
+    (dict(world=2, tp=2, intermediate_size=63), 'intermediate_size=63 is not divisible by tp_size=2'),
+    (dict(world=2, cp=2, cp_impl='star'), "cp_impl must be 'ulysses' or 'ring'"),
+    (dict(zero=2), 'zero must be 0 or 1'),
+    (dict(world=2, cp=2, seq_len=15), 'seq_len=15 is not divisible by cp_size=2'),
+    (dict(world=8, cp=8), 'n_head / tp_size = 4 heads per rank are not divisible by cp_size=8 (Ulysses)'),
+    (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), 'n_head / tp_size = 6 heads per rank'),
+    (dict(world=2, cp=2, seq_len=18, cp_impl='ring'), 'not divisible by 2 * cp_size = 4'),
+    (dict(world=4, tp=4, seq_len=18), 'seq_len / cp_size = 18 is not divisible by tp_size=4 (sequence parallelism)'),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='cuda'), "needs bfloat16 or float16, not torch.float32"),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='cuda', dtype=torch.bfloat16, n_embd=48), 'head_dim <= 256 and a multiple of 8, not 12'),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='cuda', dtype=torch.bfloat16), None),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='mps'), 'not mps'),
+    (dict(world=2, cp=2, cp_impl='ring', offload=0.5), "offload=0.5 with recompute='none' and cp_impl='ring'"),
+    (dict(world=2, cp=2, cp_impl='ring', offload=1.0), None),
+    (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='full'), None),
+    (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='selective'), "recompute='full' or cp_impl='ulysses'"),
+])
+def test_check_layout_owns_every_rule(layout, reason):
+    """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
+    fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
+    run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32)
+    run.update({k: layout.pop(k) for k in list(layout) if k in run})
+    why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
+    assert why is None if reason is None else (reason in why and '\n' not in why), why
+
+
+def test_ring_flash_wrapper_checks_before_calling_the_kernel():
+    q = torch.empty(1, 2, 4, 8, device='meta')
+    with pytest.raises(ValueError, match="cp_impl='ring' calls flash attention on CUDA or a CPU, not meta"):
+        parallel.flash(q, q, q, True)
+    q = torch.randn(1, 2, 4, 8)  # the CPU kernel, by keyword: SDPA's output and the log-sum-exp
+    out, lse, _ = parallel.flash(q, q, q, True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert lse.shape == (1, 2, 4)
+
+
 SLOW_RANK = """
 import os, sys, time
 sys.path.insert(0, {root!r})
