@@ -111,11 +111,9 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
 
 
 def wait_for_every_rank(what, timeout=60):
-    """Under torchrun, return once every rank has reached this call (or after `timeout` seconds).
-
-    torchrun kills all ranks the moment one exits, so a rank that stops with a message first waits here
-    until every rank has printed its own. It counts on the launcher's TCP store, so it works before
-    there is a process group (and allocates nothing on the device)."""
+    """Under torchrun, return once every rank has reached this call (or after `timeout` seconds): torchrun
+    kills all ranks the moment one exits, so a rank that stops with a message waits here until every rank
+    has printed its own. Through the launcher's TCP store: no process group needed, nothing allocated."""
     world = int(os.environ.get('WORLD_SIZE', 1))
     if world == 1 or 'MASTER_ADDR' not in os.environ:
         return

@@ -1,7 +1,9 @@
 """parallel.py against one process: for every layout, one training step's loss, every gradient (gathered
 from the shards) and the updated weights equal the single-process step (fp32, relative 1e-5); the
-collectives per block are what parallel.py's header says; train.py under torchrun gives the
-single-process losses, resumes exactly, and a rank that raises takes every rank down.
+collectives per block are what parallel.py's header says; a vocabulary shard of padding only, eval under
+no_grad and a fork's attention variant (a sliding window) behave as in one process; check_layout refuses
+what can't run in one line; train.py under torchrun gives the single-process losses, resumes exactly,
+and a rank that raises takes every rank down.
 
 Ranks are spawned processes on gloo (CPU). One spawn of 2 ranks and one of 4 run every layout of that
 size (process start-up is most of the cost), each writing what rank 0 gathered; the tests compare."""
@@ -582,8 +584,8 @@ def test_sequence_parallel_memory_is_what_the_estimate_says(tmp_path):
 
 
 def test_parallel_mlp_chunks_as_the_estimate_counts_them(tmp_path):
-    """mlp_chunks=0 under tp: ParallelMLP picks the chunk count model.MLP and memory.py pick (one sequence, the
-    whole intermediate size), so the dry run of rank 0 of 2 (fake tensors, real kernels' bookkeeping) is
+    """mlp_chunks=0 under tp: model.MLP on a rank's shard picks the chunk count memory.py picks (one sequence,
+    the whole intermediate size), so the dry run of rank 0 of 2 (fake tensors, real kernels' bookkeeping) is
     what the estimate says. Before, it chunked by the rank's intermediate size: fewer chunks, 8% more."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, '--n_embd=512', '--n_head=8',
                         '--intermediate_size=1376', '--n_layer=2', '--seq_len=2048', '--batch_size=1',
