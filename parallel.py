@@ -264,7 +264,7 @@ def leave_tp(x, mesh):
 # ----------------------------------------------------------------------------- sharding the weights
 
 def shard_spec(name, config, tp):
-    """(dim, kind) of a parameter's split over tp: kind 'vocab', 'kv' (may be replicated) or 'even'; None: replicated."""
+    """(dim, kind) of a parameter's split over tp, kind 'vocab', 'kv' (maybe replicated) or 'even'; None: replicated."""
     if tp == 1 or 'norm' in name:
         return None
     if name in ('tok_embeddings.weight', 'output.weight'):
