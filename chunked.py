@@ -2,24 +2,24 @@
 Mini-sequence MLP and chunked LM head + cross-entropy, as autograd Functions.
 
 Two tensors grow with the number of tokens S and dwarf everything else in a long-context step
-(b = bytes per element: 2 in bf16, 4 in fp32; D = width, I = MLP intermediate size, V = vocabulary):
+(b = bytes per element: 2 in bf16, 4 in fp32; h = width, I = MLP intermediate size, V = vocabulary):
 
   SwiGLU MLP   y = (silu(x W1ᵀ) * x W3ᵀ) W2ᵀ. Autograd keeps x W1ᵀ, x W3ᵀ, silu(x W1ᵀ) and the
                product: 4·I·b bytes per token per layer (Llama 3 8B: I = 14,336 -> 115 KB/token in bf16).
                mini-sequence: keep only x (which the block's norm produced anyway); forward and
                backward walk ceil(S/M)-token chunks, backward recomputes each chunk's intermediates.
                S·4·I·b kept  ->  0 kept, about (S/M)·6·I·b transient inside the layer.
-  LM head+loss logits = h Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32 log-softmax
+  LM head+loss logits = x Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32 log-softmax
                for backward, and backward makes an fp32 gradient of the same size:
                about S·V·(b + 4 + 4) bytes (V = 128,256, S = 8,192: 4.2 GB per fp32 copy).
                chunked: one (S/M)×V fp32 buffer at a time, reused; kept from forward to backward
-               only dh (S·D·b) and the fp32 weight gradient (V·D·4).
+               only dx (S·h·b) and the fp32 weight gradient (V·h·4).
                S·V·(b + 8)  ->  (S/M)·V·4 (+ (S/M)·V·b for a low-precision copy in bf16).
 
 How many chunks (mlp_chunks = 0 / loss_chunks = 0 in the config): make one chunk's transient about
 the size of a tensor we hold anyway, so chunking never sets the peak:
-    loss:  M = ceil(V / D)   -> one chunk's logits (S/M)·V ≈ S·D elements, the size of h
-    MLP:   M = ceil(I / D)   -> one chunk's intermediate (S/M)·I ≈ S·D, the size of the block input
+    loss:  M = ceil(V / h)   -> one chunk's logits (S/M)·V ≈ S·h elements, the size of x
+    MLP:   M = ceil(I / h)   -> one chunk's intermediate (S/M)·I ≈ S·h, the size of the block input
 with at least MIN_CHUNK_TOKENS = 256 tokens per chunk (M <= ceil(S / 256): fewer rows make the
 matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 4 for
 the MLP. Or from a memory budget: M = ceil(S · bytes_per_token / budget).
@@ -29,10 +29,13 @@ and, with activation recomputation, trains Llama 3 8B at 60K tokens on one 80 GB
 code drops the last S mod M tokens of the loss and chunks the MLP with split + cat (which saves
 nothing, see below); we do neither. The loss gradient computed in forward and handed to autograd is
 Liger's fused linear cross-entropy (FLCE), also torch's `F.linear_cross_entropy(options=...)`.
+Given a process group, the same loss runs over a shard of the vocabulary (Megatron's vocabulary-parallel
+cross-entropy): ⌈V/t⌉ rows of W per rank, the logits [S/M, V/t], per chunk one all-gather of S/M floats.
 """
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -41,7 +44,7 @@ import torch.nn.functional as F
 # A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows
 # against a big weight runs far below peak (on our CPU, 16-token chunks of the LM head take 3x the
 # time of 256-token ones), and the memory it would save is small: 256·V·4 bytes = 131 MB for
-# Llama 3's vocabulary, no more than the fp32 weight gradient whenever D >= 256.
+# Llama 3's vocabulary, no more than the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256
 
 
@@ -50,12 +53,12 @@ def _auto_chunks(n_tokens, m):
 
 
 def auto_mlp_chunks(n_tokens, dim, intermediate):
-    """M = ceil(I / D): a chunk's S/M × I intermediate is about the S × D block input."""
+    """M = ceil(I / h): a chunk's S/M × I intermediate is about the S × h block input."""
     return _auto_chunks(n_tokens, math.ceil(intermediate / dim))
 
 
 def auto_loss_chunks(n_tokens, dim, vocab):
-    """M = ceil(V / D): a chunk's S/M × V logits are about the S × D hidden state."""
+    """M = ceil(V / h): a chunk's S/M × V logits are about the S × h hidden state."""
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
 
@@ -120,7 +123,7 @@ class _ChunkedMLP(torch.autograd.Function):
     def forward(ctx, x, w1, w3, w2, chunks):
         ctx.save_for_backward(x, w1, w3, w2)  # all we keep: the input (and the weights, kept anyway)
         ctx.chunks = chunks
-        x2 = x.reshape(-1, x.shape[-1])  # tokens of every batch row, flattened: [N, D]
+        x2 = x.reshape(-1, x.shape[-1])  # tokens of every batch row, flattened: [N, h]
         y = x2.new_empty(x2.shape[0], w2.shape[0])
         n = max(1, math.ceil(x2.shape[0] / chunks))
         with torch.autocast(x.device.type, enabled=False):
@@ -166,7 +169,7 @@ class _ChunkedMLP(torch.autograd.Function):
 
 
 def chunked_mlp(x, w1, w3, w2, chunks):
-    """SwiGLU MLP F.linear(silu(F.linear(x, w1)) * F.linear(x, w3), w2) over x [..., S, D] in
+    """SwiGLU MLP F.linear(silu(F.linear(x, w1)) * F.linear(x, w3), w2) over x [..., S, h] in
     ceil(tokens / chunks)-token pieces (all tokens of all batch rows, flattened), keeping only x for
     backward. Weights in nn.Linear layout [out, in], no biases. chunks = 0 picks auto_mlp_chunks."""
     if chunks == 0:
@@ -181,66 +184,89 @@ def chunked_mlp(x, w1, w3, w2, chunks):
 
 # ----------------------------------------------------------------------------- chunked LM head + loss
 #
-# loss = Σ_i valid_i · (logsumexp(h_i Wᵀ) - h_i W_{t_i}ᵀ) / count; with g_i = softmax(h_i Wᵀ) - onehot(t_i)
-# (zero where t_i is ignored): dL/dh = g W / count, dL/dW = gᵀ h / count. Per chunk that is one matmul
+# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i)
+# (zero where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul
 # for the logits and two for the gradients. We compute the gradients in forward, while the chunk's
 # logits are at hand, and hand them to autograd from backward (scaled by the incoming gradient):
 # 3 matmuls in all. Recomputing in backward instead would redo the logits matmul, 4 in all, a third
-# more of the dominant cost, for no memory gain (dh and dW are held either way at the start of
+# more of the dominant cost, for no memory gain (dx and dW are held either way at the start of
 # backward, when every activation is still alive). Eval under no_grad does only the logits.
+#
+# Vocabulary parallel (Megatron's; `group` = the t tensor-parallel ranks): rank r holds rows
+# [r·⌈V/t⌉, (r+1)·⌈V/t⌉) of W, the last rank's rows past V padding that never becomes a logit. Each
+# rank runs the same loop on its rows: its chunk's logits are [N/M, V/t]; one all-gather of the ranks'
+# log-sum-exps (N/M floats each) gives the whole vocabulary's, which turns the local softmax into its
+# share of the global one; the rank holding a token's target adds its logit (one all-reduce of one
+# number at the end). dx is this rank's part of the sum over the vocabulary: the caller's backward
+# sums the parts over the group (parallel.py gathers the head's input and reduces its gradient).
 
-def _ce_chunks(h, weight, targets, chunks, ignore_index, grad_h, grad_w):
-    """h [N, D], weight [V, D], targets [N] -> (loss sum, count, dh·count or None, dW·count or None)."""
-    N, V = h.shape[0], weight.shape[0]
+def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=None, vocab_size=None):
+    """x [N, h], weight [V, h] (under group: this rank's [⌈V/t⌉, h] rows), targets [N] ->
+    (loss sum, count, dx·count or None, dW·count or None)."""
+    N, rows = x.shape[0], weight.shape[0]
+    lo = 0 if group is None else dist.get_rank(group) * rows
+    real = rows if group is None else max(0, min(rows, vocab_size - lo))  # rows that are not padding
     n = max(1, math.ceil(N / chunks))  # tokens per chunk; the last chunk takes what is left
     valid = targets != ignore_index
     count = valid.sum()  # a tensor: no host sync, here or per chunk
-    tgt = torch.where(valid, targets, 0).unsqueeze(1)  # ignored rows point at class 0, masked below
-    mask = valid.to(h.dtype).unsqueeze(1)
+    ours = valid & (targets >= lo) & (targets < lo + real)  # the targets whose logit this rank holds
+    tgt = torch.where(ours, targets - lo, 0).unsqueeze(1)  # others point at row 0, masked below
+    mask = valid.to(x.dtype).unsqueeze(1)
     # per token: the target's logit, the row max m, and max softmax = 1 / Σ exp(x - m)
-    x_t, m, p_max = (h.new_empty(N, 1, dtype=torch.float32) for _ in range(3))
-    buf = h.new_empty(min(n, N), V, dtype=torch.float32)  # the one logits buffer, reused by every chunk
-    minus_one = h.new_full((min(n, N), 1), -1.0, dtype=torch.float32)
-    dh = torch.empty_like(h) if grad_h else None
+    logit_t, m, p_max = (x.new_zeros(N, 1, dtype=torch.float32) for _ in range(3))
+    lse = x.new_full((N, 1), -math.inf, dtype=torch.float32)  # a rank of padding only adds exp(-inf) = 0
+    buf = x.new_empty(min(n, N), real, dtype=torch.float32)  # the one logits buffer, reused by every chunk
+    dx = (torch.empty_like(x) if real else torch.zeros_like(x)) if grad_x else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
-    wt = weight.t()
+    wt = weight[:real].t()
     for s in range(0, N, n):
         e = min(s + n, N)
-        hc, logits = h[s:e], buf[:e - s]
-        _mm_f32(hc, wt, out=logits)
-        # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
-        # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
-        # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
-        # reductions around it: logsumexp = m - log(max softmax), exact and never log(0).
-        torch.gather(logits, 1, tgt[s:e], out=x_t[s:e])
-        torch.amax(logits, 1, keepdim=True, out=m[s:e])
-        torch.softmax(logits, 1, out=logits)
-        torch.amax(logits, 1, keepdim=True, out=p_max[s:e])
-        if not (grad_h or grad_w):
+        xc, logits = x[s:e], buf[:e - s]
+        if real:
+            _mm_f32(xc, wt, out=logits)
+            # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
+            # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
+            # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
+            # reductions around it: logsumexp = m - log(max softmax), exact and never log(0).
+            torch.gather(logits, 1, tgt[s:e], out=logit_t[s:e])
+            torch.amax(logits, 1, keepdim=True, out=m[s:e])
+            torch.softmax(logits, 1, out=logits)
+            torch.amax(logits, 1, keepdim=True, out=p_max[s:e])
+            lse[s:e] = m[s:e] - p_max[s:e].log()
+        if group is not None:  # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
+            every = lse.new_empty(dist.get_world_size(group) * (e - s))
+            dist.all_gather_single(every, lse[s:e, 0].contiguous(), group=group)
+            ours_lse = lse[s:e].clone()
+            lse[s:e, 0] = every.view(-1, e - s).logsumexp(0)
+            if real and (grad_x or grad_w):
+                logits.mul_((ours_lse - lse[s:e]).exp())
+        if not (real and (grad_x or grad_w)):
             continue
-        logits.scatter_add_(1, tgt[s:e], minus_one[:e - s])  # g = softmax - onehot
-        # ignored rows still hold a softmax in g; we zero their contribution on the small [n, D]
-        # side (dh rows, h rows) instead of another pass over the [n, V] buffer
+        logits.scatter_add_(1, tgt[s:e], -ours[s:e, None].float())  # g = softmax - onehot
+        # ignored rows still hold a softmax in g; we zero their contribution on the small [n, h]
+        # side (dx rows, x rows) instead of another pass over the [n, V] buffer
         g = logits if weight.dtype == torch.float32 else logits.to(weight.dtype)
-        if grad_h:
-            torch.mm(g, weight, out=dh[s:e])
-            dh[s:e].mul_(mask[s:e])
+        if grad_x:
+            torch.mm(g, weight[:real], out=dx[s:e])
+            dx[s:e].mul_(mask[s:e])
         if grad_w:
-            _acc_mm_(dW, g.t(), hc * mask[s:e])
-    loss_sum = ((m - p_max.log() - x_t).squeeze(1) * valid).sum()
-    return loss_sum, count, dh, dW
+            _acc_mm_(dW[:real], g.t(), xc * mask[s:e])
+    target_sum = torch.where(ours, logit_t.squeeze(1), 0).sum()
+    if group is not None:  # each target's logit lives on one rank
+        dist.all_reduce(target_sum, group=group)
+    return (lse.squeeze(1) * valid).sum() - target_sum, count, dx, dW
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunks, ignore_index):
-        with torch.autocast(h.device.type, enabled=False):
-            loss_sum, count, dh, dW = _ce_chunks(h, weight, targets, chunks, ignore_index,
-                                                 *ctx.needs_input_grad[:2])
+    def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size):
+        with torch.autocast(x.device.type, enabled=False):
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index,
+                                                 *ctx.needs_input_grad[:2], group, vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
-        ctx.count, ctx.dh, ctx.dW, ctx.w_dtype = count, dh, dW, weight.dtype
+        ctx.count, ctx.dx, ctx.dW, ctx.w_dtype = count, dx, dW, weight.dtype
         return loss_sum / count.clamp(min=1)
 
     @staticmethod
@@ -249,37 +275,39 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if ctx.count is None:
             raise RuntimeError("chunked_cross_entropy: backward ran twice; retain_graph is not supported")
         scale = grad_loss / ctx.count.clamp(min=1)  # mean over non-ignored targets; 0 targets -> 0 grads
-        dh, dW = ctx.dh, ctx.dW
+        dx, dW = ctx.dx, ctx.dW
         # drop our references so the buffers are scaled in place and handed to autograd (which can
         # then adopt dW as W.grad without a copy), and nothing outlives this backward
-        ctx.count = ctx.dh = ctx.dW = None
-        if dh is not None:
-            dh.mul_(scale)
+        ctx.count = ctx.dx = ctx.dW = None
+        if dx is not None:
+            dx.mul_(scale)
         if dW is not None:
             dW = dW.mul_(scale).to(ctx.w_dtype)
-        return dh, dW, None, None, None
+        return dx, dW, None, None, None, None, None
 
 
-def chunked_cross_entropy(h, weight, targets, chunks, ignore_index=-100):
-    """Mean cross-entropy of F.linear(h, weight) (fp32 logits) against targets, over the targets
-    that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. h [N, D] or
-    [B, S, D], weight [V, D] (the LM head, possibly the tied embedding), targets [N] or [B, S].
+def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
+    """Mean cross-entropy of F.linear(x, weight) (fp32 logits) against targets, over the targets
+    that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. x [N, h] or
+    [B, S, h], weight [V, h] (the LM head, possibly the tied embedding), targets [N] or [B, S].
     The [N, V] logits never exist whole: ceil(N / chunks) tokens at a time. chunks = 0 picks
-    auto_loss_chunks; chunks = 1 is the plain path."""
-    D = h.shape[-1]
-    h, targets = h.reshape(-1, D), targets.reshape(-1)
+    auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight is this rank's
+    [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
+    h = x.shape[-1]
+    x, targets = x.reshape(-1, h), targets.reshape(-1)
     if chunks == 0:
-        chunks = auto_loss_chunks(h.shape[0], D, weight.shape[0])
-    if chunks <= 1:
+        chunks = auto_loss_chunks(x.shape[0], h, vocab_size or weight.shape[0])
+    if chunks <= 1 and group is None:
         count = (targets != ignore_index).sum()
-        loss_sum = F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=ignore_index,
+        loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index,
                                    reduction='sum')
         return loss_sum / count.clamp(min=1)
-    dt = _autocast_dtype(h.device.type)
+    dt = _autocast_dtype(x.device.type)
     if dt is not None:
-        h, weight = h.to(dt), weight.to(dt)
-    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(h, weight, targets, chunks, ignore_index)
-    with torch.autocast(h.device.type, enabled=False):  # eval: the logits only, no gradient work
-        loss_sum, count, _, _ = _ce_chunks(h, weight, targets, chunks, ignore_index, False, False)
+        x, weight = x.to(dt), weight.to(dt)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size)
+    with torch.autocast(x.device.type, enabled=False):  # eval: the logits only, no gradient work
+        loss_sum, count, _, _ = _ce_chunks(x, weight, targets, max(chunks, 1), ignore_index, False, False,
+                                           group, vocab_size)
     return loss_sum / count.clamp(min=1)

@@ -199,6 +199,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.vocab_group = None  # parallel.py: the tensor-parallel group the vocabulary is split over
         self.register_buffer('inv_freq', rope_frequencies(config).float(), persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
@@ -231,16 +232,20 @@ class Llama(nn.Module):
         return self.head(x, targets)
 
     def head(self, x, targets=None):
-        """LM head: logits, or (logits or None, loss) with targets. parallel.py swaps in its vocab-parallel
-        one under tensor parallelism."""
+        """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism parallel.py
+        sets vocab_group: output.weight holds this rank's rows of the vocabulary, and the loss is
+        chunked.py's, vocabulary parallel."""
         if targets is None:
+            if self.vocab_group is not None:
+                raise NotImplementedError("logits under tensor parallelism: sample in one process (sample.py)")
             return self.output(x)
         chunks = chunked.loss_chunks(self.config, targets.numel())
-        if chunks == 1:  # the plain path keeps the [B, S, V] logits and hands them back
+        if chunks == 1 and self.vocab_group is None:  # the plain path keeps the [B, S, V] logits, hands them back
             logits = self.output(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction='sum')
             return logits, loss / (targets != -100).sum().clamp(min=1)
-        return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks)
+        return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks, group=self.vocab_group,
+                                                   vocab_size=self.config.vocab_size)
 
     # -------------------------------------------------------------------------
     # Hugging Face checkpoints

@@ -1,33 +1,38 @@
 """
-Tensor, sequence, context and data parallelism over torchrun, written so you can see every byte move.
+Tensor, sequence, context and data parallelism over torchrun, as hooks on the model's own modules.
 
-A mesh of world = dp × cp × tp ranks (tp fastest: a tp group is neighbouring GPUs on one node).
-Per rank, with P parameters, S tokens per sequence, b bytes per element, h width:
+A mesh of world = d × c × t ranks (t fastest: a tp group is neighbouring GPUs on one node). S tokens
+per sequence, B sequences per rank, h width, H heads, K kv heads, I the MLP's width, V vocabulary,
+N parameters, b bytes per element. What each dimension saves, per rank:
 
-  tp  Megatron (Shoeybi 2019): wq/wk/wv and w1/w3 split by output (heads, intermediate), wo and w2 by
-      input; embedding and LM head split by vocabulary. Weights, grads, optimizer states: P / tp.
-  sp  sequence parallel (Korthikanti 2022): between the matmuls, norms and residuals hold S / tp tokens:
-      the activations kept per layer drop from s·b·h·(10 + 24/t) to s·b·h·34/t (Megatron's count).
-      Its price is transient: the all-gathered input of the column-parallel matmuls and the partial
-      sums of the row-parallel ones are whole S·h·b tensors on every rank, inside the block only.
-  cp  context parallel: every activation holds S / cp tokens; attention either swaps sequence shards for
-      head shards (DeepSpeed-Ulysses, all-to-all) or passes k, v around a ring (ring attention, zigzag).
-  dp  data parallel: different sequences, gradients summed over dp × cp; zero=1 keeps each AdamW moment
-      on one of the dp·cp ranks (ZeRO-1, Rajbhandari 2019): optimizer states 8·P/tp -> 8·P/(tp·dp·cp).
+  t   tensor parallel (Megatron, Shoeybi 2019): wq, wk, wv, w1, w3 split by output (heads, I), wo, w2
+      by input, embedding and LM head by vocabulary rows (⌈V/t⌉ each, the last rank's past V padding);
+      kv heads replicated when K < t. Weights, gradients, optimizer states: N -> about N/t.
+  sp  sequence parallel (Korthikanti 2022), on with t: norms and residuals hold S/t tokens; activations
+      kept per layer S·B·h·(10 + 24/t) bytes -> S·B·h·34/t (Megatron's count, bf16). The price is
+      transient: the gathered input and the partial sums of the matmuls are whole S·B·h·b tensors.
+  c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
+      shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
+      heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
+  d   data parallel: other sequences; gradients summed over d·c, ZeRO-1 over d·c (below the marker).
 
-Every collective goes through the six functions below; the autograd Functions around them say what the
-backward moves. Collectives per transformer block, forward (backward), B·S·h elements each unless said:
-  tp without sp   2 all-reduce (2 all-reduce)                      f before wq|w1, g after wo|w2
-  tp with sp      2 all-gather + 2 reduce-scatter (2 + 2)          same volume as the all-reduces
-  cp ulysses      2 all-to-all (2): q,k,v packed in one, the output in the other   (heads/cp move)
-  cp ring         cp-1 ring shifts of k,v (cp-1 of k,v + cp of dk,dv); kv heads, never repeated ones
-  recompute=full  the forward's once more in backward, but the last reduction (after w2): torch's
-                  checkpoint stops recomputing once it has every tensor backward saves
-Once per step: embedding 1 (all-reduce or reduce-scatter), LM head 1 in (gather / copy) + one
-all-gather of [tokens/chunks] log-sum-exps per loss chunk + 1 all-reduce of the target logits; then the
-token count, the loss, grads (norms over tp under sp, replicated kv heads over their copies, everything
-over dp × cp as one flat buffer), the clipping norm; with zero=1 one broadcast per dp·cp rank.
+parallelize(model, mesh) shards the weights in place and hooks Megatron's f (before the column-parallel
+matmuls: identity, or all-gather of the sequence) and g (after the row-parallel ones: all-reduce, or
+reduce-scatter) onto block.attention and block.feed_forward, which read their head counts from the
+weights' shapes; wraps Attention.attend for c; and sets Llama.vocab_group, so the LM head's loss is
+chunked.py's, vocabulary parallel. A fork that changes model.attention runs under t and Ulysses as is.
+
+What moves per block, forward (backward), B·S·h elements each unless said; every collective is one of
+the six functions below (chunked.py's loss makes its own):
+  t               2 all-reduce (2)                                  f before wq|w1, g after wo|w2
+  t with sp       2 all-gather + 2 reduce-scatter (2 + 2)           the same volume
+  c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other   (H/c heads move)
+  c ring          c-1 shifts of k, v (c-1 of k, v + c of dk, dv); kv heads, never repeated ones
+  recompute=full  the forward's again in backward but the last g (torch's checkpoint stops early)
+Per step: embedding 1 (g), LM head input 1 (f), per loss chunk one all-gather of [B·S/chunks]
+log-sum-exps, 1 all-reduce of the target logits.
 """
+import functools
 import math
 import os
 import sys
@@ -40,10 +45,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
-
-import chunked
-from model import apply_rope
-from offload import layout_error as offload_layout_error
 
 
 # ----------------------------------------------------------------------------- setup: torchrun, mesh
@@ -65,46 +66,54 @@ class Mesh:
     cp_group: object = None
     dp_group: object = None
     dpcp_group: object = None   # the ranks holding the same weights: gradients are summed over it
-    kv_group: object = None     # tp ranks sharing one kv head (n_kv_head < tp)
+    kv_group: object = None     # tp ranks sharing one kv head (K < t)
 
 
-def check_layout(world, tp, cp, cp_impl, seq_len, n_head, n_kv_head, intermediate_size, zero=0,
-                 recompute='none', offload=0.0):
-    """None, or the one-line reason this layout can't run (checked on every rank before anything),
-    with these recompute and offload knobs (offload.py can't replay ring attention)."""
+def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
+                 dtype=torch.float32):
+    """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
+    fields), asked on every rank before anything is allocated. The one owner of the layout rules."""
+    c, S, H, K, hd = config, seq_len, config.n_head, config.n_kv_head, config.n_embd // config.n_head
     if tp < 1 or cp < 1 or world % (tp * cp):
         return f"world size {world} is not divisible by tp_size * cp_size = {tp} * {cp}"
-    if n_head % tp:
-        return f"n_head={n_head} is not divisible by tp_size={tp}"
-    if n_kv_head % tp and tp % n_kv_head:
-        return f"n_kv_head={n_kv_head} and tp_size={tp}: one must divide the other (kv heads are split or replicated)"
-    if intermediate_size % tp:
-        return f"intermediate_size={intermediate_size} is not divisible by tp_size={tp}"
+    if H % tp:
+        return f"n_head={H} is not divisible by tp_size={tp}"
+    if K % tp and tp % K:
+        return f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads are split or replicated)"
+    if c.intermediate_size % tp:
+        return f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"
     if cp_impl not in ('ulysses', 'ring'):
         return f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"
     if zero not in (0, 1):
         return f"zero must be 0 or 1, got {zero!r}"
-    if cp > 1 and cp_impl == 'ring' and seq_len % (2 * cp):
-        return f"seq_len={seq_len} is not divisible by 2 * cp_size = {2 * cp} (ring attention's zigzag chunks)"
     if cp > 1 and cp_impl == 'ulysses':
-        kv = max(1, n_kv_head // tp)
-        if seq_len % cp:
-            return f"seq_len={seq_len} is not divisible by cp_size={cp}"
-        if (n_head // tp) % cp:
-            return f"n_head / tp_size = {n_head // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"
-        if kv % cp and cp % kv:
-            return f"{kv} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"
-    if tp > 1 and (seq_len // cp) % tp:
-        return f"seq_len / cp_size = {seq_len // cp} is not divisible by tp_size={tp} (sequence parallelism)"
-    return offload_layout_error(recompute, offload, cp, cp_impl)
+        if S % cp:
+            return f"seq_len={S} is not divisible by cp_size={cp}"
+        if (H // tp) % cp:
+            return f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"
+        if (K // tp or 1) % cp and cp % (K // tp or 1):
+            return f"{K // tp or 1} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"
+    if cp > 1 and cp_impl == 'ring':
+        if S % (2 * cp):
+            return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring attention's zigzag chunks)"
+        if flash_error(device_type, dtype, hd):
+            return flash_error(device_type, dtype, hd)
+        # offload.py's token-wise recompute hands attention's saved output back: the ring's is merged
+        # from several kernel calls with shifts between them, nothing to hand back
+        if c.offload > 0 and (c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1):
+            instead = "recompute='full', cp_impl='ulysses' or offload=1" if c.recompute == 'none' else \
+                "recompute='full' or cp_impl='ulysses'"
+            return (f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring attention's "
+                    f"output can't be replayed in a recompute (offload.py); use {instead}")
+    if tp > 1 and (S // cp) % tp:
+        return f"seq_len / cp_size = {S // cp} is not divisible by tp_size={tp} (sequence parallelism)"
+    return None
 
 
 def wait_for_every_rank(what, timeout=60):
-    """Under torchrun, return once every rank has reached this call (or after `timeout` seconds).
-
-    torchrun kills all ranks the moment one exits, so a rank that stops with a message first waits here
-    until every rank has printed its own. It counts on the launcher's TCP store, so it works before
-    there is a process group (and allocates nothing on the device)."""
+    """Under torchrun, return once every rank has reached this call (or after `timeout` seconds): torchrun
+    kills all ranks the moment one exits, so a rank that stops with a message waits here until every rank
+    has printed its own. Through the launcher's TCP store: no process group needed, nothing allocated."""
     world = int(os.environ.get('WORLD_SIZE', 1))
     if world == 1 or 'MASTER_ADDR' not in os.environ:
         return
@@ -135,7 +144,7 @@ def init_distributed(device_type):
 
 
 def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True):
-    """The dp × cp × tp mesh of the current process group. Every rank creates every group, in order."""
+    """The d × c × t mesh of the current process group. Every rank creates every group, in order."""
     if not dist.is_initialized():
         return Mesh(cp_impl=cp_impl, sequence_parallel=sequence_parallel)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -195,24 +204,20 @@ def all_to_all(x, group):
 
 
 def ring_shift(x, group):
-    """Start sending x to the next rank of the ring and receiving the previous one's; wait() returns it."""
+    """Start sending x to the next rank of the ring and receiving the previous one's; the returned
+    function waits (on NCCL the stream waits, not the host) and gives what arrived."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     x = x.contiguous()
     recv = torch.empty_like(x)
     # one batch, so NCCL posts the send and the receive together (two separate calls deadlock a ring)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, dist.get_global_rank(group, (r + 1) % n), group),
                                     dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)])
-    return _Pending(recv, works)
 
-
-class _Pending:
-    def __init__(self, tensor, works):
-        self.tensor, self.works = tensor, works
-
-    def wait(self):  # on NCCL this makes the stream wait, not the host: no cuda synchronize
-        for w in self.works:
+    def wait():
+        for w in works:
             w.wait()
-        return self.tensor
+        return recv
+    return wait
 
 
 def broadcast(x, src, group):
@@ -220,86 +225,46 @@ def broadcast(x, src, group):
     return x
 
 
-# ----------------------------------------------------------------------------- autograd around them
+# ----------------------------------------------------------------------------- Megatron's f and g
 
-class _Copy(Function):        # Megatron's f: the input of a column-parallel matmul, used by every tp rank
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+class _Pair(Function):
+    """A collective in forward, its adjoint in backward."""
 
     @staticmethod
-    def backward(ctx, g):     # each rank's matmul contributed a part of dx: sum them
-        return all_reduce(g.contiguous().clone(), ctx.group), None
-
-
-class _Reduce(Function):      # Megatron's g: the partial sums of a row-parallel matmul
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.contiguous().clone(), group)
+    def forward(ctx, x, forward, backward):
+        ctx.backward_fn = backward
+        return forward(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
-
-
-class _GatherSeq(Function):   # sp: sequence shards -> the whole sequence, before a column-parallel matmul
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        # [B, S, h] in memory: with B > 1 the gathered [S, B, h] order would make each matmul after
-        # this (wq, wk, wv; w1, w3) keep its own contiguous copy for backward; one copy here is shared
-        return all_gather(x, 1, group).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):     # the ranks' partial dx, summed, and only our tokens kept
-        return reduce_scatter(g, 1, ctx.group), None
-
-
-class _ScatterSeq(Function):  # sp: partial sums of the whole sequence -> our shard of the sum
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather(g, 1, ctx.group), None
-
-
-class _AllToAll(Function):    # Ulysses; all-to-all is its own inverse, so backward is one more
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_to_all(g, ctx.group), None
+        return ctx.backward_fn(g), None, None
 
 
 def enter_tp(x, mesh):
-    """Before column-parallel matmuls: gather the sequence (sp) or mark the copy (tp)."""
+    """f, before column-parallel matmuls: every tp rank needs all of x [B, S, h]. Under sp, all-gather the
+    sequence (backward: the ranks' partial dx, reduce-scattered); else x as is (backward: all-reduce)."""
+    g = mesh.tp_group
     if mesh.tp == 1:
         return x
-    return _GatherSeq.apply(x, mesh.tp_group) if mesh.sequence_parallel else _Copy.apply(x, mesh.tp_group)
+    if mesh.sequence_parallel:  # contiguous once: with B > 1, wq, wk, wv (w1, w3) would each keep a copy
+        return _Pair.apply(x, lambda x: all_gather(x, 1, g).contiguous(), lambda d: reduce_scatter(d, 1, g))
+    return _Pair.apply(x, lambda x: x.view_as(x), lambda d: all_reduce(d.contiguous().clone(), g))
 
 
 def leave_tp(x, mesh):
-    """After row-parallel matmuls: reduce-scatter to our sequence shard (sp) or all-reduce (tp)."""
+    """g, after row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
+    g = mesh.tp_group
     if mesh.tp == 1:
         return x
-    return _ScatterSeq.apply(x, mesh.tp_group) if mesh.sequence_parallel else _Reduce.apply(x, mesh.tp_group)
+    if mesh.sequence_parallel:
+        return _Pair.apply(x, lambda x: reduce_scatter(x, 1, g), lambda d: all_gather(d, 1, g))
+    return _Pair.apply(x, lambda x: all_reduce(x.contiguous().clone(), g), lambda d: d)
 
 
 # ----------------------------------------------------------------------------- sharding the weights
 
-def _vocab_shard(V, tp):
-    return math.ceil(V / tp)  # rows per rank; the last rank's rows past V are padding, zeros, never used
-
-
 def shard_spec(name, config, tp):
-    """(dim, kind) of a parameter's split over tp: kind 'vocab', 'kv' (may be replicated) or 'even'; None: replicated."""
+    """(dim, kind) of a parameter's split over tp, kind 'vocab', 'kv' (maybe replicated) or 'even'; None: replicated."""
     if tp == 1 or 'norm' in name:
         return None
     if name in ('tok_embeddings.weight', 'output.weight'):
@@ -319,8 +284,8 @@ def shard(name, full, tp_rank, tp, config):
     if spec is None:
         return full.clone()
     dim, kind = spec
-    if kind == 'vocab':
-        n = _vocab_shard(full.shape[0], tp)
+    if kind == 'vocab':  # ⌈V/t⌉ rows per rank; the last rank's rows past V are zeros, never a logit
+        n = math.ceil(full.shape[0] / tp)
         full = torch.cat([full, full.new_zeros(n * tp - full.shape[0], *full.shape[1:])])
     if kind == 'kv' and config.n_kv_head < tp:  # kv head h lives on tp ranks h·g .. h·g + g-1
         hd = config.head_dim
@@ -350,185 +315,6 @@ def is_replica(name, mesh, config):
     return spec[1] == 'kv' and config.n_kv_head < mesh.tp and mesh.tp_rank % (mesh.tp // config.n_kv_head) > 0
 
 
-# ----------------------------------------------------------------------------- attention over cp
-
-def _attend_local(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
-def _repeat_kv(x, n_head):  # kv heads -> one per q head (GQA), grouped as SDPA's enable_gqa groups them
-    return x if x.shape[1] == n_head else x.repeat_interleave(n_head // x.shape[1], dim=1)
-
-
-def ulysses_attention(q, k, v, mesh):
-    """q [B, H, S/cp, hd], k, v [B, K, S/cp, hd] on contiguous sequence shards -> y like q.
-    One all-to-all turns sequence shards of all heads into all of the sequence for heads/cp, one turns back."""
-    cp, (B, H, Sc, hd) = mesh.cp, q.shape
-    if k.shape[1] < cp:  # fewer kv heads than ranks: each rank needs the kv head of its q heads
-        k, v = _repeat_kv(k, cp), _repeat_kv(v, cp)
-    K = k.shape[1]
-    split = lambda t: t.view(B, cp, t.shape[1] // cp, Sc, hd)  # head groups, one per destination rank
-    qkv = torch.cat([split(q), split(k), split(v)], dim=2).movedim(1, 0)
-    qkv = _AllToAll.apply(qkv, mesh.cp_group)  # [cp (source = sequence shard), B, heads/cp, Sc, hd]
-    qkv = qkv.movedim(0, 2).reshape(B, (H + 2 * K) // cp, cp * Sc, hd)
-    q, k, v = qkv.split([H // cp, K // cp, K // cp], dim=1)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    y = y.view(B, H // cp, cp, Sc, hd).movedim(2, 0)
-    y = _AllToAll.apply(y, mesh.cp_group)  # [cp (source = head group), B, H/cp, Sc, hd]
-    return y.movedim(0, 1).reshape(B, H, Sc, hd)
-
-
-def _flash_fwd(q, k, v, causal):
-    """(out, lse [B, H, S] fp32, extra) from the fused kernel; k, v already have q's head count."""
-    if q.is_cuda:
-        out, lse, *extra = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse, extra[:6]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse, None
-
-
-def _flash_bwd(dout, q, k, v, out, lse, causal, extra):
-    if q.is_cuda:
-        cq, ck, mq, mk, seed, offset = extra
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset)[:3]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)[:3]
-
-
-def _ring_pieces(s, r, c, P):
-    """At ring step s rank r holds the k, v of rank (r - s) mod P. Zigzag: rank r's tokens are chunk r then
-    chunk 2P-1-r of 2P. Returns (q rows, kv rows, causal): step 0 is causal over our own two chunks; an
-    earlier rank's first chunk precedes all our tokens (its second chunk follows them all); a later
-    rank's two chunks both precede our second chunk and follow our first."""
-    if s == 0:
-        return slice(None), slice(None), True
-    return (slice(None), slice(0, c), False) if (r - s) % P < r else (slice(c, None), slice(None), False)
-
-
-class _RingAttention(Function):
-
-    @staticmethod
-    def forward(ctx, q, k, v, group):
-        P, r, H, c = dist.get_world_size(group), dist.get_rank(group), q.shape[1], q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])  # what travels: the kv heads, not repeated
-        extras = []
-        for s in range(P):
-            nxt = ring_shift(kv, group) if s < P - 1 else None  # the next block moves while we compute
-            rows, cols, causal = _ring_pieces(s, r, c, P)
-            o, l, extra = _flash_fwd(q[:, :, rows].contiguous(), _repeat_kv(kv[0][:, :, cols], H).contiguous(),
-                                     _repeat_kv(kv[1][:, :, cols], H).contiguous(), causal)
-            extras.append(extra)
-            new = torch.logaddexp(lse[:, :, rows], l)  # online softmax: merge this block's (out, lse)
-            out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + \
-                o.float() * (l - new).exp().unsqueeze(-1)
-            lse[:, :, rows] = new
-            if nxt is not None:
-                kv = nxt.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.extras = group, extras
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, H, c = ctx.group, q.shape[1], q.shape[2] // 2
-        P, r, K = dist.get_world_size(group), dist.get_rank(group), k.shape[1]
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its k, v
-        fold = lambda g: g.view(g.shape[0], K, H // K, *g.shape[2:]).sum(2)  # repeated heads -> kv heads
-        for s in range(P):
-            nxt = ring_shift(kv, group) if s < P - 1 else None
-            rows, cols, causal = _ring_pieces(s, r, c, P)
-            # with the final out and lse, each block's flash backward gives its exact share of the gradient
-            g = _flash_bwd(dout[:, :, rows].contiguous(), q[:, :, rows].contiguous(),
-                           _repeat_kv(kv[0][:, :, cols], H).contiguous(), _repeat_kv(kv[1][:, :, cols], H).contiguous(),
-                           out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, ctx.extras[s])
-            dq[:, :, rows] += g[0].float()
-            dkv[0][:, :, cols] += fold(g[1].float())
-            dkv[1][:, :, cols] += fold(g[2].float())
-            dkv = ring_shift(dkv, group).wait()  # after P shifts each dk, dv is back with its owner
-            if nxt is not None:
-                kv = nxt.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
-
-
-def ring_attention(q, k, v, mesh):
-    """q [B, H, 2c, hd], k, v [B, K, 2c, hd] on zigzag shards (chunks r and 2cp-1-r of 2cp) -> y like q."""
-    return _RingAttention.apply(q, k, v, mesh.cp_group)
-
-
-def cp_shard(S, mesh):
-    """The positions [S/cp] of this cp rank's tokens: contiguous for Ulysses, zigzag for the ring."""
-    if mesh.cp == 1:
-        return torch.arange(S)
-    if mesh.cp_impl == 'ulysses':
-        n = S // mesh.cp
-        return torch.arange(mesh.cp_rank * n, (mesh.cp_rank + 1) * n)
-    c, r = S // (2 * mesh.cp), mesh.cp_rank
-    return torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * mesh.cp - 1 - r) * c, (2 * mesh.cp - r) * c)])
-
-
-def shard_batch(x, y, mesh):
-    """A global micro-batch (the same on every rank) -> this rank's (x, y[, positions]): our dp rank's
-    rows, our cp rank's tokens; what model(x, y, positions) takes."""
-    n = x.shape[0] // mesh.dp
-    x, y = x[mesh.dp_rank * n:(mesh.dp_rank + 1) * n], y[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
-    if mesh.cp == 1:
-        return x, y
-    pos = cp_shard(x.shape[1], mesh).to(x.device)
-    return x[:, pos], y[:, pos], pos
-
-
-# ----------------------------------------------------------------------------- the parallel modules
-
-class ParallelAttention(nn.Module):
-    """model.Attention on this rank's heads (tp) and sequence shard (sp, cp). Same parameter names."""
-
-    def __init__(self, attn, mesh):
-        super().__init__()
-        self.mesh, self.head_dim = mesh, attn.head_dim
-        self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
-        self.n_head = attn.wq.weight.shape[0] // attn.head_dim
-        self.n_kv_head = attn.wk.weight.shape[0] // attn.head_dim
-
-    def forward(self, x, cos, sin, kv_cache=None):
-        if kv_cache is not None:
-            raise NotImplementedError("sampling with a kv cache runs in one process (sample.py)")
-        x = enter_tp(x, self.mesh)
-        B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos, sin: the positions of our shard
-        if self.mesh.cp == 1:
-            y = _attend_local(q, k, v)
-        elif self.mesh.cp_impl == 'ulysses':
-            y = ulysses_attention(q, k, v, self.mesh)
-        else:
-            y = ring_attention(q, k, v, self.mesh)
-        return leave_tp(self.wo(y.transpose(1, 2).reshape(B, S, -1)), self.mesh)
-
-
-class ParallelMLP(nn.Module):
-    """model.MLP with w1, w3 split by output and w2 by input: one reduction for the whole MLP."""
-
-    def __init__(self, mlp, mesh):
-        super().__init__()
-        self.mesh, self.config = mesh, mlp.config
-        self.w1, self.w3, self.w2 = mlp.w1, mlp.w3, mlp.w2
-
-    def forward(self, x):
-        x = enter_tp(x, self.mesh)
-        chunks = chunked.mlp_chunks(self.config, x.shape[-2])
-        y = chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
-        return leave_tp(y, self.mesh)
-
-
 class VocabParallelEmbedding(nn.Module):
     """Rows [tp_rank·n, (tp_rank+1)·n) of the table; other ids look up zeros; the ranks' sum is the lookup."""
 
@@ -544,90 +330,164 @@ class VocabParallelEmbedding(nn.Module):
         return leave_tp(e, self.mesh)  # all-reduce, or reduce-scatter to our sequence shard (sp)
 
 
-class _VocabParallelCrossEntropy(Function):
-    """chunked.py's loss over a vocabulary shard: logits [tokens/chunks, V/tp] at a time, never the full V.
-    Per chunk one all-gather of the ranks' log-sum-exps (tokens/chunks floats each) gives the softmax's
-    normaliser; the gradients are computed in forward as in chunked.py. The padding rows of the last
-    shard get logit -inf: probability 0, gradient 0."""
+# ----------------------------------------------------------------------------- attention over c
+
+def ulysses(attend, group, q, k, v):
+    """Attention.attend under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous sequence
+    shards -> y like q. One all-to-all turns sequence shards of every head into the whole sequence of
+    H/c heads (and K/c kv heads, the same groups SDPA's enable_gqa forms), `attend` runs there as it
+    would in one process, one all-to-all turns back."""
+    c, (B, H, Sc, hd) = dist.get_world_size(group), q.shape
+    if k.shape[1] < c:  # fewer kv heads than ranks: each rank needs the kv head of its q heads
+        k, v = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (k, v))
+    K = k.shape[1]
+    split = lambda t: t.view(B, c, t.shape[1] // c, Sc, hd)  # head groups, one per destination rank
+    qkv = torch.cat([split(q), split(k), split(v)], dim=2).movedim(1, 0)
+    qkv = _Pair.apply(qkv, lambda x: all_to_all(x, group), lambda d: all_to_all(d, group))
+    qkv = qkv.movedim(0, 2).reshape(B, (H + 2 * K) // c, c * Sc, hd)  # [source = sequence shard] in order
+    y = attend(*qkv.split([H // c, K // c, K // c], dim=1))
+    y = y.reshape(B, H // c, c, Sc, hd).movedim(2, 0)
+    y = _Pair.apply(y, lambda x: all_to_all(x, group), lambda d: all_to_all(d, group))
+    return y.movedim(0, 1).reshape(B, H, Sc, hd)
+
+
+def flash_error(device_type, dtype, head_dim):
+    """None, or why ring attention's fused flash kernel can't run here (check_layout asks up front)."""
+    if device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16):
+        return f"cp_impl='ring' on CUDA calls flash attention, which needs bfloat16 or float16, not {dtype} " \
+               "(use dtype='bfloat16' or cp_impl='ulysses')"
+    if device_type == 'cuda' and (head_dim > 256 or head_dim % 8):
+        return f"cp_impl='ring' on CUDA calls flash attention, which needs head_dim <= 256 and a multiple " \
+               f"of 8, not {head_dim} (use cp_impl='ulysses')"
+    if device_type not in ('cuda', 'cpu'):
+        return f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"
+    return None
+
+
+def flash(q, k, v, causal, backward=None):
+    """(out, lse [B, H, S] fp32, what backward needs) of the fused flash kernel: SDPA hides the
+    log-sum-exp the ring merges with, so this is the project's one call of a private aten kernel, by
+    keyword. With backward = (dout, out, lse, saved): (dq, dk, dv). k, v have q's head count."""
+    why = flash_error(q.device.type, q.dtype, q.shape[-1])
+    if why:
+        raise ValueError(why)
+    aten, kw = torch.ops.aten, dict(query=q, key=k, value=v, dropout_p=0.0, is_causal=causal)
+    if backward is None and q.is_cuda:
+        out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(**kw)
+        return out, lse, dict(cum_seq_q=cq, cum_seq_k=ck, max_q=mq, max_k=mk, philox_seed=seed, philox_offset=offset)
+    if backward is None:
+        return *aten._scaled_dot_product_flash_attention_for_cpu(**kw), {}
+    dout, out, lse, saved = backward
+    bwd = aten._scaled_dot_product_flash_attention_backward if q.is_cuda else \
+        aten._scaled_dot_product_flash_attention_for_cpu_backward
+    return bwd(grad_out=dout, out=out, logsumexp=lse, **kw, **saved)[:3]
+
+
+def _ring_steps(kv, group):
+    """Rank r of P holds zigzag chunks r and 2P-1-r of 2P (n tokens each). At step s it holds the k, v of
+    rank (r - s) mod P and yields (its q rows, those kv rows, causal, kv): step 0 is causal over our own
+    chunks; an earlier rank's first chunk precedes all our tokens (its second follows them all); a later
+    rank's two chunks precede our second chunk and follow our first. The next k, v moves meanwhile."""
+    P, r, n = dist.get_world_size(group), dist.get_rank(group), kv.shape[3] // 2
+    for s in range(P):
+        nxt = ring_shift(kv, group) if s < P - 1 else None
+        if s == 0:
+            yield slice(None), slice(None), True, kv
+        else:
+            yield (slice(None), slice(0, n), False, kv) if (r - s) % P < r else (slice(n, None), slice(None), False, kv)
+        kv = nxt() if nxt else kv
+
+
+class _RingAttention(Function):
+    """Each step's flash kernel gives (out, lse) over one block of keys; the online softmax merges them.
+    Backward: with the final out and lse each block's flash backward is its exact share of the gradient,
+    and dk, dv travel around the ring with their k, v until they are back with their owner."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunks, vocab_size, mesh):
-        shape, h, t = h.shape, h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        N, n_local = h.shape[0], weight.shape[0]
-        lo = mesh.tp_rank * n_local
-        n_real = max(0, min(n_local, vocab_size - lo))  # columns of ours that are not padding
-        valid = t != -100
-        count = valid.sum()
-        ours = valid & (t >= lo) & (t < lo + n_local)
-        tgt = torch.where(ours, t - lo, 0).unsqueeze(1)
-        need_h, need_w = ctx.needs_input_grad[:2]
-        dh = torch.empty_like(h) if need_h else None
-        dW = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        lse = torch.empty(N, dtype=torch.float32, device=h.device)
-        target_logit = torch.zeros(N, dtype=torch.float32, device=h.device)
-        step = max(1, math.ceil(N / max(1, chunks)))
-        with torch.autocast(h.device.type, enabled=False):
-            for s in range(0, N, step):
-                e = min(s + step, N)
-                logits = torch.empty(e - s, n_local, dtype=torch.float32, device=h.device)
-                chunked._mm_f32(h[s:e], weight.t(), out=logits)
-                logits[:, n_real:] = -math.inf
-                target_logit[s:e] = logits.gather(1, tgt[s:e]).squeeze(1) * ours[s:e]
-                lse[s:e] = all_gather(logits.logsumexp(1).unsqueeze(0), 0, mesh.tp_group).logsumexp(0)
-                if not (need_h or need_w):
-                    continue
-                p = logits.sub_(lse[s:e].unsqueeze(1)).exp_()  # softmax over the whole vocabulary, our columns
-                p.scatter_add_(1, tgt[s:e], -ours[s:e].float().unsqueeze(1))  # - onehot where the target is ours
-                p.mul_(valid[s:e].unsqueeze(1))
-                g = p.to(weight.dtype)
-                if need_h:
-                    torch.mm(g, weight, out=dh[s:e])  # our vocabulary's part of dh: enter_tp's backward sums
-                if need_w:
-                    chunked._acc_mm_(dW, g.t(), h[s:e])
-        target_logit = all_reduce(target_logit.sum(), mesh.tp_group)  # one rank holds each target's logit
-        ctx.count, ctx.dh, ctx.dW, ctx.w_dtype = count, None if dh is None else dh.view(shape), dW, weight.dtype
-        return ((lse * valid).sum() - target_logit) / count.clamp(min=1)
+    def forward(ctx, q, k, v, group):
+        H = q.shape[1]
+        rep = lambda t: t.repeat_interleave(H // k.shape[1], dim=1).contiguous()  # the kernel: q's head count
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        ctx.saved = []
+        for rows, cols, causal, kv in _ring_steps(torch.stack([k, v]), group):  # kv heads travel, not repeats
+            o, l, saved = flash(q[:, :, rows].contiguous(), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal)
+            new = torch.logaddexp(lse[:, :, rows], l)
+            out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + \
+                o.float() * (l - new).exp().unsqueeze(-1)
+            lse[:, :, rows] = new
+            ctx.saved.append(saved)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        scale = grad_loss / ctx.count.clamp(min=1)
-        dh, dW = ctx.dh, ctx.dW
-        ctx.dh = ctx.dW = None
-        dh = None if dh is None else dh.mul_(scale)
-        dW = None if dW is None else dW.mul_(scale).to(ctx.w_dtype)
-        return dh, dW, None, None, None, None
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        H, K = q.shape[1], k.shape[1]
+        rep = lambda t: t.repeat_interleave(H // K, dim=1).contiguous()
+        fold = lambda g: g.float().view(g.shape[0], K, H // K, *g.shape[2:]).sum(2)  # repeats -> kv heads
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
+        steps = _ring_steps(torch.stack([k, v]), ctx.group)
+        for (rows, cols, causal, kv), saved in zip(steps, ctx.saved):
+            part = lambda t: t[:, :, rows].contiguous()
+            g = flash(part(q), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal,
+                      backward=(part(dout), part(out), part(lse), saved))
+            dq[:, :, rows] += g[0].float()
+            dkv[0][:, :, cols] += fold(g[1])
+            dkv[1][:, :, cols] += fold(g[2])
+            dkv = ring_shift(dkv, ctx.group)()  # after P shifts each dk, dv is back with its owner
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def vocab_parallel_head(model, mesh, x, targets=None):
-    """Llama.head under tp: the final norm's output (a sequence shard under sp) -> loss, or full logits."""
-    h = enter_tp(x, mesh)
-    w = model.output.weight
-    dt = chunked._autocast_dtype(h.device.type)
-    if dt is not None:
-        h, w = h.to(dt), w.to(dt)
-    if targets is None:  # sampling / inspection: gather the vocabulary (not a training path)
-        return all_gather(F.linear(h, w), h.dim() - 1, mesh.tp_group)[..., :model.config.vocab_size]
-    chunks = chunked.loss_chunks(model.config, h.shape[0] * h.shape[1])
-    return None, _VocabParallelCrossEntropy.apply(h, w, targets, chunks, model.config.vocab_size, mesh)
+def ring(group, q, k, v):
+    """Attention.attend under ring attention: q [B, H, 2n, hd], k, v [B, K, 2n, hd] on zigzag shards
+    (chunks r and 2c-1-r of 2c) -> y like q. Causal softmax attention only: it runs its own kernel."""
+    return _RingAttention.apply(q, k, v, group)
 
+
+def shard_batch(x, y, mesh):
+    """A global micro-batch (the same on every rank) -> this rank's (x, y[, positions]): our dp rank's
+    rows, our cp rank's tokens (contiguous for Ulysses; zigzag chunks r and 2c-1-r of 2c for the ring)."""
+    n, (c, r) = x.shape[0] // mesh.dp, (mesh.cp, mesh.cp_rank)
+    x, y = x[mesh.dp_rank * n:(mesh.dp_rank + 1) * n], y[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
+    if c == 1:
+        return x, y
+    S, k = x.shape[1], x.shape[1] // (2 * c)  # k: tokens per zigzag chunk
+    pos = torch.arange(r * S // c, (r + 1) * S // c) if mesh.cp_impl == 'ulysses' else \
+        torch.cat([torch.arange(r * k, (r + 1) * k), torch.arange((2 * c - 1 - r) * k, (2 * c - r) * k)])
+    pos = pos.to(x.device)
+    return x[:, pos], y[:, pos], pos
+
+
+# ----------------------------------------------------------------------------- the model, parallel
 
 def parallelize(model, mesh):
-    """Shard a full model (every rank built the same one from the same seed) for this rank, in place."""
+    """Shard a full model (every rank built the same one from the same seed) for this rank, in place,
+    and hook the collectives onto its own modules; parameter names stay the model's."""
     c = model.config
     if mesh.tp > 1:
-        tied = c.tie_embeddings
         for name, p in list(model.named_parameters()):
             module = model.get_submodule(name.rsplit('.', 1)[0])
             module.weight = nn.Parameter(shard(name, p.data, mesh.tp_rank, mesh.tp, c))
-        if tied:
+        if c.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
-        model.head = lambda x, targets=None: vocab_parallel_head(model, mesh, x, targets)
+        for block in model.layers:
+            for m in (block.attention, block.feed_forward):
+                m.register_forward_pre_hook(lambda m, args: (enter_tp(args[0], mesh), *args[1:]))
+                m.register_forward_hook(lambda m, args, y: leave_tp(y, mesh))
+        model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))  # the LM head's input
+        model.vocab_group = mesh.tp_group  # Llama.head: chunked.py's loss over our rows of the vocabulary
     for block in model.layers:
-        block.attention = ParallelAttention(block.attention, mesh)
-        if mesh.tp > 1:
-            block.feed_forward = ParallelMLP(block.feed_forward, mesh)
+        attn = block.attention
+        if mesh.cp > 1 and mesh.cp_impl == 'ulysses':
+            attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group)
+        elif mesh.cp > 1:
+            attn.attend = functools.partial(ring, mesh.cp_group)
+        attn.mesh = mesh  # offload.py reads the layout here
     model.mesh = mesh
     return model
 

@@ -25,6 +25,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, fields
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -320,9 +321,8 @@ def main():
 
     # under torchrun: refuse an impossible layout on every rank before anything is allocated
     world_env = int(os.environ.get('WORLD_SIZE', 1))
-    layout_error = lambda c: parallel.check_layout(world_env, tp_size, cp_size, cp_impl, seq_len, c['n_head'],
-                                                   c['n_kv_head'], c['intermediate_size'], zero,
-                                                   c['recompute'], c['offload'])
+    layout_error = lambda c: parallel.check_layout(SimpleNamespace(**c), world_env, tp_size, cp_size, cp_impl,
+                                                   seq_len, zero, dev.type, ptdtype)
     if init_from == 'scratch' and layout_error(cfg):
         die(layout_error(cfg))
     world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)

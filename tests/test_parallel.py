@@ -1,10 +1,13 @@
 """parallel.py against one process: for every layout, one training step's loss, every gradient (gathered
 from the shards) and the updated weights equal the single-process step (fp32, relative 1e-5); the
-collectives per block are what parallel.py's header says; train.py under torchrun gives the
-single-process losses, resumes exactly, and a rank that raises takes every rank down.
+collectives per block are what parallel.py's header says; a vocabulary shard of padding only, eval under
+no_grad and a fork's attention variant (a sliding window) behave as in one process; check_layout refuses
+what can't run in one line; train.py under torchrun gives the single-process losses, resumes exactly,
+and a rank that raises takes every rank down.
 
 Ranks are spawned processes on gloo (CPU). One spawn of 2 ranks and one of 4 run every layout of that
 size (process start-up is most of the cost), each writing what rank 0 gathered; the tests compare."""
+import functools
 import json
 import os
 import shutil
@@ -18,12 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import offload  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
+import model as model_py  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 RTOL = 1e-5
@@ -45,18 +51,43 @@ LAYOUTS = {
     'tp_cp_ring':    (4, 2, 2, 'ring', True, 0, dict(n_kv_head=1, recompute='full')),
     'dp_tp':         (4, 2, 1, 'ulysses', True, 0, {}),
     'dp_cp_zero1':   (4, 1, 2, 'ring', True, 1, dict(recompute='selective')),
+    # V = 5 on tp 4: 2 rows per rank, rank 3's are all padding (it gave a NaN loss: -inf · 0)
+    'tp4_vocab5':    (4, 4, 1, 'ulysses', True, 0, dict(vocab_size=5)),
+    # a fork's attention variant (model.attention swapped for a sliding window) under tp and Ulysses as it is
+    'tp_window':     (2, 2, 1, 'ulysses', True, 0, dict(window=5)),
+    'cp_window':     (2, 1, 2, 'ulysses', True, 0, dict(window=5, recompute='selective')),
 }
 LR = 0.1
 
 
 def model_config(overrides):
-    return LlamaConfig(**{**MODEL, **overrides})
+    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k != 'window'}})
 
 
-def global_batch():
+def sliding_window(q, k, v, is_causal=True, window=None):
+    """model.attention as a fork would change it: each query sees the last `window` keys only."""
+    i = torch.arange(q.shape[2], device=q.device)
+    mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def new_model(overrides):
+    """Llama from seed 0; with 'window' in overrides, built while model.attention is the sliding window
+    (Attention.attend is bound at construction)."""
+    torch.manual_seed(0)
+    window, saved = overrides.get('window'), model_py.attention
+    if window:
+        model_py.attention = functools.partial(sliding_window, window=window)
+    try:
+        return Llama(model_config(overrides))
+    finally:
+        model_py.attention = saved
+
+
+def global_batch(vocab_size=MODEL['vocab_size']):
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, MODEL['vocab_size'], (B, S), generator=g)
-    y = torch.randint(0, MODEL['vocab_size'], (B, S), generator=g)
+    x = torch.randint(0, vocab_size, (B, S), generator=g)
+    y = torch.randint(0, vocab_size, (B, S), generator=g)
     y[0, :11] = -100  # dp ranks and micro-steps with different numbers of real targets
     y[3, 5:9] = -100
     return x, y
@@ -65,7 +96,7 @@ def global_batch():
 def one_step(model, mesh, config, zero):
     """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens), grad sync, clipping
     at a norm it reaches, then SGD (AdamW for zero=1). Returns (loss, grad norm, grads, new weights)."""
-    x, y = global_batch()
+    x, y = global_batch(config.vocab_size)
     micro = [parallel.shard_batch(x[i::2], y[i::2], mesh) for i in range(2)]  # 2 micro-steps of 2 rows
     loss = train.forward_backward(model, micro, nullcontext(), mesh)
     named = list(model.named_parameters())
@@ -81,10 +112,27 @@ def one_step(model, mesh, config, zero):
 
 
 def reference(overrides, zero):
-    torch.manual_seed(0)
-    config = model_config(overrides)
-    model = offload.apply(Llama(config))
-    return one_step(model, parallel.Mesh(), config, zero)
+    model = offload.apply(new_model(overrides))
+    return one_step(model, parallel.Mesh(), model.config, zero)
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        return func(*args, **(kwargs or {}))
+
+
+def eval_matmuls(model, mesh):
+    """Matmuls of an eval forward (no_grad) on this rank's share of the batch: the LM head's loss does the
+    logits only (3 chunks, 3 matmuls), with or without tensor parallelism."""
+    x, y, *pos = parallel.shard_batch(*global_batch(model.config.vocab_size), mesh)
+    with torch.no_grad(), CountMatmuls() as count:
+        model(x, y, *pos)
+    return count.n
 
 
 # ----------------------------------------------------------------------------- the spawned ranks
@@ -115,9 +163,8 @@ def count_collectives(fn):
 def per_block_counts(mesh, overrides):
     """Collectives of one forward + backward with 2 layers minus with 1: what one block costs."""
     def run(n_layer):
-        torch.manual_seed(0)
-        model = offload.apply(parallel.parallelize(Llama(model_config({**overrides, 'n_layer': n_layer})), mesh))
-        x, y = global_batch()
+        model = offload.apply(parallel.parallelize(new_model({**overrides, 'n_layer': n_layer}), mesh))
+        x, y = global_batch(model.config.vocab_size)
         x, y, *pos = parallel.shard_batch(x, y, mesh)
         return count_collectives(lambda: model(x, y, *pos)[1].backward())
     one, two = run(1), run(2)
@@ -132,13 +179,13 @@ def _worker(rank, world, port, names, out_dir):
         _, tp, cp, cp_impl, sp, zero, overrides = LAYOUTS[name]
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
-        torch.manual_seed(0)
-        model = offload.apply(parallel.parallelize(Llama(config), mesh))
+        model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
+        matmuls = eval_matmuls(model, mesh)
         result = one_step(model, mesh, config, zero)
         counts = per_block_counts(mesh, {k: v for k, v in overrides.items() if k != 'recompute'})
         counts_recompute = per_block_counts(mesh, {**overrides, 'recompute': 'full'})
         if rank == 0:
-            torch.save({'step': result, 'block': counts, 'block_recompute': counts_recompute},
+            torch.save({'step': result, 'block': counts, 'block_recompute': counts_recompute, 'eval': matmuls},
                        os.path.join(out_dir, f'{name}.pt'))
     dist.destroy_process_group()
 
@@ -177,6 +224,17 @@ def test_one_step_equals_single_process(results, name):
             torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3 * LR)
         else:
             assert rel(weights[n], ref_weights[n]) <= RTOL, n
+    if 'window' in overrides:  # the variant ran: not the causal model's gradients
+        causal = reference({k: v for k, v in overrides.items() if k != 'window'}, zero)[2]
+        assert rel(grads['layers.0.attention.wq.weight'], causal['layers.0.attention.wq.weight']) > 0.05
+
+
+@pytest.mark.parametrize('name', list(LAYOUTS))
+def test_eval_does_no_gradient_work(results, name):
+    """Under no_grad the vocabulary-parallel loss computes the logits only, as chunked.py's does in one
+    process (it made dW and ran both gradient matmuls per chunk under tp: 9 matmuls for 3)."""
+    *_, overrides = LAYOUTS[name]
+    assert results[name]['eval'] == eval_matmuls(new_model(overrides), parallel.Mesh())
 
 
 # per block, forward + backward (parallel.py's header); the ring with cp = 2: 1 shift forward, 1 + 2 back
@@ -192,6 +250,9 @@ EXPECTED_PER_BLOCK = {
     'tp_cp_ring': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
     'dp_tp': {'all_gather': 4, 'reduce_scatter': 4},
     'dp_cp_zero1': {'ring_shift': 4},
+    'tp4_vocab5': {'all_gather': 4, 'reduce_scatter': 4},
+    'tp_window': {'all_gather': 4, 'reduce_scatter': 4},
+    'cp_window': {'all_to_all': 4},
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
 # every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped
@@ -275,8 +336,7 @@ def test_offload_under_sp_and_cp_gives_the_gradients_of_offload_off(offload_resu
     monkeypatch.setattr(offload, 'MIN_BYTES', 0)
     tp, cp, cp_impl, recompute, alpha = layout
     (ref_loss, ref_grads, _, _), run = offload_results[layout]
-    why = parallel.check_layout(2, tp, cp, cp_impl, S, MODEL['n_head'], MODEL['n_kv_head'],
-                                MODEL['intermediate_size'], 0, recompute, alpha)
+    why = parallel.check_layout(model_config(dict(recompute=recompute, offload=alpha)), 2, tp, cp, cp_impl, S)
     if isinstance(run, str):
         assert run == why and '\n' not in why and f"recompute={recompute!r} and cp_impl='ring'" in why
         assert "recompute='full'" in why
@@ -417,6 +477,51 @@ def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path, layout, reason
 
 
 
+@pytest.mark.parametrize('layout,reason', [
+    (dict(world=6, tp=4), 'not divisible by tp_size * cp_size'),
+    (dict(world=3, tp=3), 'n_head=4 is not divisible by tp_size=3'),
+    (dict(world=4, tp=4, n_kv_head=1, n_head=8), None),  # kv heads replicated
+    (dict(world=4, tp=4, n_kv_head=3, n_head=12, n_embd=48), 'n_kv_head=3 and tp_size=4: one must divide the other'),
+    (dict(world=3, cp=3, n_kv_head=2, n_head=6, n_embd=48, seq_len=18), '2 kv heads per rank and cp_size=3'),
+    (dict(world=4, tp=4, n_kv_head=2, n_head=8, n_embd=64), None),
+    (dict(world=8, tp=8, n_kv_head=4, n_head=8, n_embd=64), None),
+    (dict(world=2, tp=2, intermediate_size=63), 'intermediate_size=63 is not divisible by tp_size=2'),
+    (dict(world=2, cp=2, cp_impl='star'), "cp_impl must be 'ulysses' or 'ring'"),
+    (dict(zero=2), 'zero must be 0 or 1'),
+    (dict(world=2, cp=2, seq_len=15), 'seq_len=15 is not divisible by cp_size=2'),
+    (dict(world=8, cp=8), 'n_head / tp_size = 4 heads per rank are not divisible by cp_size=8 (Ulysses)'),
+    (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), 'n_head / tp_size = 6 heads per rank'),
+    (dict(world=2, cp=2, seq_len=18, cp_impl='ring'), 'not divisible by 2 * cp_size = 4'),
+    (dict(world=4, tp=4, seq_len=18), 'seq_len / cp_size = 18 is not divisible by tp_size=4 (sequence parallelism)'),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='cuda'), "needs bfloat16 or float16, not torch.float32"),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='cuda', dtype=torch.bfloat16, n_embd=48),
+     'head_dim <= 256 and a multiple of 8, not 12'),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='cuda', dtype=torch.bfloat16), None),
+    (dict(world=2, cp=2, cp_impl='ring', device_type='mps'), 'not mps'),
+    (dict(world=2, cp=2, cp_impl='ring', offload=0.5), "offload=0.5 with recompute='none' and cp_impl='ring'"),
+    (dict(world=2, cp=2, cp_impl='ring', offload=1.0), None),
+    (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='full'), None),
+    (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='selective'), "recompute='full' or cp_impl='ulysses'"),
+])
+def test_check_layout_owns_every_rule(layout, reason):
+    """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
+    fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
+    run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32)
+    run.update({k: layout.pop(k) for k in list(layout) if k in run})
+    why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
+    assert why is None if reason is None else (reason in why and '\n' not in why), why
+
+
+def test_ring_flash_wrapper_checks_before_calling_the_kernel():
+    q = torch.empty(1, 2, 4, 8, device='meta')
+    with pytest.raises(ValueError, match="cp_impl='ring' calls flash attention on CUDA or a CPU, not meta"):
+        parallel.flash(q, q, q, True)
+    q = torch.randn(1, 2, 4, 8)  # the CPU kernel, by keyword: SDPA's output and the log-sum-exp
+    out, lse, _ = parallel.flash(q, q, q, True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert lse.shape == (1, 2, 4)
+
+
 SLOW_RANK = """
 import os, sys, time
 sys.path.insert(0, {root!r})
@@ -480,8 +585,8 @@ def test_sequence_parallel_memory_is_what_the_estimate_says(tmp_path):
 
 
 def test_parallel_mlp_chunks_as_the_estimate_counts_them(tmp_path):
-    """mlp_chunks=0 under tp: ParallelMLP picks the chunk count model.MLP and memory.py pick (one sequence, the
-    whole intermediate size), so the dry run of rank 0 of 2 (fake tensors, real kernels' bookkeeping) is
+    """mlp_chunks=0 under tp: model.MLP on a rank's shard picks the chunk count memory.py picks (one sequence,
+    the whole intermediate size), so the dry run of rank 0 of 2 (fake tensors, real kernels' bookkeeping) is
     what the estimate says. Before, it chunked by the rank's intermediate size: fewer chunks, 8% more."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, '--n_embd=512', '--n_head=8',
                         '--intermediate_size=1376', '--n_layer=2', '--seq_len=2048', '--batch_size=1',
