@@ -108,6 +108,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     optimizer = (12 if bf16 else 8) * N / d
     g_emb = 4 * V * h / t           # the embedding's gradient, made last
     g_head = 4 * V * h / t + 4 * h  # the LM head's (tied: its share, waiting for the embedding's)
+    g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
 
     # activations per layer and token (offload.py's count, then the layout's)
     full = offload.kept_bytes(replace(c, recompute='none', offload=0.0), 1, S, dt) / S  # all a block saves
@@ -140,18 +141,21 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     else:
         mlp = (b * h / t + gathered + 3 * b * I / t) * T
     attn = (b * (3 * h + 2 * kv) / t + gathered) * T
-    ws = max(mlp, attn)
-    back = (full / t - stays) * T  # an offloaded block's tensors, back from host or recomputed
+    norm = (b * h + 20 * h) / t * T  # an RMSNorm's backward works in fp32: five h-wide tensors
+    # at each stage the block's tensors not yet consumed: all at the MLP, then all but the MLP's
+    mlp_saved = (full - offload.kept_bytes(replace(c, recompute='none', offload=0.0, mlp_chunks=2), 1, S, dt) / S) / t
+    stages = lambda alive: max(mlp + alive * T, max(attn, norm) + max(0, alive - mlp_saved) * T)
+    ws, ws_off = stages(rebuilt), stages(full / t - stays)  # offloaded: everything back or recomputed
 
     moments = {
         'forward and backward: LM head and loss': (g_acc, acts + head_kept, head_tr),
-        f'backward: block {L - 1}': (max(g_head, g_acc), acts, ws + rebuilt * T),
-        'backward: block 0': ((max(grads_all - g_emb, g_acc), stays * T, ws + back) if n_off else
-                              (max(grads_all - g_emb, g_acc), k * T, ws + rebuilt * T)),
+        f'backward: block {L - 1}': (max(g_head, g_acc), acts, ws),
+        'backward: block 0': (max(grads_all - g_emb - g_layer, g_acc), (stays if n_off else k) * T,
+                              ws_off if n_off else ws),
         'optimizer step': (grads_all, 0, 2 * V * h / t if bf16 else 0),
     }
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
-        moments['backward: block 1'] = (grads_all - g_emb - 4 * (N - norms) / L, 2 * stays * T, ws + back + P)
+        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T, ws_off + P)
     name, (g, a, tr) = max(moments.items(), key=lambda m: sum(m[1]))
     return Estimate(params, g, optimizer, a, tr, name, host)
 
