@@ -211,7 +211,7 @@ class Tracker:
         peaks = self.mt.get_tracker_snapshot('peak')
         dev = self.device if self.device is not None else max(peaks, key=lambda k: peaks[k]['Total'], default=None)
         snap = {getattr(k, 'value', k): v for k, v in peaks.get(dev, {}).items()}
-        nbytes = lambda ts: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
+        nbytes = lambda ts: sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in ts}.values())  # views once
         masters, inputs = nbytes(self.masters), nbytes(self.inputs)
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
         host = self.host if dev is not None and torch.device(dev).type == 'cpu' else 0
@@ -313,7 +313,7 @@ def device_bytes(device, budget_gb=0.0, dry_run=False):
         return 80 * GiB
     if device.type == 'cuda':
         return torch.cuda.get_device_properties(device).total_memory
-    return _meminfo('MemTotal')
+    return meminfo('MemTotal')
 
 
 def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
@@ -322,11 +322,11 @@ def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
     run stands in for another machine: its host memory is host_memory_budget_gb, or unknown (None)."""
     if dry_run:
         return int(budget_gb * GiB) if budget_gb else None
-    free = _meminfo('MemAvailable') // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    free = meminfo('MemAvailable') // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
     return min(free, int(budget_gb * GiB)) if budget_gb else free
 
 
-def _meminfo(key):
+def meminfo(key):
     try:
         with open('/proc/meminfo') as f:
             for line in f:
