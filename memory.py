@@ -183,8 +183,13 @@ class Tracker:
         self.params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         self.inputs = list(inputs)
+        self.state = []
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):  # a wrapper (ZeRO):
+            # its state's tensors, counted with the masters
+            self.state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            optimizer = None
         self.mt.track_external(*([model] if isinstance(model, torch.nn.Module) else self.params),
-                               *([optimizer] if optimizer is not None else []), *self.masters, *self.inputs)
+                               *([optimizer] if optimizer is not None else []), *self.masters, *self.state, *self.inputs)
 
     def __enter__(self):
         # train.py writes a master's .grad itself, after autograd's hook: register it then (as "other",
@@ -212,7 +217,7 @@ class Tracker:
         dev = self.device if self.device is not None else max(peaks, key=lambda k: peaks[k]['Total'], default=None)
         snap = {getattr(k, 'value', k): v for k, v in peaks.get(dev, {}).items()}
         nbytes = lambda ts: sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in ts}.values())  # views once
-        masters, inputs = nbytes(self.masters), nbytes(self.inputs)
+        masters, inputs = nbytes(self.masters + self.state), nbytes(self.inputs)
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
         host = self.host if dev is not None and torch.device(dev).type == 'cpu' else 0
         out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0),
