@@ -226,8 +226,10 @@ class Tracker:
                'activations': snap.get('Activation', 0) + inputs - host,
                'transient': snap.get('Temp', 0)}
         out['total'] = sum(out.values())
-        self.peak = out['total']
         return out
+
+    peak_at = property(breakdown)
+    peak = property(lambda self: self.breakdown()['total'])
 
 
 def materialize_optimizer_state(optimizer):
