@@ -741,7 +741,7 @@ class HostPool:
     before its backward, as a second micro-batch forwarded early would)."""
 
     def __init__(self, pin):
-        self.pin, self.idle = pin, {}
+        self.pin, self.idle, self.busy = pin, {}, []
         self.reserved = self.in_use = self.allocations = 0
 
     def take(self, block, nbytes):
@@ -757,11 +757,13 @@ class HostPool:
             self.reserved += nbytes
             self.allocations += 1
         self.in_use += buf.nbytes
+        self.busy.append(buf)
         return buf
 
     def give(self, block, buf, ready):
         buf.ready = ready
         self.in_use -= buf.nbytes
+        self.busy.remove(buf)
         self.idle.setdefault(block, []).append(buf)
 
 
@@ -822,6 +824,13 @@ def stats():
     pools = [e.pool for e in _engines.values() if not e.fake]
     return dict(_stats, host_reserved=sum(p.reserved for p in pools), host_in_use=sum(p.in_use for p in pools),
                 host_allocations=sum(p.allocations for p in pools))
+
+
+def host_buffers():
+    """The host pool's buffers (every engine's, a dry run's fake ones too): host memory, which
+    memory.py's measurement takes out of the device's even where both are the CPU."""
+    return [buf.data for e in _engines.values() for bufs in e.pool.idle.values() for buf in bufs] + \
+        [buf.data for e in _engines.values() for buf in e.pool.busy]
 
 
 def reset():

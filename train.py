@@ -35,7 +35,7 @@ from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
 import parallel
 import memory
 import offload as offload_policy  # (`offload` itself is a config key below)
-from offload import bytes_to_host, check_host_memory, host_bytes
+from offload import bytes_to_host
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -341,25 +341,11 @@ def main():
     if layout_error(asdict(model.config)):  # a Hugging Face directory or checkpoint brings its own shape
         die(layout_error(asdict(model.config)))
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head)
-    # the memory report, before anything is on the device: stops here if the run can't fit (80% rule);
-    # auto_memory=True first sets the cheapest recompute / chunks / offload that fits
+    # the memory report, before anything is on the device: stops here if the run can't fit (80% rule) or
+    # offload's host memory can't hold it; auto_memory=True first sets the cheapest recompute / chunks / offload that fits
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
-    if model.config.offload > 0:  # as auto_memory left it: can this layout run it, does host memory hold it?
-        if layout_error(asdict(model.config)):
-            die(layout_error(asdict(model.config)))
-        # this rank's tokens: under sequence parallelism a block's input and attention's outputs are
-        # split tp ways too ('none' also sends all-gathered tensors: seq_len / cp is its bound)
-        rank_tokens = seq_len // cp_size // (tp_size if model.config.recompute != 'none' else 1)
-        if dry_run:  # it stands in for another machine: this one's host memory says nothing
-            need = host_bytes(model.config, batch_size, rank_tokens, ptdtype)
-            host_line = f"offload={model.config.offload}: {need / 2**30:.2f} GiB of host memory per rank on the target"
-        else:
-            try:
-                host_line = check_host_memory(model.config, batch_size, rank_tokens, ptdtype, host_memory_budget_gb)
-            except MemoryError as e:
-                die(str(e))
-        if master_process:
-            print(host_line)
+    if layout_error(asdict(model.config)):  # as auto_memory left it
+        die(layout_error(asdict(model.config)))
     names = [n for n, _ in model.named_parameters()]
     n_params = model.num_params()
     mfu_flops, hfu_flops = flops_per_token(model.config, seq_len)
@@ -479,7 +465,7 @@ def main():
         batches = [parallel.shard_batch(*get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev), mesh)
                    for _ in range(gradient_accumulation_steps)]
         sent = bytes_to_host()
-        with mem.measure(raw_model, masters, optimizer, batches, compiled=compile):  # the first step only
+        with mem.measure(raw_model, masters, optimizer, compiled=compile):  # the first step only
             loss = train_step(batches)
         tokens_since += tokens_per_iter
         iter_num += 1
