@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -495,6 +496,9 @@ class ParallelAttention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
         self.n_head = attn.wq.weight.shape[0] // attn.head_dim
         self.n_kv_head = attn.wk.weight.shape[0] // attn.head_dim
+        # the attention core, as model.Attention.attend (offload.py swaps it while it cuts a block)
+        self.attend = _attend_local if mesh.cp == 1 else partial(
+            ulysses_attention if mesh.cp_impl == 'ulysses' else ring_attention, mesh=mesh)
 
     def forward(self, x, cos, sin, kv_cache=None):
         if kv_cache is not None:
@@ -505,12 +509,7 @@ class ParallelAttention(nn.Module):
         k = self.wk(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # cos, sin: the positions of our shard
-        if self.mesh.cp == 1:
-            y = _attend_local(q, k, v)
-        elif self.mesh.cp_impl == 'ulysses':
-            y = ulysses_attention(q, k, v, self.mesh)
-        else:
-            y = ring_attention(q, k, v, self.mesh)
+        y = self.attend(q, k, v)
         return leave_tp(self.wo(y.transpose(1, 2).reshape(B, S, -1)), self.mesh)
 
 
