@@ -1,55 +1,52 @@
 """
 Keep, recompute or offload: what each transformer block saves for its backward, and where it waits.
 
-Once chunked.py has removed the S×V and S×I peaks, what grows with the tokens S is what every block
-keeps for backward. Per token and block (b bytes per element, h width, H heads, kv = K·hd, I the MLP's
-intermediate size), recompute='none' keeps (`saved_per_token` lists every tensor):
+Once chunked.py has removed the S×V and S×I peaks, what grows with S is what every block keeps for
+backward. Per token and block (b bytes per element, h width, H heads, kv = K·hd, I intermediate size),
+recompute='none' keeps (`saved_per_token` lists each tensor):
 
-    qkv        q, k, v as attention gets them                       b·(h + 2kv)
-    attention  its output and logsumexp (fp32)                      b·h + 4·H
-    other      2 RMSNorms (fp32 input, 1/rms, x/rms, output)        4·b·h + 8·h + 8   (+ 4·b·I unchunked MLP)
+    qkv        q, k, v as attention gets them                 b·(h + 2kv)
+    attention  its output and logsumexp (fp32)                b·h + 4·H
+    other      2 RMSNorms (fp32 input, 1/rms, x/rms, output)  4·b·h + 8·h + 8   (+ 4·b·I unchunked MLP)
 
-`recompute` says what stays on the device, `offload` = α (Memo's) what goes to host memory while the
-next blocks compute. With n = floor(α·S) host tokens:
+`recompute` says what stays on the device; `offload` = α (Memo's) what goes to host memory while the
+next blocks compute, with n = floor(α·S) host tokens:
 
-    recompute  kept, α = 0             sent to host, α > 0                            recomputed in backward
-    none       everything              q, k, v and attention whole; the last n        the other tensors of
-                                       tokens' other tensors and attention output;    the first S - n tokens
-                                       the first S - n tokens' input
-    selective  input + attention       input, q, k, v and attention, whole            all of "other"
-    full       input                   input                                          the whole block
+    recompute  kept, α = 0        sent to host, α > 0                          recomputed in backward
+    none       everything         qkv + attention whole; the last n tokens'    the first S - n tokens'
+                                  other and wo input; the first S - n' input   other tensors
+    selective  input + attention  input + qkv + attention                      all of other
+    full       input              input                                        the whole block
 
-    host bytes per offloaded block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)   (none)
-                                     B·S·(b·h + qkv + attention)                              (selective)
-                                     B·S·b·h                                                  (full)
+    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)     (none; selective: n = 0)
+                           B·S·b·h                                                    (full)
 
-(under Ulysses context parallelism + B·S·b·h when S - n > 0: attention's output after the all-to-all
-is not the one attention saves). An offloaded block keeps nothing on the device that grows with S.
-The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
+plus B·S·b·h under Ulysses when S - n > 0 (attention's output after the all-to-all is not the tensor
+attention saves). An offloaded block keeps nothing on the device that grows with S; the last KEEP_LAST
+blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
-How 'none' with 0 < α < 1 is cut (`_split`). Every op of a block but the attention core works on each
-token alone: norms, projections, RoPE, residual adds, the MLP. So the block runs on two token ranges,
-[0, S-n) under torch's checkpoint (its saved tensors dropped, recomputed in backward from its input)
-and [S-n, S) with its saved tensors sent to host, while the attention core (`block.attention.attend`),
-which needs every token's k and v, runs once on the stitched q, k, v of both, with what it saves sent
-to host whole. The ranges meet inside attention: the first range's call of `attend` runs the second
-range's block (to its own `attend`), which runs the core; each range then finishes with its share of
-the output. The first range's recompute gets that output back from host instead of attending again.
-'selective' is the same cut with n = 0, 'none' with α = 1 with n = S. Under sequence parallelism q, k, v
-hold tp runs of S tokens (and the RoPE tables tp runs): ranges cut every run (`_tokens`), and every
-rank runs the same collectives in the same order. Ring attention merges several kernels in its own
-autograd Function: recompute='full' or α = 1 only (`layout_error`).
+The cut (`_split`). Every op of a block but the attention core works on each token alone. So the block
+runs on two token ranges: [0, S-n) under torch's checkpoint (its saved tensors dropped, recomputed in
+backward from its input) and [S-n, S) with its saved tensors sent to host; the attention core
+(`block.attention.attend`), which needs every token's k and v, runs once on both ranges' q, k, v, and
+what it saves goes to host whole. The ranges meet inside attention: the first range's `attend` runs the
+second range's block, whose `attend` runs the core; each range then finishes on its share of the
+output, which the first range's recompute gets back from host instead of attending again. In bf16 a
+weight's gradient is then the sum of two bf16 parts (equal to one pass within rounding). Under sequence
+parallelism q, k, v hold tp runs of S tokens (the RoPE tables too): a range cuts every run (`_tokens`),
+and every rank runs the same collectives in the same order. Ring attention merges several kernels in
+its own autograd Function: recompute='full' or α = 1 only (`layout_error`).
 
-Overlap (CUDA; on a CPU the same code runs, streams are no-ops and copies plain copies). After a
-block's forward its tensors are copied to host on a side stream while the next blocks compute; at most
-MAX_IN_FLIGHT blocks' copies run before compute waits for the oldest. When block i's backward begins,
-block i-1's tensors start coming back on another stream. Host memory is a pool: one buffer per block,
-allocated once at its exact size, pinned with cudaHostRegister (`pin_memory()` rounds up to a power of
-two), reused every step. A forward whose backward never runs keeps its buffer until `reset()`.
+Overlap (CUDA; on a CPU the same code runs, streams are no-ops). After a block's forward its tensors are
+copied to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT blocks' copies
+before compute waits); when block i's backward begins, block i-1's come back on another. Host memory
+is a pool: a buffer per block at its exact size, pinned with cudaHostRegister (`pin_memory()` rounds up
+to a power of two), reused every step. A forward whose backward never runs keeps its buffer until
+`reset()`.
 
-From: Memo (Zhao et al. 2024, arXiv 2407.12117) offloads the layer input and attention whole and a
-token fraction α of the rest; torch's `save_on_cpu` is the synchronous offload; recomputation Chen et
-al. 2016, selective recomputation Korthikanti et al. 2022 (torch's non-reentrant checkpoint).
+From: Memo (Zhao et al. 2024, arXiv 2407.12117), the layer input and attention whole and a token
+fraction α of the rest; torch's `save_on_cpu` (synchronous); recomputation Chen et al. 2016, selective
+recomputation Korthikanti et al. 2022 (torch's non-reentrant checkpoint).
 """
 import math
 import os
@@ -72,16 +69,15 @@ MAX_IN_FLIGHT = 2    # blocks whose device->host copies may still run before com
 # ----------------------------------------------------------------------------- how many bytes
 
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
-    """[(what, bytes per token, kind)] for every tensor one block saves with recompute='none' (kind:
-    'qkv', 'attention' or 'other', the header's table). seq_len matters only for mlp_chunks=0."""
+    """[(what, bytes per token, kind)] for every tensor one block saves with recompute='none'; kind is
+    the header's 'qkv', 'attention' or 'other'. seq_len matters only for mlp_chunks=0."""
     b, h, H = torch.empty(0, dtype=dtype).element_size(), config.n_embd, config.n_head
     kv, I = config.n_kv_head * config.head_dim, config.intermediate_size
-    norm = lambda name: [(f'{name} 1/rms', 4, 'other'), (f'{name} x/rms', b * h, 'other'),
-                         (f'{name} output', b * h, 'other')]
-    saved = [('attention_norm input (fp32: x itself)', 4 * h, 'other')] + norm('attention_norm')
-    saved += [('q', b * h, 'qkv'), ('k', b * kv, 'qkv'), ('v', b * kv, 'qkv'),
-              ('attention output (wo keeps a view)', b * h, 'attention'), ('attention logsumexp', 4 * H, 'attention'),
-              ('ffn_norm fp32 input (x + attention)', 4 * h, 'other')] + norm('ffn_norm')
+    norm = lambda name: [(f'{name} fp32 input', 4 * h, 'other'), (f'{name} 1/rms', 4, 'other'),
+                         (f'{name} x/rms', b * h, 'other'), (f'{name} output', b * h, 'other')]
+    saved = norm('attention_norm') + [('q', b * h, 'qkv'), ('k', b * kv, 'qkv'), ('v', b * kv, 'qkv'),
+                                      ('attention output (wo keeps a view)', b * h, 'attention'),
+                                      ('attention logsumexp', 4 * H, 'attention')] + norm('ffn_norm')
     if chunked.mlp_chunks(config, seq_len) == 1:  # chunked.py's MLP keeps only its input
         saved += [(f'MLP {name}', b * I, 'other') for name in ('x W1ᵀ', 'x W3ᵀ', 'silu(x W1ᵀ)', 'product')]
     return saved
@@ -93,12 +89,10 @@ def _per_token(config, dtype, seq_len, *kinds):
 
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     """Bytes one block keeps on the device for backward with offload off, for config.recompute."""
-    b = torch.empty(0, dtype=dtype).element_size()
-    if config.recompute == 'none':
-        return batch * seq_len * _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other')
-    if config.recompute == 'selective':  # the checkpoint's input, attention's outputs
-        return batch * seq_len * (b * config.n_embd + _per_token(config, dtype, seq_len, 'attention'))
-    return batch * seq_len * b * config.n_embd
+    bh = torch.empty(0, dtype=dtype).element_size() * config.n_embd
+    per_token = {'none': _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other'), 'full': bh,
+                 'selective': bh + _per_token(config, dtype, seq_len, 'attention')}[config.recompute]
+    return batch * seq_len * per_token
 
 
 def host_tokens(alpha, seq_len):
@@ -113,19 +107,17 @@ def offloaded_blocks(config):
 
 def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     """Bytes one offloaded block sends to host per forward: the header's formula, tensors under
-    MIN_BYTES kept. cp_size > 1: Ulysses (the header's note)."""
+    MIN_BYTES kept; cp_size > 1 is Ulysses (ring runs only what needs no replay)."""
     if config.offload == 0:
         return 0
-    b, S = torch.empty(0, dtype=dtype).element_size(), seq_len
+    bh, S = torch.empty(0, dtype=dtype).element_size() * config.n_embd, seq_len
     sent = lambda per_token, tokens: batch * tokens * per_token if batch * tokens * per_token >= MIN_BYTES else 0
     if config.recompute == 'full':
-        return sent(b * config.n_embd, S)
+        return sent(bh, S)
     n = host_tokens(config.offload, S) if config.recompute == 'none' else 0
-    total = sent(b * config.n_embd, S - n) + sent(b * config.n_embd, n)  # first range's input, last's wo input
-    total += sent(b * config.n_embd, S) if cp_size > 1 and n < S else 0
-    for _, per_token, kind in saved_per_token(config, dtype, S):
-        total += sent(per_token, n if kind == 'other' else S)
-    return total
+    total = sent(bh, S - n) + sent(bh, n) + (sent(bh, S) if cp_size > 1 and n < S else 0)
+    return total + sum(sent(per_token, n if kind == 'other' else S)
+                       for _, per_token, kind in saved_per_token(config, dtype, S))
 
 
 def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
@@ -133,26 +125,24 @@ def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     return len(offloaded_blocks(config)) * block_host_bytes(config, batch, seq_len, dtype, cp_size)
 
 
-# ----------------------------------------------------------------------------- choosing α
+# ----------------------------------------------------------------------------- choosing α, checking host memory
 
 def block_forward_seconds(config, batch, seq_len, flops_per_s):
     """One block's forward at flops_per_s: 2 FLOPs per weight per token, and causal attention's 2·S·h."""
     h, kv, I = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size
-    weights = 2 * h * h + 2 * h * kv + 3 * h * I
-    return batch * seq_len * (2 * weights + 2 * seq_len * h) / flops_per_s
+    return batch * seq_len * (2 * (2 * h * h + 2 * h * kv + 3 * h * I) + 2 * seq_len * h) / flops_per_s
 
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):
     """Memo's rule: the largest α whose bytes per token, b·h + qkv + attention + α·other (the header's
-    formula over S tokens), cross in one block's forward time at bandwidth (bytes/s, one direction) and
-    fit host_bytes_free over the offloaded blocks. 0.0 when not even α = 0 does (recompute='full' is
-    then the cheaper way down); 'full' and 'selective' move whole tensors only: 0 or 1."""
+    formula), cross in one block's forward at bandwidth (bytes/s, one direction) and fit host_bytes_free
+    over the offloaded blocks; 0.0 if not even α = 0 does ('full' is then cheaper); 0 or 1 for 'full'
+    and 'selective' (whole tensors only)."""
     blocks = config.n_layer - KEEP_LAST
     if blocks <= 0:
         return 0.0
-    b = torch.empty(0, dtype=dtype).element_size()
-    whole = b * config.n_embd + (0 if config.recompute == 'full' else
-                                 _per_token(config, dtype, seq_len, 'qkv', 'attention'))
+    whole = torch.empty(0, dtype=dtype).element_size() * config.n_embd + (
+        0 if config.recompute == 'full' else _per_token(config, dtype, seq_len, 'qkv', 'attention'))
     other = _per_token(config, dtype, seq_len, 'other') if config.recompute == 'none' else 0
     budget = min(bandwidth * block_forward_s, host_bytes_free / blocks) / (batch * seq_len)
     if budget < whole:
@@ -164,7 +154,9 @@ def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0, 
     """One line saying how much host memory offload takes per rank; MemoryError (one line) when it
     needs more than is available (MemAvailable shared by this host's ranks) or than budget_gb."""
     need = host_bytes(config, batch, seq_len, dtype, cp_size)
-    limit, what = _host_memory_available() // int(os.environ.get('LOCAL_WORLD_SIZE', 1)), 'available'
+    with open('/proc/meminfo') as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    limit, what = available // int(os.environ.get('LOCAL_WORLD_SIZE', 1)), 'available'
     if budget_gb and budget_gb * 2**30 < limit:
         limit, what = int(budget_gb * 2**30), 'in host_memory_budget_gb'
     line = (f"offload={config.offload}: {need / 2**30:.2f} GiB of host memory per rank "
@@ -175,8 +167,8 @@ def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0, 
 
 
 def layout_error(recompute, alpha, cp_size=1, cp_impl='ulysses', compile=False):
-    """None, or the one-line reason offload = alpha can't run with this recompute, context parallel
-    layout and compile (parallel.check_layout asks)."""
+    """None, or the one-line reason offload = alpha can't run with this recompute and context parallel
+    layout (parallel.check_layout asks). compile=True runs: the offloaded blocks run eagerly."""
     if alpha > 0 and cp_size > 1 and cp_impl == 'ring' and (recompute == 'selective' or
                                                             recompute == 'none' and alpha < 1):
         instead = "recompute='full', cp_impl='ulysses' or offload=1" if recompute == 'none' else \
@@ -186,27 +178,15 @@ def layout_error(recompute, alpha, cp_size=1, cp_impl='ulysses', compile=False):
     return None
 
 
-def _host_memory_available():
-    with open('/proc/meminfo') as f:
-        for line in f:
-            if line.startswith('MemAvailable:'):
-                return int(line.split()[1]) * 1024
-    return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-
-
 # ----------------------------------------------------------------------------- the policy, per block
 
 def apply(model):
-    """Wrap every block of model (at build time, as torchtitan applies activation checkpointing): its
+    """Wrap every block of model at build time (as torchtitan applies activation checkpointing): its
     forward keeps, recomputes or offloads as model.config says, read at every call. Idempotent."""
     for i, block in enumerate(model.layers):
         if 'forward' not in vars(block):
             block.forward = partial(_block_forward, model, i, block, block.forward)
     return model
-
-
-def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: torch keeps attention's outputs
-    return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 _SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
@@ -215,26 +195,32 @@ _SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name)}
 
 
+def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: torch's checkpoint keeps attention's outputs
+    return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
-    c = model.config
+    c, saved = model.config, None
     if kv_cache is not None or not torch.is_grad_enabled():
         return inner(x, cos, sin, kv_cache)
-    offloaded = None
     if c.offload > 0 and i < c.n_layer - KEEP_LAST:
-        y, offloaded = _offload(block, inner, x, cos, sin, c.recompute, c.offload, i)
+        y, saved = _offload(block, inner, x, cos, sin, c.recompute, c.offload, i)
     elif c.recompute == 'none':
         y = inner(x, cos, sin)
-    elif c.recompute == 'full':
-        y = checkpoint(inner, x, cos, sin, use_reentrant=False)
     else:
-        y = checkpoint(inner, x, cos, sin, use_reentrant=False,
-                       context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))
-    if c.offload > 0:
-        _prefetch_on_backward(_engine(x), y, i, offloaded)
+        y = checkpoint(inner, x, cos, sin, use_reentrant=False, **({} if c.recompute == 'full' else dict(
+            context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))))
+    if c.offload > 0:  # when block i's backward begins, block i-1 starts coming back (the first kept
+        eng = _engine(x)  # block brings back the last offloaded one)
+        eng.last = None if i == 0 else eng.last  # a new forward
+        if eng.last is not None and eng.last[0] == i - 1 and y.requires_grad:
+            previous = eng.last[1]
+            y.register_hook(lambda grad: previous() and previous().fetch())
+        eng.last = (i, weakref.ref(saved)) if saved is not None else eng.last
     return y
 
 
-@torch.compiler.disable  # saved-tensor hooks, side streams and a swapped attention: eager, always
+@torch.compiler.disable  # saved-tensor hooks, side streams, a swapped attention: eager under compile too
 def _offload(block, inner, x, cos, sin, mode, alpha, i):
     mesh = getattr(block.attention, 'mesh', None)  # parallel.py's blocks carry their layout
     why = mesh and layout_error(mode, alpha, mesh.cp, mesh.cp_impl)
@@ -243,30 +229,24 @@ def _offload(block, inner, x, cos, sin, mode, alpha, i):
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]  # shared by every block: stay
     saved = Offloaded(_engine(x), i, keep)
     with saved_tensors_hooks(saved.pack, _unpack):
-        if mode == 'full':  # torch's checkpoint saves its input only: through our hooks
+        if mode == 'full':  # torch's checkpoint saves its input only, through our hooks
             y = checkpoint(inner, x, cos, sin, use_reentrant=False)
         else:
-            y = _split(block.attention, inner, x, cos, sin, x.shape[1] - (
-                host_tokens(alpha, x.shape[1]) if mode == 'none' else 0), saved)
+            n = host_tokens(alpha, x.shape[1]) if mode == 'none' else 0
+            y = _split(block.attention, inner, x, cos, sin, x.shape[1] - n, saved)
     saved.send()
     return y, saved
 
 
 def _tokens(t, S, lo, hi):
     """Tokens lo..hi of every run of S tokens along dim -2 (q, k, v, attention's output [B, H, runs·S, hd],
-    the RoPE tables [runs·S, hd]: under sequence parallelism a run per tp rank)."""
+    RoPE tables [runs·S, hd]: under sequence parallelism a run per tp rank)."""
     return t if (lo, hi) == (0, S) else t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
-
-
-def _join(early, late, runs):
-    """Every run's early tokens, then its late ones (the inverse of _tokens)."""
-    return torch.cat([early.unflatten(-2, (runs, -1)), late.unflatten(-2, (runs, -1))], -2).flatten(-3, -2)
 
 
 @contextmanager
 def _attend_with(attention, fn):
-    real = attention.attend
-    attention.attend = fn
+    real, attention.attend = attention.attend, fn
     try:
         yield
     finally:
@@ -274,17 +254,18 @@ def _attend_with(attention, fn):
 
 
 def _split(attention, inner, x, cos, sin, s0, saved):
-    """The block on tokens [0, s0) under checkpoint (recomputed in backward) and [s0, S) with what it
-    saves going to host (the hooks are active), meeting at attention: the header's cut."""
+    """The block on tokens [0, s0) under checkpoint and on [s0, S) with our hooks active, meeting at
+    attention (the header's cut). s0 = S: 'selective'; s0 = 0: α = 1, nothing recomputed."""
     S, real = x.shape[1], attention.attend
     state = {'late x': x[:, s0:]} if s0 < S else {}  # (an empty view would keep x alive)
 
     def core(q, k, v):  # every token's q, k, v: attention once, what it saves to host whole
-        if 'early' in state:
+        if 'early' in state:  # each run: the early range's tokens, then the late one's
             runs = state['early'][0].shape[-2] // s0
-            q, k, v = (_join(e, l, runs) for e, l in zip(state.pop('early'), (q, k, v)))
+            q, k, v = (torch.cat([e.unflatten(-2, (runs, -1)), t.unflatten(-2, (runs, -1))], -2).flatten(-3, -2)
+                       for e, t in zip(state.pop('early'), (q, k, v)))
         a = real(q, k, v)
-        if s0:  # the first range's recompute gets it back instead of attending again
+        if s0:  # the early range's recompute gets it back instead of attending again
             state['replay'] = saved.pack(a)
         state['a'], state['grad'] = a, a.requires_grad
         return a
@@ -293,11 +274,11 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         return _tokens(core(q, k, v), S, s0, S)
 
     def attend_early(q, k, v):
-        if 'replay' in state and 'a' not in state:  # backward's recompute of the first s0 tokens
+        if 'replay' in state and 'a' not in state:  # backward: the early range's recompute
             # requiring grad as in forward, so that the ops after it save what they saved then
             return _tokens(_unpack(state['replay']), S, 0, s0).detach().requires_grad_(state['grad'])
         with saved_tensors_hooks(saved.pack, _unpack):
-            if s0 < S:  # run the late range up to its attention, which runs the core, and to its end
+            if s0 < S:  # the late range's block, whose attention runs the core
                 state['early'] = (q, k, v)
                 with _attend_with(attention, attend_late):
                     state['late y'] = inner(state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S))
@@ -309,35 +290,18 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         with _attend_with(attention, attend_early):
             return inner(x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0))
 
-    if s0 == 0:  # α = 1: nothing is recomputed, all of it goes to host
+    if s0 == 0:
         with _attend_with(attention, attend_late):
             return inner(state.pop('late x'), cos, sin)
     y = checkpoint(early, x[:, :s0], use_reentrant=False)
     return y if s0 == S else torch.cat([y, state.pop('late y')], 1)
 
 
-def _prefetch_on_backward(eng, y, i, saved):
-    # when block i's backward begins (its output's gradient arrives), block i-1 starts coming back,
-    # its copies under block i's backward; the first kept block brings back the last offloaded one
-    if i == 0:
-        eng.last = None  # a new forward
-    previous = eng.last
-    if previous is not None and previous[0] == i - 1 and y.requires_grad:
-        y.register_hook(lambda grad: _fetch(previous[1]))
-    if saved is not None:
-        eng.last = (i, weakref.ref(saved))
-
-
-def _fetch(ref):
-    if ref() is not None:
-        ref().fetch()
-
-
 # ----------------------------------------------------------------------------- one block's tensors, to host and back
 
 class Offloaded:
-    """What one block's forward sends to host, and its way back: pack (forward) -> send (end of the
-    forward) -> fetch (the next block's backward begins) -> unpack (this block's backward)."""
+    """What one block's forward sends to host: pack (forward) -> send (its end) -> fetch (the next
+    block's backward begins) -> wait and unpack (its own backward)."""
 
     def __init__(self, eng, index, keep):
         self.eng, self.index, self.keep = eng, index, keep
@@ -348,9 +312,9 @@ class Offloaded:
     def pack(self, t):
         if t.numel() * t.element_size() < MIN_BYTES or any(t.untyped_storage() is s for s in self.keep):
             return t  # stays where it is
-        for k, u in enumerate(self.tensors):  # the same tensor saved twice (by a norm, by a view) goes once
-            if u.untyped_storage() is t.untyped_storage() and (u.shape, u.stride(), u.storage_offset()) == \
-                    (t.shape, t.stride(), t.storage_offset()) and u.dtype == t.dtype:
+        for k, u in enumerate(self.tensors):  # a tensor saved twice (by a norm, by a view) goes once
+            if u.untyped_storage() is t.untyped_storage() and u.dtype == t.dtype and \
+                    (u.shape, u.stride(), u.storage_offset()) == (t.shape, t.stride(), t.storage_offset()):
                 self.uses[k] += 1
                 return self, k
         self.tensors.append(t)
@@ -369,7 +333,7 @@ class Offloaded:
             self.host, self.orders, offset = [], [], 0
             for t, n in zip(self.tensors, sizes):
                 # in t's memory order (attention's output is [B, S, H, hd] in memory): it comes back
-                # with t's strides, and the views backward takes of it stay views, not copies
+                # with t's strides, and what backward views of it stays a view, not a copy
                 order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
                 t = t.permute(order)
                 self.host.append(self.buffer.data[offset:offset + n].view(t.dtype).view(t.shape))
@@ -403,7 +367,7 @@ class Offloaded:
         self.buffer = self.host = None
 
     def wait(self):
-        """This block's backward begins: its copies must have arrived (only its own)."""
+        """This block's backward begins: its own copies (no others) must have arrived."""
         self.ready = True
         self.fetch()  # nothing to do when it was prefetched
         self.eng.wait(self.back)
@@ -431,19 +395,16 @@ def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype
 
 
 class _HostBuffer:
-    """One allocation of the pool (the one place host memory is made: memory.py tells it from the
-    device's). Pinned exactly these pages with cudaHostRegister; `release` unpins."""
-    PAGE = 4096
+    """One allocation of the pool, the one place host memory is made (memory.py tells it from the
+    device's). Pinned, exactly its pages, with cudaHostRegister; `release` unpins."""
 
-    def __init__(self, nbytes, pin):
+    def __init__(self, nbytes, pin, page=4096):
         self.nbytes, self.ready, self.pinned = nbytes, None, pin
-        raw = torch.empty(nbytes + (2 * self.PAGE if pin else 0), dtype=torch.uint8)
-        start = -raw.data_ptr() % self.PAGE if pin else 0
+        raw = torch.empty(nbytes + (2 * page if pin else 0), dtype=torch.uint8)
+        start = -raw.data_ptr() % page if pin else 0
         self.data = raw[start:start + nbytes]
-        if pin:
-            err = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), _align(nbytes, self.PAGE), 0))
-            if err != 0:
-                raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (cudaError {err})")
+        if pin and int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), _align(nbytes, page), 0)):
+            raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
 
     def release(self):
         if self.pinned:
@@ -454,9 +415,8 @@ class _HostBuffer:
 
 
 class HostPool:
-    """Host memory for offloaded activations: a buffer per block, allocated at its exact size the first
-    time and reused by every later forward (a second one only if a block is forwarded again before its
-    backward, as a second micro-batch forwarded early would)."""
+    """A buffer per block, allocated at its exact size the first time and reused by every later forward
+    (a second one if a block is forwarded again before its backward: micro-batches forwarded early)."""
 
     def __init__(self, pin):
         self.pin, self.idle, self.buffers = pin, {}, []
@@ -464,17 +424,15 @@ class HostPool:
 
     def take(self, block, nbytes):
         idle = self.idle.setdefault(block, [])
-        for buf in idle:
-            if buf.nbytes >= nbytes:
-                idle.remove(buf)
-                break
+        buf = next((buf for buf in idle if buf.nbytes >= nbytes), None)
+        if buf is not None:
+            idle.remove(buf)
         else:
             if idle:  # a longer sequence than before: give back a buffer that is now too small
                 self.release(idle.pop())
             buf = _HostBuffer(nbytes, self.pin)
             self.buffers.append(buf)
-            self.reserved += nbytes
-            self.allocations += 1
+            self.reserved, self.allocations = self.reserved + nbytes, self.allocations + 1
         self.in_use += buf.nbytes
         return buf
 
@@ -490,24 +448,21 @@ class HostPool:
 
 
 class _Engine:
-    """Per device: the copy streams, the host pool, the blocks whose copies may still be running."""
+    """Per device: the copy streams, the host pool, the blocks whose copies may still be running. On a
+    CPU (or fake tensors) events are None and streams no-ops."""
 
     def __init__(self, device, fake):
         self.device, self.fake, self.cuda = device, fake, device.type == 'cuda' and not fake
         self.d2h, self.h2d = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.cuda else (None, None)
-        self.pool = HostPool(pin=self.cuda)
-        self.in_flight = []  # (event, device tensors the copies read)
-        self.last = None  # (index, weak reference) of the last offloaded block of this forward
+        self.pool, self.in_flight, self.last = HostPool(pin=self.cuda), [], None
 
     def on(self, stream):
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
-    def mark(self, stream=None):
-        """An event after the work queued so far on stream (the current one by default); None on a CPU."""
+    def mark(self, stream=None):  # an event after the work queued so far on stream (default: current)
         return (stream or torch.cuda.current_stream(self.device)).record_event() if self.cuda else None
 
-    def wait(self, event, stream=None):
-        """stream (the current one by default) waits for event; the host thread does not."""
+    def wait(self, event, stream=None):  # stream (default: current) waits for event; the host does not
         if event is not None:
             (stream or torch.cuda.current_stream(self.device)).wait_event(event)
 
@@ -520,8 +475,7 @@ class _Engine:
             self.wait(self.in_flight.pop(0)[0])
 
 
-_engines = {}
-_stats = {'bytes_to_host': 0, 'bytes_to_device': 0}
+_engines, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
 
 
 def _engine(x):
