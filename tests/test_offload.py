@@ -1,5 +1,6 @@
 """offload.py: keep / recompute / offload gives the plain path's loss and gradients, moves the bytes its
 formula says, keeps on the device what its formula says, and leaves nothing behind on the host."""
+import dataclasses
 import gc
 import weakref
 
@@ -9,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memory
 import offload
-from model import Block, Llama, LlamaConfig, rope_frequencies, rope_tables
+from model import Llama, LlamaConfig, rope_frequencies, rope_tables
 
 B, S, V = 2, 37, 61  # an odd length: no chunk count or token fraction divides it
 
@@ -101,8 +102,11 @@ def test_bf16_same_gradients_and_bytes(mode, alpha):
     sent = offload.bytes_to_host()
     loss, grads = step(same_model(cfg, torch.bfloat16), *batch())
     assert rel(loss, ref_loss) <= 1e-6
+    # 'none' with 0 < α < 1 runs the block on two token ranges: a weight's gradient is the sum of two
+    # bf16 parts instead of one bf16 matmul over every token, equal within bf16's rounding (2^-8)
+    tol = 1e-2 if mode == 'none' and 0 < alpha < 1 else 1e-6
     for name, g in grads.items():
-        assert rel(g, ref_grads[name]) <= 1e-6, name
+        assert rel(g, ref_grads[name]) <= tol, name
     assert offload.bytes_to_host() - sent == offload.host_bytes(cfg, B, S, torch.bfloat16)
 
 
@@ -111,13 +115,16 @@ def test_formula_by_hand():
     cfg = config(mlp_chunks=3, offload=0.5)
     h, kv, H, b = 32, 16, 4, 4
     saved = offload.saved_per_token(cfg, torch.float32, S)
-    assert sum(n for _, n, k in saved if k == 'input') == b * h
+    assert sum(n for _, n, k in saved if k == 'qkv') == b * (h + 2 * kv)
     assert sum(n for _, n, k in saved if k == 'attention') == b * h + 4 * H
-    assert sum(n for _, n, k in saved if k == 'other') == b * (6 * h + 2 * kv) + 8
-    n = 18  # floor(0.5 · 37)
-    assert offload.block_host_bytes(cfg, B, S) == B * S * (b * h + b * h + 4 * H) + B * n * (b * (6 * h + 2 * kv) + 8)
+    assert sum(n for _, n, k in saved if k == 'other') == 4 * b * h + 8 * h + 8
+    n = 18  # floor(0.5 · 37): the last 18 tokens to host, the first 19 recomputed from their input
+    assert offload.block_host_bytes(cfg, B, S) == (B * (S - n) * b * h + B * S * (b * (2 * h + 2 * kv) + 4 * H)
+                                                   + B * n * (4 * b * h + 8 * h + 8 + b * h))
+    assert offload.block_host_bytes(config(mlp_chunks=3, offload=0.5, recompute='selective'), B, S) == \
+        B * S * (b * h + b * (2 * h + 2 * kv) + 4 * H)
     bf16 = [n for _, n, k in offload.saved_per_token(cfg, torch.bfloat16, S) if k == 'other']
-    assert sum(bf16) == 2 * (5 * h + 2 * kv) + 8 * h + 8
+    assert sum(bf16) == 2 * 4 * h + 8 * h + 8
     unchunked = offload.saved_per_token(config(mlp_chunks=1), torch.float32, S)
     assert sum(n for _, n, _ in unchunked) - sum(n for _, n, _ in saved) == 4 * b * 80  # 4·b·I
 
@@ -143,23 +150,23 @@ def kept_after_forward(cfg, dtype, mlp_chunks):
     """Bytes of the tensors one block's forward created (its input included) that are still alive when
     it has returned, but its output: what the block keeps for backward, measured."""
     torch.manual_seed(0)
-    block = Block(cfg).to(dtype)
+    block = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype)).layers[0]  # wrapped
     cos, sin = rope_tables(rope_frequencies(cfg), torch.arange(S))
     x0 = torch.randn(B, S, cfg.n_embd, dtype=dtype, requires_grad=True)
     created = _Created()
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), created:
         x = x0 * 1  # the block's input, created here so that we see whether the block keeps it
-        y = offload.run_block(block, block.forward, x, cos, sin, cfg, 0)
+        y = block(x, cos, sin)
     del x
     gc.collect()
-    skip = {offload._key(t) for t in [y, cos, sin, *block.parameters()]}
-    alive = {}
+    skip = [t.untyped_storage() for t in [y, cos, sin, *block.parameters(), *offload.host_buffers()]]
+    alive = []  # storages, once each
     for ref in created.refs:
         t = ref()
-        if t is not None and offload._key(t) not in skip:
-            alive[offload._key(t)] = t.untyped_storage().nbytes()
-    # on a CPU the host pool is made of the same memory: it is not the device's
-    return sum(alive.values()) - offload.stats()['host_in_use'], y
+        if t is not None and not any(t.untyped_storage() is s for s in skip + alive):
+            alive.append(t.untyped_storage())
+    # on a CPU the host pool is made of the same memory: it is not the device's (host_buffers)
+    return sum(s.nbytes() for s in alive), y
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16'])
@@ -193,16 +200,18 @@ def backward_peak(cfg, seq_len=256):
 @pytest.mark.parametrize('mode,alpha', [('selective', 1.0), ('none', 0.5)])
 def test_a_recomputed_block_is_freed_when_its_backward_is_done(mode, alpha):
     """One block's recomputed tensors at a time: with offload the peak's activations and working set
-    don't grow with depth (they did: the recompute's graph held its own tensors through a saved-tensor
-    hook, so every block's recomputed copy lived to the end of backward), and the peak is no higher
-    than offload off's, which keeps every block's input and attention ('selective') or everything."""
+    don't grow with depth (a recompute's graph holding its own tensors would keep every block's
+    recomputed copy to the end of backward), and the peak is no higher than offload off's, which keeps
+    every block's input and attention ('selective') or everything. (With 'selective' q, k and v come
+    back with attention's output: at 4 blocks the two are within 0.2%, from 6 on offload is lower.)"""
     knobs = dict(recompute=mode, mlp_chunks=1, loss_chunks=4)  # the plain MLP: a recomputed block is large
-    two, four = (backward_peak(config(n_layer=n, offload=alpha, **knobs)) for n in (2, 4))
-    assert four[1] == two[1]
-    assert four[0] <= backward_peak(config(n_layer=4, **knobs))[0]
+    two, six = (backward_peak(config(n_layer=n, offload=alpha, **knobs)) for n in (2, 6))
+    assert six[1] == two[1]
+    assert six[0] <= backward_peak(config(n_layer=6, **knobs))[0]
     if mode == 'selective':  # two blocks: in block 1's backward offload off keeps block 0's input and
-        # attention, exactly what the prefetch brings back
-        assert two[0] == backward_peak(config(n_layer=2, **knobs))[0]
+        # attention; the prefetch brings back those and q, k, v
+        b, h, kv = 4, 32, 16
+        assert two[0] == backward_peak(config(n_layer=2, **knobs))[0] + B * 256 * b * (h + 2 * kv)
 
 
 def test_tiny_tensors_and_last_blocks_stay(monkeypatch):
@@ -241,10 +250,10 @@ def test_no_leak_and_flat_host_memory_over_30_steps():
         assert stats['host_in_use'] == 0  # every block came back: nothing left on the host
         assert stats['host_allocations'] == cfg.n_layer  # a buffer per block, allocated once
         assert stats['host_reserved'] >= offload.host_bytes(cfg, B, S)
-        buffers = {k: [b.data.data_ptr() for b in v] for e in offload._engines.values() for k, v in e.pool.idle.items()}
+        buffers = [b.data_ptr() for b in offload.host_buffers()]
+        assert len(buffers) == cfg.n_layer
         assert pools is None or buffers == pools  # the same memory, step after step
         pools = buffers
-        assert not any(e.in_flight for e in offload._engines.values())
     assert offload.bytes_to_host() - sent == 30 * offload.host_bytes(cfg, B, S)
 
 
@@ -292,18 +301,18 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
     """Block i-1 starts coming back when block i's backward begins, before block i-1's backward needs
     it, and not before block i+1's backward is done: two blocks' tensors on the device at most."""
     events = []
-    fetch, materialize = offload._BlockActivations.fetch, offload._BlockActivations.materialize
+    fetch, wait = offload.Offloaded.fetch, offload.Offloaded.wait
 
     def logged_fetch(self):
         if self.buffer is not None:
             events.append(('fetch', self.index))
         fetch(self)
 
-    def logged_materialize(self):
+    def logged_wait(self):
         events.append(('use', self.index))
-        materialize(self)
-    monkeypatch.setattr(offload._BlockActivations, 'fetch', logged_fetch)
-    monkeypatch.setattr(offload._BlockActivations, 'materialize', logged_materialize)
+        wait(self)
+    monkeypatch.setattr(offload.Offloaded, 'fetch', logged_fetch)
+    monkeypatch.setattr(offload.Offloaded, 'wait', logged_wait)
     cfg = config(n_layer=4, recompute='none', offload=0.5, mlp_chunks=3)
     step(same_model(cfg), *batch())
     assert sorted(events) == sorted([('fetch', i) for i in range(4)] + [('use', i) for i in range(4)])
@@ -325,15 +334,14 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
 
 # ----------------------------------------------------------------------------- edges
 
-def test_block_that_saves_other_tensors_on_fewer_tokens_falls_back_to_full_recompute():
-    # mlp_chunks=0 chunks the MLP at 300 tokens (chunked.py: >= 256 tokens a chunk) but not at 150:
-    # the prefix recompute can't rebuild what the forward saved, so every token is recomputed
+def test_token_ranges_may_chunk_the_mlp_differently():
+    # mlp_chunks=0 chunks the MLP at 300 tokens (chunked.py: >= 256 tokens a chunk) but not at 150: each
+    # token range of the block picks its own count, and the gradients stay the plain path's
     cfg = config(n_layer=2, mlp_chunks=0)
     idx, targets = batch(seq_len=300, batch_size=1)
     ref_loss, ref_grads = step(same_model(cfg), idx, targets)
     cfg = config(n_layer=2, mlp_chunks=0, recompute='none', offload=0.5)
-    with pytest.warns(UserWarning, match='recomputing every token'):
-        loss, grads = step(same_model(cfg), idx, targets)
+    loss, grads = step(same_model(cfg), idx, targets)
     assert rel(loss, ref_loss) <= 1e-6 and all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
 
 
@@ -360,7 +368,7 @@ def test_choose_alpha_is_memo_rule():
     cfg = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=0.5)
     seq, bf16 = 131072, torch.bfloat16
     saved = offload.saved_per_token(cfg, bf16, seq)
-    whole = 2 * 4096 + sum(n for _, n, k in saved if k == 'attention')  # the input is always sent
+    whole = 2 * 4096 + sum(n for _, n, k in saved if k in ('qkv', 'attention'))  # b·h: the input or wo's
     other = sum(n for _, n, k in saved if k == 'other')
     tokens, blocks = seq, cfg.n_layer - offload.KEEP_LAST
     # the transfer of input + attention + α·other just fits one block's forward: α = 0.5
@@ -394,3 +402,22 @@ def test_check_host_memory_fails_at_start_with_one_line():
         offload.check_host_memory(config(offload=0.5), B, S, budget_gb=1e-9)
     line = offload.check_host_memory(config(offload=0.5), B, S)
     assert line.startswith('offload=0.5') and '\n' not in line
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+def test_compile_with_offload_runs(tmp_path):
+    """compile=True with offload > 0 and recompute 'none' died with a segfault (exit 139): the offloaded
+    blocks now run eagerly (torch.compiler.disable), the rest compiled, and offload moves its bytes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, 'train.py', 'config/train_tiny.py', '--device=cpu', '--compile=True',
+                          '--offload=0.5', '--recompute=none', '--seq_len=512', '--batch_size=4', '--max_iters=2',
+                          '--eval_iters=1', f'--out_dir={tmp_path}'], cwd=repo, capture_output=True, text=True,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / 'log.jsonl')]
+    assert all(r['offload_bytes'] > 0 for r in rows) and all(r['loss'] == r['loss'] for r in rows)

@@ -349,9 +349,9 @@ def test_offload_under_sp_and_cp_gives_the_gradients_of_offload_off(offload_resu
     assert moved['bytes_to_host'] > 0 and moved['bytes_to_device'] == moved['bytes_to_host']
     assert host_in_use == 0
     if recompute != 'none':  # only whole tensors move, the input (and attention's output): the formula's
-        # bytes on this rank's tokens, for 2 micro-steps of 2 rows
+        # bytes on this rank's tokens, for 2 micro-steps of 2 rows (Ulysses: its output apart, offload.py)
         assert moved['bytes_to_host'] == 2 * offload.host_bytes(model_config(dict(recompute=recompute, offload=alpha)),
-                                                                2, S // (tp * cp))
+                                                                2, S // (tp * cp), cp_size=cp)
 
 
 def test_offload_under_sp_holds_no_more_than_offload_off(offload_results):
