@@ -55,21 +55,14 @@ def _device_mesh(world, tp, kv_heads, device_type):
     return DeviceMesh(device_type, ranks.T, mesh_dim_names=('tp', 'dpcp'))
 
 
-@functools.cache
-def _full_shapes(config):
-    with torch.device('meta'):
-        return {n: p.shape for n, p in Llama(config).named_parameters()}
-
-
-def _placed(name, local, mesh, config, rows_shared):
-    """local (this rank's rows of the tensor `name`) with its place in the full tensor."""
+def _placed(name, local, mesh, config, shape, rows_shared):
+    """local (this rank's rows of the tensor `name`, whose full shape is shape) with its place in it."""
     spec = parallel.shard_spec(name, config, mesh.tp)
     if mesh.world == 1 or (spec is None and not rows_shared):
         return local  # every rank holds the same tensor: DCP's one copy is right
     kv = spec is not None and spec[1] == 'kv' and config.n_kv_head < mesh.tp
     on_tp = [Replicate()] if spec is None else [Shard(0), Replicate()] if kv else [Shard(spec[0])]
     dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type)
-    shape = _full_shapes(config)[name]
     return DTensor.from_local(local, dm, on_tp + [Shard(0) if rows_shared else Replicate()],
                               shape=shape, stride=torch.empty(shape, device='meta').stride())
 
@@ -77,14 +70,16 @@ def _placed(name, local, mesh, config, rows_shared):
 def state_dict(model, optimizer, mesh, data_gen=None):
     """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""
     config, shared = model.config, optimizer.group is not None
+    with torch.device('meta'):
+        shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
     sd = {}
     for n, p, x, rows in zip(optimizer.names, optimizer.params, optimizer.pieces, optimizer.rows):
-        sd['model.' + n] = _placed(n, p.detach()[:rows], mesh, config, False)
+        sd['model.' + n] = _placed(n, p.detach()[:rows], mesh, config, shapes[n], False)
         if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
-            sd['master.' + n] = _placed(n, x, mesh, config, shared)
+            sd['master.' + n] = _placed(n, x, mesh, config, shapes[n], shared)
         st = optimizer.state[x]
         for k in ('exp_avg', 'exp_avg_sq'):
-            sd[f'optim.{n}.{k}'] = _placed(n, st[k], mesh, config, shared)
+            sd[f'optim.{n}.{k}'] = _placed(n, st[k], mesh, config, shapes[n], shared)
         sd[f'optim.{n}.step'] = st['step']
     sd['rng.torch'] = torch.get_rng_state()
     if data_gen is not None:
