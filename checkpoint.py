@@ -106,9 +106,8 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
     root = os.path.join(out_dir, 'ckpt')
     done = [int(k) for k in os.listdir(root) if k.isdigit()] if os.path.isdir(root) else []
     path = os.path.join(root, f'{max(done, default=0) + 1:06d}')
-    _barrier()  # every rank has chosen the same k before rank 0 makes the directory
-    if mesh.rank == 0:
-        os.makedirs(path)
+    _barrier()  # every rank has chosen the same k before any makes the directory
+    os.makedirs(path, exist_ok=True)
     _materialize(optimizer)
     dcp.save(state_dict(model, optimizer, mesh, data_gen), storage_writer=dcp.FileSystemWriter(path))
     if mesh.rank == 0:  # dcp.save returned: every rank's files and DCP's metadata are written
