@@ -737,7 +737,7 @@ class AdamW(torch.optim.AdamW):
             if self.group is not None:  # every rank's rows, padded to the same count for the all-gather
                 n = math.ceil(rows / dist.get_world_size(self.group))
                 x = all_gather(F.pad(x.to(p.dtype), (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])), 0, self.group)
-            if x.data_ptr() != p.data_ptr():  # not already the parameter's own rows
+            if self.group is not None or x.dtype != p.dtype:  # else x is a view of p's own rows
                 p[:rows].copy_(x[:rows])
 
     def zero_grad(self, set_to_none=True):
