@@ -493,31 +493,57 @@ def parallelize(model, mesh):
 
 
 # ----------------------------------------------------------------------------- gradients, clipping, optimizer
+# After backward every rank holds fp32 gradients of its tp shards, for its own tokens. sync_grads sums
+# them in buckets of BUCKET_BYTES (DDP's 25 MB): at most one bucket is ever copied, not the whole model.
+# AdamW below keeps the fp32 master weights and moments of rows; with zero=1 each of the d = dp·cp
+# ranks keeps only ⌈rows/d⌉ rows of every tensor (Megatron's distributed optimizer: per parameter
+# 2 + 4 + 12/d bytes with bf16 weights, 4 + 4 + 8/d in fp32, instead of 2 + 4 + 12 or 4 + 4 + 8) and
+# all-gathers the new rows after each step. torch's ZeroRedundancyOptimizer gives whole tensors to
+# ranks (uneven: the embedding alone can be a rank's share) and updates tensors every rank holds in
+# full, so it can't own masters that exist only as shards.
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def all_reduce_buckets(grads, group):
+    """Sum each tensor over group, in place, a bucket at a time (a tensor larger than a bucket alone, uncopied)."""
+    if group is None:
+        return
+    bucket = []
+
+    def flush():
+        if len(bucket) == 1:
+            all_reduce(bucket[0], group)
+        elif bucket:
+            flat = all_reduce(torch.cat([g.reshape(-1) for g in bucket]), group)
+            for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(piece.view_as(g))
+        bucket.clear()
+    for g in grads:
+        if bucket and sum(b.nbytes for b in bucket) + g.nbytes > BUCKET_BYTES:
+            flush()
+        bucket.append(g)
+    flush()
+
 
 def sync_grads(named_params, mesh, config):
     """After backward: make each rank's gradients those of the whole step. named_params: (name, tensor
     holding .grad), the model's names. Under sp the norms saw only our tokens: sum over tp. Replicated kv
     heads: sum over the copies. Everything: sum over dp × cp (the loss was already divided by the
     step's global token count, so a sum is the exact token-weighted mean)."""
-    def flat_all_reduce(tensors, group):
-        if group is None or not tensors:
-            return
-        grads = [p.grad for p in tensors]
-        buf = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
-        for g, piece in zip(grads, buf.split([g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
-    for p in (p for _, p in named_params):
+    for _, p in named_params:
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     if mesh.tp > 1 and mesh.sequence_parallel:
-        flat_all_reduce([p for n, p in named_params if shard_spec(n, config, mesh.tp) is None], mesh.tp_group)
-    flat_all_reduce([p for n, p in named_params if n.endswith(('wk.weight', 'wv.weight'))], mesh.kv_group)
-    flat_all_reduce([p for _, p in named_params], mesh.dpcp_group)
+        all_reduce_buckets([p.grad for n, p in named_params if shard_spec(n, config, mesh.tp) is None], mesh.tp_group)
+    all_reduce_buckets([p.grad for n, p in named_params if n.endswith(('wk.weight', 'wv.weight'))], mesh.kv_group)
+    all_reduce_buckets([p.grad for _, p in named_params], mesh.dpcp_group)
 
 
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element once."""
-    sq = sum((p.grad.float().pow(2).sum() for n, p in named_params if not is_replica(n, mesh, config)),
+    sq = sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+              for n, p in named_params if not is_replica(n, mesh, config)),
              torch.zeros((), device=named_params[0][1].device))
     if mesh.tp_group is not None:
         all_reduce(sq, mesh.tp_group)
@@ -528,47 +554,55 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     return norm
 
 
-class ShardedAdamW:
-    """zero=1: each parameter's AdamW moments live on one rank of its dp × cp group (the largest tensors
-    spread first); that rank updates it and broadcasts the new values. Gradients stay all-reduced."""
+def real_rows(name, p, mesh, config):
+    """Rows of this rank's tensor that hold the model (the last tp ranks' vocabulary rows past V are padding)."""
+    spec = shard_spec(name, config, mesh.tp)
+    if spec is None or spec[1] != 'vocab':
+        return p.shape[0]
+    n = _vocab_shard(config.vocab_size, mesh.tp)
+    return max(0, min(n, config.vocab_size - mesh.tp_rank * n))
 
-    def __init__(self, groups, mesh, **kw):
-        self.mesh, self.group = mesh, mesh.dpcp_group
-        n = mesh.dp * mesh.cp
-        me = (mesh.dp_rank * mesh.cp + mesh.cp_rank)
-        load = [0] * n
-        self.owner = {}
-        for p in sorted((p for g in groups for p in g['params']), key=lambda p: -p.numel()):
-            o = min(range(n), key=lambda i: load[i])  # ties go to the lowest rank: the same on every rank
-            self.owner[p], load[o] = o, load[o] + p.numel()
-        self.params = [p for g in groups for p in g['params']]
-        local = [{**g, 'params': [p for p in g['params'] if self.owner[p] == me]} for g in groups]
-        self.optim = torch.optim.AdamW(local, **kw)
-        self.param_groups = self.optim.param_groups
-        self.state = self.optim.state
 
+def row_share(rows, d, j):
+    """(first row, count) of rank j of d: ⌈rows/d⌉ each, the last ones fewer (DTensor's Shard(0) split)."""
+    n = math.ceil(rows / d)
+    first = min(rows, j * n)
+    return first, min(rows, first + n) - first
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter,
+    holding its fp32 .grad (the parameter itself in fp32). groups: torch's param groups, of masters.
+    zero=1 with dp·cp > 1: rows row_share(rows, d, j) of every tensor, updated here, then all-gathered
+    into the parameters of every rank; else every row. An fp32 parameter's rows are views (updated in
+    place); a bf16 one's are fp32 copies: the master weights."""
+
+    def __init__(self, named_params, masters, groups, mesh, config, zero=0, **kw):
+        self.group = mesh.dpcp_group if zero else None
+        d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
+        self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
+        self.rows = [real_rows(n, p, mesh, config) for n, p in named_params]
+        self.shares = [row_share(r, d, j) for r in self.rows]
+        self.pieces = [p.detach().narrow(0, a, n).float() for p, (a, n) in zip(self.params, self.shares)]
+        piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
+        super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
+
+    @torch.no_grad()
     def step(self):
-        self.optim.step()
-        if self.group is None:
-            return
-        for o in range(self.mesh.dp * self.mesh.cp):  # one broadcast per owner, its parameters flattened
-            mine = [p for p in self.params if self.owner[p] == o]
-            if not mine:
-                continue
-            buf = broadcast(torch.cat([p.data.reshape(-1) for p in mine]), dist.get_global_rank(self.group, o), self.group)
-            with torch.no_grad():
-                for p, piece in zip(mine, buf.split([p.numel() for p in mine])):
-                    p.copy_(piece.view_as(p))
+        for m, x, (a, n) in zip(self.masters, self.pieces, self.shares):
+            if m.grad is not None:
+                x.grad = m.grad.narrow(0, a, n)
+        super().step()
+        for p, x, rows in zip(self.params, self.pieces, self.rows):
+            if self.group is not None:  # every rank's rows, padded to the same count for the all-gather
+                n = math.ceil(rows / dist.get_world_size(self.group))
+                x = all_gather(F.pad(x.to(p.dtype), (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])), 0, self.group)
+            if self.group is not None or x.dtype != p.dtype:  # else x is a view of p's own rows
+                p[:rows].copy_(x[:rows])
 
     def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self):
-        return self.optim.state_dict()
-
-    def load_state_dict(self, sd):
-        self.optim.load_state_dict(sd)
+        for t in self.masters + self.pieces:
+            t.grad = None
 
 
 def gather_full(named_tensors, mesh, config, grads=False):
@@ -581,136 +615,3 @@ def gather_full(named_tensors, mesh, config, grads=False):
             t = unshard(n, list(pieces), config)
         out[n] = t.clone()
     return out
-
-
-# ----------------------------------------------------------------------------- checkpoints
-# Under torchrun each rank writes out_dir/ckpt/rank{r}.pt: its shards keyed by parameter name (weights,
-# fp32 masters, AdamW moments), written once (by the first dp×cp rank, or under zero=1 by the owner),
-# then a barrier, then rank 0 writes out_dir/ckpt/COMMITTED. A directory without it is never loaded.
-# Reading assembles the full tensors from any layout's shards into the single-process ckpt.pt format
-# (consolidate), so a run resumes under any layout, and `python parallel.py export out_dir hf_dir`
-# writes one Hugging Face directory from any of them.
-
-def _opt_state(optimizer, p):
-    st = optimizer.state.get(p)
-    return None if not st else {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in st.items()}
-
-
-def save_sharded(out_dir, mesh, config, names, masters, model, optimizer, scalars, save_fn):
-    """Every rank writes its shard (save_fn: train.save_checkpoint, atomic), barrier, rank 0 commits."""
-    d = os.path.join(out_dir, 'ckpt')
-    marker = os.path.join(d, 'COMMITTED')
-    if mesh.rank == 0:
-        os.makedirs(d, exist_ok=True)
-        if os.path.exists(marker):
-            os.remove(marker)  # from here until the new marker, this directory is not a checkpoint
-    dist.barrier()
-    first = mesh.dp_rank == 0 and mesh.cp_rank == 0
-    zero = isinstance(optimizer, ShardedAdamW)
-    mine = lambda m: optimizer.owner[m] == mesh.dp_rank * mesh.cp + mesh.cp_rank if zero else first
-    params = dict(model.named_parameters())
-    state = {'tp': mesh.tp, 'tp_rank': mesh.tp_rank,
-             'model': {n: params[n].detach().cpu() for n in names} if first else {},
-             'masters': {n: m.detach().cpu() for n, m in zip(names, masters)}
-             if first and masters[0] is not params[names[0]] else {},
-             'optim': {n: _opt_state(optimizer, m) for n, m in zip(names, masters) if mine(m) and _opt_state(optimizer, m)},
-             'param_groups': [{k: v for k, v in g.items() if k != 'params'} for g in optimizer.param_groups]}
-    if mesh.rank == 0:
-        state.update(scalars)
-    save_fn(os.path.join(d, f'rank{mesh.rank:05d}.pt'), state)
-    dist.barrier()
-    if mesh.rank == 0:
-        import json
-        with open(marker + '.tmp', 'w') as f:
-            json.dump({'world': mesh.world, 'iter_num': scalars['iter_num']}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(marker + '.tmp', marker)
-
-
-def latest_checkpoint(out_dir):
-    """The newest loadable checkpoint of out_dir: its ckpt.pt or its committed ckpt/ directory; None if neither."""
-    single, marker = os.path.join(out_dir, 'ckpt.pt'), os.path.join(out_dir, 'ckpt', 'COMMITTED')
-    found = [p for p in (single, marker) if os.path.exists(p)]
-    return max(found, key=os.path.getmtime) if found else None
-
-
-def consolidate(path, config_from_args, opt_order):
-    """A checkpoint (ckpt.pt, or ckpt/COMMITTED of any layout) in the single-process format: full 'model'
-    state dict, 'masters' list and 'optimizer' state dict in opt_order(config) order, plus the scalars."""
-    if not path.endswith('COMMITTED'):
-        return torch.load(path, map_location='cpu', weights_only=False)
-    import json
-    d = os.path.dirname(path)
-    with open(path) as f:
-        world = json.load(f)['world']
-    files = [torch.load(os.path.join(d, f'rank{r:05d}.pt'), map_location='cpu', weights_only=False, mmap=True)
-             for r in range(world)]
-    head = files[0]
-    config = config_from_args(head['model_args'])
-    tp = head['tp']
-
-    def full(key):  # {name: full tensor} from the files holding `key`, one piece per tp rank
-        pieces = [{} for _ in range(tp)]
-        for f in files:
-            pieces[f['tp_rank']].update(f[key])
-        return {n: unshard(n, [pieces[t][n] for t in range(tp)], config) for n in pieces[0]}
-    ckpt = {k: v for k, v in head.items() if k not in ('tp', 'tp_rank', 'model', 'masters', 'optim', 'param_groups')}
-    ckpt['model'] = full('model')
-    names = list(ckpt['model'])
-    if config.tie_embeddings:  # one parameter, two state-dict entries
-        ckpt['model']['output.weight'] = ckpt['model']['tok_embeddings.weight']
-    masters = full('masters')
-    if masters:
-        ckpt['masters'] = [masters[n] for n in names]
-    optim = [{} for _ in range(tp)]
-    for f in files:
-        optim[f['tp_rank']].update(f['optim'])
-    order = opt_order(config)
-    groups = head['param_groups']
-    state = {}
-    for i, n in enumerate(o for g in order for o in g):
-        if n in optim[0]:
-            st = dict(optim[0][n])
-            for k in ('exp_avg', 'exp_avg_sq'):
-                st[k] = unshard(n, [optim[t][n][k] for t in range(tp)], config)
-            state[i] = st
-    ids = iter(range(sum(len(g) for g in order)))
-    ckpt['optimizer'] = {'state': state, 'param_groups': [{**g, 'params': [next(ids) for _ in o]}
-                                                         for g, o in zip(groups, order)]}
-    return ckpt
-
-
-def restore_sharded(ckpt, mesh, config, names, masters, optimizer, opt_order):
-    """Load a consolidated checkpoint's masters and AdamW moments into this rank's shards."""
-    with torch.no_grad():
-        if 'masters' in ckpt:
-            for n, m, full in zip(names, masters, ckpt['masters']):
-                m.copy_(shard(n, full, mesh.tp_rank, mesh.tp, config))
-    order = [n for g in opt_order(config) for n in g]
-    saved = {order[i]: st for i, st in ckpt['optimizer']['state'].items()}
-    master_of = dict(zip(names, masters))
-    sd = optimizer.state_dict()
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g['params'])}
-    sd['state'] = {}
-    for n, st in saved.items():
-        m = master_of[n]
-        if id(m) in index:
-            sd['state'][index[id(m)]] = {k: shard(n, v, mesh.tp_rank, mesh.tp, config) if k.startswith('exp_avg') else v
-                                         for k, v in st.items()}
-    optimizer.load_state_dict(sd)
-
-
-if __name__ == '__main__':
-    # python parallel.py export OUT_DIR HF_DIR: one Hugging Face directory from a checkpoint of any layout
-    if len(sys.argv) != 4 or sys.argv[1] != 'export':
-        sys.exit("usage: python parallel.py export OUT_DIR HF_DIR")
-    from model import Llama, LlamaConfig
-    path = latest_checkpoint(sys.argv[2])
-    if path is None:
-        sys.exit(f"error: no committed checkpoint in {sys.argv[2]}")
-    ckpt = consolidate(path, lambda a: LlamaConfig(**a), lambda c: [[], []])
-    model = Llama(LlamaConfig(**ckpt['model_args']))
-    model.load_state_dict(ckpt['model'])
-    model.save_pretrained(sys.argv[3])
-    print(f"wrote {sys.argv[3]} from {path}")

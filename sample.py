@@ -16,11 +16,11 @@ import sys
 import torch
 
 from data.tokenizer import get_tokenizer
-from model import KVCache, Llama, LlamaConfig
-import parallel
+from model import KVCache, Llama
+import checkpoint
 
 # -----------------------------------------------------------------------------
-init_from = 'resume'  # 'resume' (out_dir/ckpt.pt) or a Hugging Face model directory
+init_from = 'resume'  # 'resume' (out_dir's checkpoint) or a Hugging Face model directory
 out_dir = 'out-tiny'
 dataset = ''  # whose meta.json holds the tokenizer; '' = the checkpoint's dataset
 start = '\n'  # the prompt, or FILE:path to read it from a file
@@ -67,14 +67,11 @@ def main():
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
-        # out_dir/ckpt.pt of a one-process run, or out_dir/ckpt/ of a torchrun run (one file per rank,
-        # gathered here into the full model; the optimizer state is not read)
-        path = parallel.latest_checkpoint(out_dir)
+        # the newest committed checkpoint of out_dir, saved by any layout, read whole (checkpoint.py)
+        path = checkpoint.latest(out_dir)
         if path is None:
             sys.exit(f"error: no checkpoint in {out_dir} (train one first: python train.py)")
-        ckpt = parallel.consolidate(path, lambda args: LlamaConfig(**args), lambda config: [[], []])
-        model = Llama(LlamaConfig(**ckpt['model_args']))
-        model.load_state_dict(ckpt['model'])
+        model, ckpt = checkpoint.load_model(path)
         name = name or ckpt['config']['dataset']
     else:
         model = Llama.from_pretrained(init_from)

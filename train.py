@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
+import checkpoint
 import parallel
 import memory
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -163,14 +164,15 @@ def forward_backward(model, micro_batches, autocast, mesh=None):
 
 
 def make_master_weights(model):
-    """fp32 weights for the optimizer. For an fp32 model they are its own parameters. For a bf16 model
-    they are fp32 copies, and a hook folds each bf16 gradient into the copy's fp32 .grad the moment
-    autograd has finished it, so gradient accumulation runs in fp32 and no bf16 gradient outlives
-    its parameter's backward."""
+    """The tensors whose .grad holds each parameter's fp32 gradient. For an fp32 model, its parameters.
+    For a bf16 model, fp32 holders of the parameters' shapes that own no memory (a stride-0 view of one
+    zero: the fp32 master weights themselves live in the optimizer, sharded with zero=1); a hook folds
+    each bf16 gradient into the holder's fp32 .grad the moment autograd has finished it, so gradient
+    accumulation runs in fp32 and no bf16 gradient outlives its parameter's backward."""
     params = list(model.parameters())
     if all(p.dtype == torch.float32 for p in params):
         return params
-    masters = [p.detach().float().requires_grad_(True) for p in params]
+    masters = [torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape) for p in params]
     for p, m in zip(params, masters):
         def fold(p, m=m):
             m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
@@ -180,6 +182,7 @@ def make_master_weights(model):
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
+    """AdamW on fp32 master rows (parallel.AdamW): with zero=1 each dp·cp rank keeps its share of them."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
     decay = [m for p, m in zip(model.parameters(), masters) if p.dim() >= 2]
     no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
@@ -187,16 +190,8 @@ def make_optimizer(model, masters, device_type, mesh=None):
     # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a CPU
     # it is also what makes the tiny models' step fast (a 4-layer, width-128 model: 0.9 ms vs 5.9 ms)
     fused = device_type in ('cuda', 'cpu', 'mps')
-    if zero and mesh is not None and mesh.dp * mesh.cp > 1:
-        return parallel.ShardedAdamW(groups, mesh, lr=learning_rate, betas=(beta1, beta2), fused=fused)
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
-
-
-def optimizer_order(config):
-    """The parameter names of make_optimizer's two groups, in order: how checkpoints name AdamW's state."""
-    with torch.device('meta'):
-        named = list(Llama(config).named_parameters())
-    return [[n for n, p in named if p.dim() >= 2], [n for n, p in named if p.dim() < 2]]
+    return parallel.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
+                          zero=zero, lr=learning_rate, betas=(beta1, beta2), fused=fused)
 
 
 def get_lr(it):
@@ -252,22 +247,7 @@ def peak_memory(device):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints
-
-def save_checkpoint(path, state):
-    """Write to a temporary file, fsync, rename: a crash mid-write leaves the previous file whole."""
-    tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path) or '.', os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
+# checkpoints (checkpoint.py)
 
 def model_from_config(meta, cfg):
     """Build (or load) the model named by init_from; returns (model, checkpoint or None)."""
@@ -278,12 +258,11 @@ def model_from_config(meta, cfg):
         args['vocab_size'] = vocab_size or meta['vocab_size']
         model = Llama(LlamaConfig(**args, **knobs))
     elif init_from == 'resume':
-        path = parallel.latest_checkpoint(out_dir)  # ckpt.pt, or ckpt/ shards of any layout with their marker
+        path = checkpoint.latest(out_dir)  # the newest committed one, saved under any layout
         if path is None:
             die(f"--init_from=resume but there is no checkpoint in {out_dir}")
-        ckpt = parallel.consolidate(path, lambda args: LlamaConfig(**args), optimizer_order)
+        ckpt = {**checkpoint.meta(path), 'path': path}  # the weights load after sharding (main)
         model = Llama(LlamaConfig(**ckpt['model_args'], **knobs))
-        model.load_state_dict(ckpt['model'])
     elif os.path.isdir(init_from):
         model = Llama.from_pretrained(init_from, **knobs)
     else:
@@ -359,19 +338,9 @@ def main():
     memory.materialize_optimizer_state(optimizer)  # AdamW's state now, not in step 1: step 1 shows the peak
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, float('inf')
-    if ckpt is not None:
-        if world > 1:  # the checkpoint holds full tensors: keep our shards
-            parallel.restore_sharded(ckpt, mesh, model.config, names, masters, optimizer, optimizer_order)
-        else:
-            optimizer.load_state_dict(ckpt['optimizer'])
-            if 'masters' in ckpt:
-                with torch.no_grad():
-                    for m, saved in zip(masters, ckpt['masters']):
-                        m.copy_(saved)
-        data_gen.set_state(ckpt['data_gen'])
-        torch.set_rng_state(ckpt['rng'])
+    if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into this rank's pieces
+        checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-        del ckpt
     raw_model = model
     if compile:
         model = torch.compile(model)
@@ -385,12 +354,8 @@ def main():
                 parallel.clip_grad_norm_(named_masters, grad_clip, mesh, raw_model.config)
         elif grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(masters, grad_clip)
-        optimizer.step()
+        optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
         optimizer.zero_grad(set_to_none=True)
-        if masters[0] is not next(raw_model.parameters()):
-            with torch.no_grad():
-                for p, m in zip(raw_model.parameters(), masters):
-                    p.copy_(m)
         return loss
 
     if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
@@ -408,18 +373,9 @@ def main():
               f"device {dev} {str(ptdtype).removeprefix('torch.')}" +
               (f", peak {device_flops / 1e12:.0f} TFLOP/s" if device_flops else '') + layout)
 
-    def checkpoint(next_iter):
-        scalars = {'model_args': {k: v for k, v in asdict(raw_model.config).items() if k not in _KNOBS},
-                   'iter_num': next_iter, 'best_val_loss': best_val_loss, 'config': cfg,
-                   'data_gen': data_gen.get_state(), 'rng': torch.get_rng_state()}
-        if world > 1:  # a shard per rank, then rank 0's commit marker
-            parallel.save_sharded(out_dir, mesh, raw_model.config, names, masters, raw_model, optimizer,
-                                  scalars, save_checkpoint)
-            return
-        state = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), **scalars}
-        if masters[0] is not next(raw_model.parameters()):
-            state['masters'] = masters
-        save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), state)
+    def save(next_iter):  # every rank writes its pieces, rank 0 commits (checkpoint.py)
+        return checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=next_iter,
+                        best_val_loss=best_val_loss, config=cfg)
 
     @torch.no_grad()
     def evaluate():
@@ -455,7 +411,7 @@ def main():
             val_loss = evaluate()
             best_val_loss = min(best_val_loss, val_loss)
             if always_save_checkpoint and iter_num > 0:
-                checkpoint(iter_num)
+                save(iter_num)
             t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
 
         lr = get_lr(iter_num)
@@ -499,16 +455,16 @@ def main():
             if world > 1 and parallel.all_reduce(torch.tensor(len(stop), device=dev), None).item() and not stop:
                 stop.append(signal.SIGTERM)
         if stop:
-            checkpoint(iter_num)
+            save(iter_num)
             bar.close()
             if master_process:
                 print(f"stopped by signal {stop[0]} at iter {iter_num}; checkpoint saved in {out_dir} "
                       f"(continue with --init_from=resume)")
             return
     bar.close()
-    checkpoint(iter_num)
+    path = save(iter_num)
     if master_process:
-        print(f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, checkpoint {out_dir}/ckpt.pt")
+        print(f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, checkpoint {path}")
 
 
 if __name__ == '__main__':

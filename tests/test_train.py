@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import train
 from model import Llama, LlamaConfig
 
@@ -72,9 +73,11 @@ def test_resume_of_a_bf16_run_keeps_fp32_master_weights(tmp_path):
     run_train(*SMALL, '--dtype=bfloat16', '--max_iters=6', '--eval_interval=100', f'--out_dir={split}',
               '--init_from=resume')
     assert [r['loss'] for r in read_log(straight)] == [r['loss'] for r in read_log(split)]
-    ckpt = torch.load(os.path.join(split, 'ckpt.pt'), weights_only=False)
-    assert all(m.dtype == torch.float32 for m in ckpt['masters'])
-    assert all(v.dtype == torch.bfloat16 for v in ckpt['model'].values())
+    saved = checkpoint._Reader(checkpoint.latest(split)).read_metadata().state_dict_metadata
+    masters = [v.properties.dtype for k, v in saved.items() if k.startswith('master.')]
+    weights = [v.properties.dtype for k, v in saved.items() if k.startswith('model.')]
+    assert len(masters) == len(weights) > 0
+    assert set(masters) == {torch.float32} and set(weights) == {torch.bfloat16}
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
@@ -89,37 +92,50 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr[-2000:]
-    ckpt = torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)
-    assert ckpt['iter_num'] >= 3 and 'continue with --init_from=resume' in stdout
+    assert checkpoint.meta(checkpoint.latest(out))['iter_num'] >= 3 and 'continue with --init_from=resume' in stdout
 
 
 KILLED_WRITER = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
-from train import save_checkpoint
-class Slow:  # pickling this takes forever: the process dies mid-write
-    def __reduce__(self):
-        time.sleep(600)
-        return (int, (0,))
-save_checkpoint({path!r}, {{'weights': torch.arange(10.0), 'step': 1}})
+import torch.distributed.checkpoint as dcp
+import checkpoint, parallel
+from model import Llama, LlamaConfig
+torch.manual_seed(0)
+model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+params = list(model.parameters())
+opt = parallel.AdamW(list(model.named_parameters()), params, [{{'params': params}}], parallel.Mesh(), model.config)
+checkpoint.save({out!r}, model, opt, parallel.Mesh(), iter_num=1)
 print('saved', flush=True)
-save_checkpoint({path!r}, {{'weights': torch.zeros(1 << 20), 'slow': Slow(), 'step': 2}})
+with torch.no_grad():
+    for p in params:
+        p.zero_()
+finish = dcp.FileSystemWriter.finish
+def slow_finish(self, *args, **kw):  # the data files are written; the process dies before the commit
+    finish(self, *args, **kw)
+    print('writing', flush=True)
+    time.sleep(600)
+dcp.FileSystemWriter.finish = slow_finish
+checkpoint.save({out!r}, model, opt, parallel.Mesh(), iter_num=2)
 """
 
 
 def test_a_process_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
-    path = str(tmp_path / 'ckpt.pt')
-    p = subprocess.Popen([sys.executable, '-c', KILLED_WRITER.format(root=ROOT, path=path)],
+    out = str(tmp_path / 'out')
+    p = subprocess.Popen([sys.executable, '-c', KILLED_WRITER.format(root=ROOT, out=out)],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == 'saved'
-    deadline = time.time() + 60
-    while not os.path.exists(path + '.tmp') and time.time() < deadline:
-        time.sleep(0.05)
-    assert os.path.exists(path + '.tmp')  # the second checkpoint is being written...
+    assert p.stdout.readline().strip() == 'writing'  # the second checkpoint is being written...
     p.kill()
     p.wait()
-    ckpt = torch.load(path, weights_only=False)  # ...and the first is whole
-    assert ckpt['step'] == 1 and torch.equal(ckpt['weights'], torch.arange(10.0))
+    assert len(os.listdir(os.path.join(out, 'ckpt'))) == 2
+    path = checkpoint.latest(out)  # ...and the first is the one found, whole
+    assert checkpoint.meta(path)['iter_num'] == 1
+    torch.manual_seed(0)
+    ref = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    model, _ = checkpoint.load_model(path)
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b) and a.abs().sum() > 0, n
 
 
 def test_gradient_accumulation_equals_one_big_batch():
@@ -201,8 +217,8 @@ def test_init_from_a_hugging_face_directory_fine_tunes_it(tmp_path):
                       vocab_size=300)).save_pretrained(tmp_path / 'hf')
     out = str(tmp_path / 'out')
     run_train(*SMALL, f'--init_from={tmp_path / "hf"}', '--max_iters=3', f'--out_dir={out}')
-    ckpt = torch.load(os.path.join(out, 'ckpt.pt'), weights_only=False)
-    assert ckpt['model_args']['vocab_size'] == 300 and ckpt['model_args']['n_layer'] == 1
+    args = checkpoint.meta(checkpoint.latest(out))['model_args']
+    assert args['vocab_size'] == 300 and args['n_layer'] == 1
 
 
 def test_train_tiny_learns_and_samples(tmp_path):

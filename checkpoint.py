@@ -1,0 +1,214 @@
+"""
+Checkpoints through torch.distributed.checkpoint (DCP): one format for one process and for every
+torchrun layout, and any layout loads any other's.
+
+out_dir/ckpt/<k>/ is the k-th save: DCP's files (each rank writes the pieces it holds), meta.json
+(iter_num, best_val_loss, config, model_args) and, last of all, rank 0's COMMITTED. A directory
+without COMMITTED is never loaded, so a crash mid-save leaves the previous checkpoint; once the new
+one is committed the older ones are removed. What is saved, by parameter name n (per parameter:
+b bytes of weights + 4 of fp32 master with bf16 weights + 8 of AdamW moments, each element once):
+
+  model.n                                          the weights, as the model holds them (bf16 or fp32)
+  master.n                                         fp32 master weights, when the weights are bf16
+  optim.n.exp_avg, optim.n.exp_avg_sq, optim.n.step AdamW's state
+  rng.torch, rng.data                              torch's and the data sampler's RNG states
+
+Every piece goes to DCP as a DTensor whose placement says where it lies in the full tensor: which tp
+shard (vocabulary rows ⌈V/t⌉ per rank, the padding left out; kv heads replicated over a kv group when
+K < t) and, with zero=1, which rows of the dp·cp share. DCP keys by name and keeps one copy of equal
+pieces: tp shards saved as plain tensors would keep one rank's and load back wrong, silently. With
+placements a checkpoint reshards: tp 2 loads on tp 1 or 4, zero=1 over dp 2 in one process, and the
+optimizer's state is keyed by parameter name in every layout. Loading unpickles no code: DCP reads
+tensors with weights_only, and its metadata goes through an unpickler that admits data classes only.
+
+    python checkpoint.py export OUT_DIR HF_DIR     # a Hugging Face directory from any checkpoint
+"""
+import functools
+import json
+import os
+import pickle
+import shutil
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from model import MEMORY_KNOBS, Llama, LlamaConfig
+import parallel
+
+
+# ----------------------------------------------------------------------------- where each piece lies
+
+@functools.cache
+def _device_mesh(world, tp, kv_heads, device_type):
+    """All ranks as a DeviceMesh (tp, dp·cp), or (K, t/K, dp·cp) to place kv heads replicated K < t ways.
+    tp comes first: a zero=1 share is rows of this rank's tp shard, not the other way round."""
+    ranks = torch.arange(world).view(world // tp, tp)   # rank = (dp_rank·cp + cp_rank)·tp + tp_rank
+    if kv_heads:
+        return DeviceMesh(device_type, ranks.view(-1, kv_heads, tp // kv_heads).permute(1, 2, 0),
+                          mesh_dim_names=('kv', 'kv_copy', 'dpcp'))
+    return DeviceMesh(device_type, ranks.T, mesh_dim_names=('tp', 'dpcp'))
+
+
+def _placed(name, local, mesh, config, shape, rows_shared):
+    """local (this rank's rows of the tensor `name`, whose full shape is shape) with its place in it."""
+    spec = parallel.shard_spec(name, config, mesh.tp)
+    if mesh.world == 1 or (spec is None and not rows_shared):
+        return local  # every rank holds the same tensor: DCP's one copy is right
+    kv = spec is not None and spec[1] == 'kv' and config.n_kv_head < mesh.tp
+    on_tp = [Replicate()] if spec is None else [Shard(0), Replicate()] if kv else [Shard(spec[0])]
+    dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type)
+    return DTensor.from_local(local, dm, on_tp + [Shard(0) if rows_shared else Replicate()],
+                              shape=shape, stride=torch.empty(shape, device='meta').stride())
+
+
+def state_dict(model, optimizer, mesh, data_gen=None):
+    """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""
+    config, shared = model.config, optimizer.group is not None
+    with torch.device('meta'):
+        shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
+    sd = {}
+    for n, p, x, rows in zip(optimizer.names, optimizer.params, optimizer.pieces, optimizer.rows):
+        sd['model.' + n] = _placed(n, p.detach()[:rows], mesh, config, shapes[n], False)
+        if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
+            sd['master.' + n] = _placed(n, x, mesh, config, shapes[n], shared)
+        st = optimizer.state[x]
+        for k in ('exp_avg', 'exp_avg_sq'):
+            sd[f'optim.{n}.{k}'] = _placed(n, st[k], mesh, config, shapes[n], shared)
+        sd[f'optim.{n}.step'] = st['step']
+    sd['rng.torch'] = torch.get_rng_state()
+    if data_gen is not None:
+        sd['rng.data'] = data_gen.get_state()
+    return sd
+
+
+# ----------------------------------------------------------------------------- save
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_write(path, text):
+    with open(path, 'w') as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
+    """Every rank calls it. scalars (iter_num, best_val_loss, config) go to meta.json."""
+    root = os.path.join(out_dir, 'ckpt')
+    done = [int(k) for k in os.listdir(root) if k.isdigit()] if os.path.isdir(root) else []
+    path = os.path.join(root, f'{max(done, default=0) + 1:06d}')
+    _barrier()  # every rank has chosen the same k before any makes the directory
+    os.makedirs(path, exist_ok=True)
+    _materialize(optimizer)
+    dcp.save(state_dict(model, optimizer, mesh, data_gen), storage_writer=dcp.FileSystemWriter(path))
+    if mesh.rank == 0:  # dcp.save returned: every rank's files and DCP's metadata are written
+        args = {k: v for k, v in asdict(model.config).items() if k not in MEMORY_KNOBS}
+        _fsync_write(os.path.join(path, 'meta.json'), json.dumps({**scalars, 'model_args': args}))
+        _fsync_write(os.path.join(path, 'COMMITTED'), '')
+        for k in done:
+            shutil.rmtree(os.path.join(root, f'{k:06d}'), ignore_errors=True)
+    _barrier()
+    return path
+
+
+# ----------------------------------------------------------------------------- load
+
+def latest(out_dir):
+    """The newest committed checkpoint directory of out_dir, or None."""
+    root = os.path.join(out_dir, 'ckpt')
+    ks = sorted((int(k) for k in os.listdir(root) if k.isdigit()), reverse=True) if os.path.isdir(root) else []
+    return next((p for p in (os.path.join(root, f'{k:06d}') for k in ks)
+                 if os.path.exists(os.path.join(p, 'COMMITTED'))), None)
+
+
+def meta(path):
+    with open(os.path.join(path, 'meta.json')) as f:
+        return json.load(f)
+
+
+class _DataOnly(pickle.Unpickler):
+    """DCP's metadata is a pickle of its own data classes: admit those, torch's dtypes and sizes, no code."""
+
+    def find_class(self, module, name):
+        obj = super().find_class(module, name)
+        if module.startswith('torch.distributed.checkpoint') and isinstance(obj, type):
+            return obj
+        # torch.layout pickles as a call of torch.serialization's name -> layout lookup (weights_only's too)
+        if (module, name) in (('collections', 'OrderedDict'), ('torch', 'Size'), ('pathlib', 'PosixPath'),
+                              ('torch.serialization', '_get_layout')) or isinstance(obj, torch.dtype):
+            return obj
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}: refused")
+
+
+class _Reader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        with open(self._get_metadata_path(kwargs.get('rank')), 'rb') as f:
+            md = _DataOnly(f).load()
+        md.storage_meta = md.storage_meta or StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def _materialize(optimizer):
+    """AdamW makes its state in its first step; DCP loads into tensors that exist. One step with zero
+    gradients at lr 0 (an exact no-op on the weights), then the step counts back to 0."""
+    if all(x in optimizer.state for x in optimizer.pieces):
+        return
+    lrs = [g['lr'] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g['lr'] = 0.0
+    for x in optimizer.pieces:
+        x.grad = torch.zeros_like(x)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g['lr'] = lr
+    for x in optimizer.pieces:
+        x.grad = None
+        optimizer.state[x]['step'].zero_()
+
+
+def load(path, model, optimizer, mesh, data_gen=None):
+    """Load a checkpoint of any layout into this rank's weights, masters, moments and RNGs, in place; its meta.json."""
+    _materialize(optimizer)
+    saved = _Reader(path).read_metadata().state_dict_metadata
+    sd = state_dict(model, optimizer, mesh, data_gen)
+    # fp32 weights load from a bf16 run's masters; bf16 runs' masters from fp32 weights (below)
+    sd = {('master.' + k[6:] if k.startswith('model.') and 'master.' + k[6:] in saved
+           and 'master.' + k[6:] not in sd else k): v for k, v in sd.items()}
+    missing = [k for k in sd if k.startswith('master.') and k not in saved]
+    dcp.load({k: v for k, v in sd.items() if k not in missing}, storage_reader=_Reader(path))
+    if missing:
+        dcp.load({'model.' + k[7:]: sd[k] for k in missing}, storage_reader=_Reader(path))
+    torch.set_rng_state(sd['rng.torch'])
+    if data_gen is not None:
+        data_gen.set_state(sd['rng.data'])
+    return meta(path)
+
+
+def load_model(path, **knobs):
+    """The full model of a checkpoint of any layout, in this one process (sample.py, export)."""
+    m = meta(path)
+    model = Llama(LlamaConfig(**m['model_args'], **knobs))
+    saved = _Reader(path).read_metadata().state_dict_metadata
+    sd = {('master.' if 'master.' + n in saved else 'model.') + n: p.detach() for n, p in model.named_parameters()}
+    dcp.load(sd, storage_reader=_Reader(path), no_dist=True)
+    return model, m
+
+
+if __name__ == '__main__':
+    if len(sys.argv) != 4 or sys.argv[1] != 'export':
+        sys.exit("usage: python checkpoint.py export OUT_DIR HF_DIR")
+    path = latest(sys.argv[2])
+    if path is None:
+        sys.exit(f"error: no committed checkpoint in {sys.argv[2]}")
+    load_model(path)[0].save_pretrained(sys.argv[3])
+    print(f"wrote {sys.argv[3]} from {path}")

@@ -1,0 +1,150 @@
+"""checkpoint.py: a checkpoint saved under one layout loads under another (tp 2 -> tp 1, tp 4; one process
+-> tp 2; zero=1 shards of masters and moments -> one process) and the next two steps' losses are the
+saving run's, which checks the weights (first loss) and AdamW's masters and moments (second). The same
+layout reproduces them bit for bit. A directory without its commit marker is never loaded; metadata
+that names code is refused.
+
+Layouts run in spawned processes on gloo (CPU), one spawn of 2 ranks and one of 4; single-process
+saves and loads run in the test's own process."""
+import os
+import pickle
+import socket
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+import offload  # noqa: E402
+import parallel  # noqa: E402
+import train  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+
+# V = 37: padded vocabulary rows on tp 2 and 4; K = 2 kv heads: replicated on tp 4
+CONFIG = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=37)
+B, S = 4, 16
+
+
+def build(world, tp, zero, dtype, seed):
+    config = LlamaConfig(**CONFIG)
+    torch.manual_seed(seed)
+    model = Llama(config)
+    mesh = parallel.make_mesh(tp, 1, 'ulysses', config.n_kv_head) if world > 1 else parallel.Mesh()
+    if world > 1:
+        parallel.parallelize(model, mesh)
+    offload.apply(model).to(dtype)
+    masters = train.make_master_weights(model)
+    named = list(model.named_parameters())
+    groups = [{'params': [m for (_, p), m in zip(named, masters) if p.dim() >= 2], 'weight_decay': 0.1},
+              {'params': [m for (_, p), m in zip(named, masters) if p.dim() < 2], 'weight_decay': 0.0}]
+    opt = parallel.AdamW(named, masters, groups, mesh, config, zero=zero, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    return model, masters, opt, mesh
+
+
+def steps(run, first, n):
+    """n training steps from step `first` (each its own batch): their losses."""
+    model, masters, opt, mesh = run
+    named = list(zip([n for n, _ in model.named_parameters()], masters))
+    autocast = torch.autocast('cpu', torch.bfloat16) if masters[0].dtype != next(model.parameters()).dtype else nullcontext()
+    out = []
+    for i in range(first, first + n):
+        g = torch.Generator().manual_seed(i)
+        x, y = (torch.randint(0, CONFIG['vocab_size'], (B, S), generator=g) for _ in range(2))
+        loss = train.forward_backward(model, [parallel.shard_batch(x, y, mesh)], autocast, mesh)
+        parallel.sync_grads(named, mesh, model.config)
+        parallel.clip_grad_norm_(named, 1.0, mesh, model.config)
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def act(world, action, layout, path):
+    """'save': 2 steps, save, 2 more; 'load': a differently initialised model loads, then 2 steps."""
+    run = build(world, *layout, seed=0 if action == 'save' else 99)
+    if action == 'save':
+        steps(run, 0, 2)
+        checkpoint.save(path, run[0], run[2], run[3], iter_num=2)
+        return steps(run, 2, 2)
+    meta = checkpoint.load(checkpoint.latest(path), run[0], run[2], run[3])
+    return steps(run, meta['iter_num'], 2)
+
+
+def _worker(rank, world, port, actions, out):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo')
+    results = {key: act(world, action, layout, os.path.join(out, src)) for key, action, layout, src in actions}
+    if rank == 0:
+        torch.save(results, os.path.join(out, f'world{world}.pt'))
+    dist.destroy_process_group()
+
+
+def spawn(world, actions, out):
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, actions, out), nprocs=world)
+    return torch.load(os.path.join(out, f'world{world}.pt'))
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.fixture(scope='module')
+def losses(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp('ckpt'))
+    r = {'single': act(1, 'save', (1, 0, F32), os.path.join(out, 'single'))}
+    r.update(spawn(2, [('single->tp2', 'load', (2, 0, F32), 'single'),
+                       ('tp2', 'save', (2, 0, F32), 'tp2'),
+                       ('tp2->tp2', 'load', (2, 0, F32), 'tp2'),
+                       ('dp2z', 'save', (1, 1, F32), 'dp2z'),
+                       ('dp2z_bf16', 'save', (1, 1, BF16), 'dp2z_bf16'),
+                       ('dp2z_bf16->dp2z_bf16', 'load', (1, 1, BF16), 'dp2z_bf16')], out))
+    r['tp2->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'tp2'))
+    r['dp2z->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'dp2z'))
+    r.update(spawn(4, [('tp2->tp4', 'load', (4, 0, F32), 'tp2'),
+                       ('tp2->tp2dp2z', 'load', (2, 1, F32), 'tp2'),
+                       ('tp2dp2z', 'save', (2, 1, F32), 'tp2dp2z'),
+                       ('tp2dp2z->tp4', 'load', (4, 0, F32), 'tp2dp2z')], out))
+    r['tp2dp2z->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'tp2dp2z'))
+    return r
+
+
+@pytest.mark.parametrize('key', ['single->tp2', 'tp2->single', 'tp2->tp4', 'tp2->tp2dp2z', 'dp2z->single',
+                                 'tp2dp2z->tp4', 'tp2dp2z->single'])
+def test_a_checkpoint_loads_under_another_layout(losses, key):
+    got, ref = losses[key], losses[key.split('->')[0]]
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, ref)), (got, ref)
+
+
+@pytest.mark.parametrize('key', ['tp2->tp2', 'dp2z_bf16->dp2z_bf16'])
+def test_the_same_layout_resumes_bit_for_bit(losses, key):
+    assert losses[key] == losses[key.split('->')[0]]
+
+
+def test_an_uncommitted_checkpoint_is_never_loaded(tmp_path):
+    act(1, 'save', (1, 0, F32), str(tmp_path))
+    path = checkpoint.latest(str(tmp_path))
+    assert checkpoint.meta(path)['iter_num'] == 2
+    os.remove(os.path.join(path, 'COMMITTED'))
+    assert checkpoint.latest(str(tmp_path)) is None
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ('true',))
+
+
+def test_metadata_that_names_code_is_refused(tmp_path):
+    act(1, 'save', (1, 0, F32), str(tmp_path))
+    path = checkpoint.latest(str(tmp_path))
+    with open(os.path.join(path, '.metadata'), 'wb') as f:
+        pickle.dump(Evil(), f)
+    with pytest.raises(pickle.UnpicklingError, match='refused'):
+        checkpoint.load_model(path)
