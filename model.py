@@ -25,7 +25,7 @@ transformers loads back to the same logits.
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn

@@ -559,7 +559,7 @@ def real_rows(name, p, mesh, config):
     spec = shard_spec(name, config, mesh.tp)
     if spec is None or spec[1] != 'vocab':
         return p.shape[0]
-    n = _vocab_shard(config.vocab_size, mesh.tp)
+    n = math.ceil(config.vocab_size / mesh.tp)
     return max(0, min(n, config.vocab_size - mesh.tp_rank * n))
 
 

@@ -5,16 +5,18 @@ Train a Llama. One process on a laptop CPU, a GPU, or Apple's MPS:
     python train.py config/train_tiny.py --max_iters=500 --device=cpu
 
 The loop, in the order it runs: read the config (defaults below, then a config file, then --key=value),
-prepare the data if it is missing, build or load the model, then step: sample a global batch, run the
-micro-steps' forward and backward with the loss normalised by the number of real target tokens across
-all of them, clip, AdamW, log, evaluate, checkpoint. Checkpoints are atomic and hold everything needed
-to continue exactly (weights, fp32 master weights, optimizer, step, data sampler and RNG states), so
-`--init_from=resume` reproduces an uninterrupted run's losses; SIGINT and SIGTERM save one and exit.
+prepare the data if it is missing, build or load the model, print the memory estimate (memory.py),
+shard it (parallel.py), wrap its blocks' keep / recompute / offload policy (offload.py), then step:
+sample a global batch, run the micro-steps' forward and backward with the loss normalised by the number
+of real target tokens across all of them, sync gradients, clip, AdamW, log, evaluate, checkpoint.
+Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights, fp32 master weights,
+optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an uninterrupted
+run's losses under any layout; SIGINT and SIGTERM save one and exit.
 
-Precision: with dtype='bfloat16' the model's weights and activations are bf16, gradients
-are accumulated into fp32 as autograd produces them, and AdamW updates fp32 master weights: 2 + 4 + 12
-= 18 bytes per parameter (Megatron's scheme). With dtype='float32' (the CPU default) the optimizer
-updates the model's own weights.
+Precision: with dtype='bfloat16' the model's weights and activations are bf16, gradients are
+accumulated into fp32 as autograd produces them, and AdamW updates fp32 master weights: 2 + 4 + 12 =
+18 bytes per parameter (Megatron's scheme; with zero=1, 2 + 4 + 12/d over d = dp·cp ranks). With
+dtype='float32' (the CPU default) the optimizer updates the model's own weights.
 """
 
 import json
@@ -274,13 +276,10 @@ def model_from_config(meta, cfg):
 
 
 # -----------------------------------------------------------------------------
+# setup
 
-def main():
-    from configurator import configure
-    configure(globals())
-    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
-
-    # device and precision
+def device_and_dtype():
+    """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
     dev = device
     if dev == 'auto':
         dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
@@ -291,49 +290,103 @@ def main():
                'float32': torch.float32, 'bfloat16': torch.bfloat16}.get(dtype)
     if ptdtype is None:
         die(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r} (float16 needs loss scaling)")
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
-    os.makedirs(out_dir, exist_ok=True)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
+    return dev, ptdtype, autocast
 
-    # under torchrun: refuse an impossible layout on every rank before anything is allocated
-    world_env = int(os.environ.get('WORLD_SIZE', 1))
-    layout_error = lambda c: parallel.check_layout(SimpleNamespace(**c), world_env, tp_size, cp_size, cp_impl,
-                                                   seq_len, zero, dev.type, ptdtype)
-    if init_from == 'scratch' and layout_error(cfg):
-        die(layout_error(cfg))
-    world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)
-    master_process = rank == 0
-    if world > 1 and dev.type == 'cuda':
-        dev = torch.device('cuda', local_rank)
 
-    if master_process:  # rank 0 prepares a missing dataset; the others wait, then read it
+def check_layout(config, dev, ptdtype):
+    """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
+    why = parallel.check_layout(SimpleNamespace(**config), int(os.environ.get('WORLD_SIZE', 1)), tp_size,
+                                cp_size, cp_impl, seq_len, zero, dev.type, ptdtype)
+    if why:
+        die(why)
+
+
+def read_dataset(world, rank):
+    """meta.json of the dataset: rank 0 prepares a missing one, the others wait at a barrier, then read it."""
+    if rank == 0:
         meta = {'vocab_size': vocab_size} if dry_run and vocab_size else load_dataset(dataset)
     if world > 1:
         torch.distributed.barrier()
-    if not master_process:
-        meta = load_dataset(dataset)
+    return meta if rank == 0 else load_dataset(dataset)
+
+
+def train_step(model, batches, autocast, mesh, named_masters, optimizer):
+    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step."""
+    loss = forward_backward(model, batches, autocast, mesh)
+    config = model.config
+    if mesh.world > 1:
+        parallel.sync_grads(named_masters, mesh, config)
+        if grad_clip > 0:  # the norm over every shard of every parameter
+            parallel.clip_grad_norm_(named_masters, grad_clip, mesh, config)
+    elif grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], grad_clip)
+    optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+@torch.no_grad()
+def evaluate(model, meta, mesh, autocast, dev):
+    """The mean val loss over eval_iters batches, the same batches at every eval."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    for _ in range(eval_iters):
+        x, y, *positions = parallel.shard_batch(*get_batch(meta, 'val', batch_size * mesh.dp, gen, dev), mesh)
+        with autocast:
+            losses.append(model(x, y, *positions)[1].float())
+    model.train()
+    loss = torch.stack(losses).mean()
+    if mesh.dpcp_group is not None:  # val has no ignored targets: every rank's mean weighs the same
+        loss = parallel.all_reduce(loss, mesh.dpcp_group) / (mesh.dp * mesh.cp)
+    return loss.item()
+
+
+def catch_signals():
+    """SIGINT / SIGTERM: the loop finishes its step, saves and exits 0; a second signal interrupts at once."""
+    stop = []
+
+    def on_signal(signum, frame):
+        stop.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return stop
+
+
+# -----------------------------------------------------------------------------
+
+def main():
+    from configurator import configure
+    configure(globals())
+    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+    dev, ptdtype, autocast = device_and_dtype()
+    torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
+    os.makedirs(out_dir, exist_ok=True)
+    if init_from == 'scratch':
+        check_layout(cfg, dev, ptdtype)
+    world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)
+    if world > 1 and dev.type == 'cuda':
+        dev = torch.device('cuda', local_rank)
+    meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
         model, ckpt = model_from_config(meta, cfg)
-    if layout_error(asdict(model.config)):  # a Hugging Face directory or checkpoint brings its own shape
-        die(layout_error(asdict(model.config)))
+    check_layout(asdict(model.config), dev, ptdtype)  # a Hugging Face directory or checkpoint brings its own shape
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head)
     # the memory report, before anything is on the device: stops here if the run can't fit (80% rule) or
-    # offload's host memory can't hold it; auto_memory=True first sets the cheapest recompute / chunks / offload that fits
+    # offload's host memory can't hold it; auto_memory=True first sets the cheapest knobs that fit
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
-    if layout_error(asdict(model.config)):  # as auto_memory left it
-        die(layout_error(asdict(model.config)))
+    check_layout(asdict(model.config), dev, ptdtype)  # the knobs as auto_memory left them
+    n_params, (mfu_flops, hfu_flops) = model.num_params(), flops_per_token(model.config, seq_len)
     names = [n for n, _ in model.named_parameters()]
-    n_params = model.num_params()
-    mfu_flops, hfu_flops = flops_per_token(model.config, seq_len)
-    if world > 1:
-        parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
+    parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
     memory.to_fake(model, ptdtype) if dry_run else model.to(device=dev, dtype=ptdtype)
     masters = make_master_weights(model)
-    named_masters = list(zip(names, masters))
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     memory.materialize_optimizer_state(optimizer)  # AdamW's state now, not in step 1: step 1 shows the peak
     data_gen = torch.Generator().manual_seed(seed)
@@ -341,79 +394,36 @@ def main():
     if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into this rank's pieces
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
-    raw_model = model
-    if compile:
-        model = torch.compile(model)
-
-    def train_step(batches):
-        """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step."""
-        loss = forward_backward(model, batches, autocast, mesh)
-        if world > 1:
-            parallel.sync_grads(named_masters, mesh, raw_model.config)
-            if grad_clip > 0:  # the norm over every shard of every parameter
-                parallel.clip_grad_norm_(named_masters, grad_clip, mesh, raw_model.config)
-        elif grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(masters, grad_clip)
-        optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
+    raw_model, model = model, torch.compile(model) if compile else model
+    step = lambda batches: train_step(model, batches, autocast, mesh, list(zip(names, masters)), optimizer)
+    save = lambda it: checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=it,
+                                      best_val_loss=best_val_loss, config=cfg)
     if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
         batches = [parallel.shard_batch(*memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size),
                                         mesh) for _ in range(min(gradient_accumulation_steps, 2))]
-        mem.dry_run(train_step, raw_model, masters, optimizer, batches)
-        return
+        return mem.dry_run(step, raw_model, masters, optimizer, batches)
 
     peak = peak_flops(dev, ptdtype)
     device_flops = peak * world if peak else None  # MFU is per device: against all of them
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
-    if master_process:
-        layout = f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} ({cp_impl}) x tp {mesh.tp}" if world > 1 else ''
-        print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
-              f"device {dev} {str(ptdtype).removeprefix('torch.')}" +
-              (f", peak {device_flops / 1e12:.0f} TFLOP/s" if device_flops else '') + layout)
-
-    def save(next_iter):  # every rank writes its pieces, rank 0 commits (checkpoint.py)
-        return checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=next_iter,
-                        best_val_loss=best_val_loss, config=cfg)
-
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        gen = torch.Generator().manual_seed(seed + 1)  # the same val batches at every eval
-        losses = []
-        for _ in range(eval_iters):
-            x, y, *positions = parallel.shard_batch(*get_batch(meta, 'val', batch_size * mesh.dp, gen, dev), mesh)
-            with autocast:
-                losses.append(model(x, y, *positions)[1].float())
-        model.train()
-        loss = torch.stack(losses).mean()
-        if mesh.dpcp_group is not None:  # val has no ignored targets: every rank's mean weighs the same
-            loss = parallel.all_reduce(loss, mesh.dpcp_group) / (mesh.dp * mesh.cp)
-        return loss.item()
-
-    # SIGINT / SIGTERM: finish the step, save, exit 0; a second signal interrupts at once
-    stop = []
-    def on_signal(signum, frame):
-        stop.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
-    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w') if master_process else None
-    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if master_process else True)
+    if rank == 0:
+        print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, device "
+              f"{dev} {str(ptdtype).removeprefix('torch.')}" + (f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} "
+                                                              f"({cp_impl}) x tp {mesh.tp}" if world > 1 else ''))
+    signals, stop = catch_signals(), False  # signals this rank received; stop: what every rank agreed on
+    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w') if rank == 0 else None
+    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
     t0, tokens_since = time.perf_counter(), 0
     reset_peak_memory(dev)
-    while iter_num < max_iters:
+    while iter_num < max_iters and not stop:
         val_loss = None
         if iter_num % eval_interval == 0 or iter_num == max_iters - 1:
             t_eval = time.perf_counter()
-            val_loss = evaluate()
+            val_loss = evaluate(model, meta, mesh, autocast, dev)
             best_val_loss = min(best_val_loss, val_loss)
             if always_save_checkpoint and iter_num > 0:
                 save(iter_num)
             t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
-
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group['lr'] = lr
@@ -422,49 +432,46 @@ def main():
                    for _ in range(gradient_accumulation_steps)]
         sent = bytes_to_host()
         with mem.measure(raw_model, masters, optimizer, compiled=compile):  # the first step only
-            loss = train_step(batches)
+            loss = step(batches)
         tokens_since += tokens_per_iter
         iter_num += 1
         bar.update(1)
-
-        if (iter_num - 1) % log_interval == 0 or val_loss is not None or iter_num == max_iters or stop:
-            loss = loss.item()  # the only host sync of a step, and only on logging steps
-            dt = time.perf_counter() - t0
-            tps = tokens_since / dt
-            row = {'iter': iter_num - 1, 'loss': loss, 'lr': lr, 'tokens_per_s': tps,
-                   'mfu': device_flops and tps * mfu_flops / device_flops,  # None: no trusted peak
-                   'hfu': device_flops and tps * hfu_flops / device_flops,
-                   'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
-            if val_loss is not None:
-                row['val_loss'] = val_loss
-            if master_process and mem.measured is not None and not mem.logged:
-                # the first row after the measured step carries its bytes, as memory.json has them
-                row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}
-                mem.logged = True
-            if master_process:
-                log.write(json.dumps(row) + '\n')
-                log.flush()
-            bar.set_postfix_str(f"loss {loss:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else '')
-                                + f" {tps:,.0f} tok/s" + (f" mfu {100 * row['mfu']:.1f}%" if row['mfu'] else ''))
-            if bar.disable and master_process:  # not a terminal: a plain line per log step instead of the bar
-                print(f"iter {iter_num - 1}: {bar.postfix}", flush=True)
-            t0, tokens_since = time.perf_counter(), 0
-            reset_peak_memory(dev)
-            # a signal may reach the ranks in different steps: they agree on log steps only (an
-            # all-reduce and a host sync every step would stall the GPUs), and stop with the first
-            if world > 1 and parallel.all_reduce(torch.tensor(len(stop), device=dev), None).item() and not stop:
-                stop.append(signal.SIGTERM)
-        if stop:
-            save(iter_num)
-            bar.close()
-            if master_process:
-                print(f"stopped by signal {stop[0]} at iter {iter_num}; checkpoint saved in {out_dir} "
-                      f"(continue with --init_from=resume)")
-            return
+        if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not (world == 1 and signals):
+            continue
+        tps = tokens_since / (time.perf_counter() - t0)
+        row = {'iter': iter_num - 1, 'loss': loss.item(), 'lr': lr, 'tokens_per_s': tps,  # the step's only host sync
+               'mfu': device_flops and tps * mfu_flops / device_flops,  # None: no trusted peak
+               'hfu': device_flops and tps * hfu_flops / device_flops,
+               'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
+        write_log(log, bar, row, val_loss, mem)
+        t0, tokens_since = time.perf_counter(), 0
+        reset_peak_memory(dev)
+        # a signal may reach the ranks in different steps: they agree on log steps only (an all-reduce
+        # and a host sync every step would stall the GPUs), and stop together at the first after it
+        stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item() if world > 1 else signals)
     bar.close()
     path = save(iter_num)
-    if master_process:
-        print(f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, checkpoint {path}")
+    if rank == 0:
+        print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
+              f"--init_from=resume)" if stop else f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, "
+              f"checkpoint {path}")
+
+
+def write_log(log, bar, row, val_loss, mem):
+    """One log.jsonl row (rank 0 only: log is None elsewhere) and the progress bar's postfix."""
+    if val_loss is not None:
+        row['val_loss'] = val_loss
+    if log is not None and mem.measured is not None and not mem.logged:
+        # the first row after the measured step carries its bytes, as memory.json has them
+        row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}
+        mem.logged = True
+    if log is not None:
+        log.write(json.dumps(row) + '\n')
+        log.flush()
+    bar.set_postfix_str(f"loss {row['loss']:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else '') +
+                        f" {row['tokens_per_s']:,.0f} tok/s" + (f" mfu {100 * row['mfu']:.1f}%" if row['mfu'] else ''))
+    if bar.disable and log is not None:  # not a terminal: a plain line per log step instead of the bar
+        print(f"iter {row['iter']}: {bar.postfix}", flush=True)
 
 
 if __name__ == '__main__':
