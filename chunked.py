@@ -42,7 +42,7 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------- how many chunks
 
 # A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows
-# against a big weight runs far below peak (on our CPU, 16-token chunks of the LM head take 3x the
+# against a big weight runs far below peak (2026-11-23, a 2-core CPU: 16-token chunks of the LM head took 3x the
 # time of 256-token ones), and the memory it would save is small: 256·V·4 bytes = 131 MB for
 # Llama 3's vocabulary, no more than the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256

@@ -190,7 +190,7 @@ def make_optimizer(model, masters, device_type, mesh=None):
     no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
     groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
     # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a CPU
-    # it is also what makes the tiny models' step fast (a 4-layer, width-128 model: 0.9 ms vs 5.9 ms)
+    # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width 128: 0.9 vs 5.9 ms)
     fused = device_type in ('cuda', 'cpu', 'mps')
     return parallel.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
                           zero=zero, lr=learning_rate, betas=(beta1, beta2), fused=fused)
