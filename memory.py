@@ -117,9 +117,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         k += 2 * b * h * (1 - 1 / t)
     rebuilt = full / t - k           # what backward rebuilds (recompute), per token
     n_off = len(offload.offloaded_blocks(c))
-    host = offload.host_bytes(c, batch_size, S // t, dt)
+    host = offload.host_bytes(c, batch_size, S // t, dt, cp_size)
     P = host / n_off if n_off else 0  # one offloaded block's bytes in host memory
-    stays = _stays(c, batch_size, S // t, dt) / T  # what an offloaded block keeps on the device, per token
+    stays = offload.block_bytes(c, batch_size, S // t, dt, cp_size)[1] / T  # an offloaded block's, on the device
     acts = ((L - n_off) * k + n_off * stays) * T
 
     # the LM head and loss; gradients exist at its forward only from the second micro-step on
@@ -160,15 +160,6 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     return Estimate(params, g, optimizer, a, tr, name, host)
 
 
-def _stays(c, batch, seq_len, dtype):
-    """What an offloaded block keeps on the device: its saved tensors under offload.MIN_BYTES."""
-    saved = offload.saved_per_token(c, dtype, seq_len)
-    seen = {'none': [n for _, n, _ in saved],
-            'selective': [n for _, n, kind in saved if kind == 'attention'], 'full': []}[c.recompute]
-    seen.append(torch.empty(0, dtype=dtype).element_size() * c.n_embd)  # the block's input
-    return sum(batch * seq_len * n for n in seen if batch * seq_len * n < offload.MIN_BYTES)
-
-
 # ----------------------------------------------------------------------------- the measurement
 
 class Tracker:
@@ -183,13 +174,13 @@ class Tracker:
         self.params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         self.inputs = list(inputs)
-        self.state = []
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):  # a wrapper (ZeRO):
-            # its state's tensors, counted with the masters
-            self.state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-            optimizer = None
+        # parallel.AdamW keeps the fp32 master rows (its param groups' tensors) unless they are the
+        # parameters' own (fp32 weights): counted with the optimizer
+        own = [p.untyped_storage() for p in self.params]
+        self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
+        # (the masters list holds train.py's fp32 gradient holders: they own no memory, their .grad does)
         self.mt.track_external(*([model] if isinstance(model, torch.nn.Module) else self.params),
-                               *([optimizer] if optimizer is not None else []), *self.masters, *self.state, *self.inputs)
+                               *([optimizer] if optimizer is not None else []), *self.state, *self.inputs)
 
     def __enter__(self):
         # train.py writes a master's .grad itself, after autograd's hook: register it then (as "other",
@@ -217,7 +208,7 @@ class Tracker:
         dev = self.device if self.device is not None else max(peaks, key=lambda k: peaks[k]['Total'], default=None)
         snap = {getattr(k, 'value', k): v for k, v in peaks.get(dev, {}).items()}
         nbytes = lambda ts: sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in ts}.values())  # views once
-        masters, inputs = nbytes(self.masters + self.state), nbytes(self.inputs)
+        masters, inputs = nbytes(self.state), nbytes(self.inputs)
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
         host = self.host if dev is not None and torch.device(dev).type == 'cpu' else 0
         out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0),
@@ -494,9 +485,8 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
         for factor in (2, 4, 8):
             n = layout.get(key, 1) * factor
             n_layout = {**layout, key: n}
-            if parallel.check_layout(world * factor, n_layout.get('tp_size', 1), n_layout.get('cp_size', 1),
-                                     layout.get('cp_impl', 'ulysses'), seq_len, config.n_head, config.n_kv_head,
-                                     config.intermediate_size):
+            if parallel.check_layout(config, world * factor, n_layout.get('tp_size', 1), n_layout.get('cp_size', 1),
+                                     layout.get('cp_impl', 'ulysses'), seq_len):
                 continue
             p = plan(config, budget, overhead + comm, host, batch_size, seq_len, **{**layout, key: n})
             if p is not None:
@@ -537,13 +527,17 @@ class Report:
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
             self.write()
-        if self.est.host:  # offload.py's tokens per rank: the sequence shard, S / (cp·tp)
-            need = offload.host_bytes(self.config, self.B, self.S // (cp * tp), dtype)
-            line = f"offload={self.config.offload}: {_gib(need, 0)} of host memory per rank"
+        if self.config.offload > 0:  # offload.py's tokens per rank: the sequence shard, S / (cp·tp)
+            need = offload.host_bytes(self.config, self.B, self.S // (cp * tp), dtype, cp)
+            line = (f"offload={self.config.offload}: {need / GiB:.2f} GiB of host memory per rank "
+                    f"({len(offload.offloaded_blocks(self.config))} blocks)")
+            budget = cfg.get('host_memory_budget_gb', 0)
+            limit = 'in host_memory_budget_gb' if budget and self.host == int(budget * GiB) else 'available'
             if self.host is not None and need > self.host:
-                self.stop([f"error: {line}, {_gib(self.host, 0)} available per rank: lower offload, seq_len "
+                self.stop([f"error: {line}, {self.host / GiB:.2f} GiB {limit} per rank: lower offload, seq_len "
                            f"or batch_size, or use recompute='full'"])
-            rank == 0 and print(line + (f", {_gib(self.host, 0)} available" if self.host is not None else ' on the target'))
+            rank == 0 and print(line + (f", {self.host / GiB:.2f} GiB {limit}" if self.host is not None
+                                        else ' on the target'))
         if not self.dry and not fits(self.est, self.budget, self.overhead):
             self.stop([f"error: does not fit: {_gib(self.est.total, 0)} per rank + {_gib(self.overhead, 0)} overhead "
                        f"> 80% of {_gib(self.budget, 0)}, peak at {self.est.moment}"] + self.suggest())

@@ -105,19 +105,25 @@ def offloaded_blocks(config):
     return range(max(0, config.n_layer - KEEP_LAST)) if config.offload > 0 else range(0)
 
 
-def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
-    """Bytes one offloaded block sends to host per forward: the header's formula, tensors under
-    MIN_BYTES kept; cp_size > 1 is Ulysses (ring runs only what needs no replay)."""
+def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
+    """(host, device): the bytes one offloaded block sends to host per forward (the header's formula)
+    and those it keeps on the device (its saved tensors under MIN_BYTES); cp_size > 1 is Ulysses."""
     if config.offload == 0:
-        return 0
+        return 0, 0
     bh, S = torch.empty(0, dtype=dtype).element_size() * config.n_embd, seq_len
-    sent = lambda per_token, tokens: batch * tokens * per_token if batch * tokens * per_token >= MIN_BYTES else 0
     if config.recompute == 'full':
-        return sent(bh, S)
-    n = host_tokens(config.offload, S) if config.recompute == 'none' else 0
-    total = sent(bh, S - n) + sent(bh, n) + (sent(bh, S) if cp_size > 1 and n < S else 0)
-    return total + sum(sent(per_token, n if kind == 'other' else S)
-                       for _, per_token, kind in saved_per_token(config, dtype, S))
+        pieces = [bh * S]
+    else:
+        n = host_tokens(config.offload, S) if config.recompute == 'none' else 0
+        pieces = [bh * (S - n), bh * n] + ([bh * S] if cp_size > 1 and n < S else [])
+        pieces += [per_token * (n if kind == 'other' else S) for _, per_token, kind in saved_per_token(config, dtype, S)]
+    pieces = [batch * p for p in pieces]
+    return sum(p for p in pieces if p >= MIN_BYTES), sum(p for p in pieces if p < MIN_BYTES)
+
+
+def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
+    """Bytes one offloaded block sends to host per forward."""
+    return block_bytes(config, batch, seq_len, dtype, cp_size)[0]
 
 
 def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):

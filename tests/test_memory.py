@@ -47,11 +47,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
             train.forward_backward(model, batches, autocast)
             torch.nn.utils.clip_grad_norm_(masters, 1.0)
             opt.step()
-            opt.zero_grad(set_to_none=True)
-            if masters[0] is not next(model.parameters()):
-                with torch.no_grad():
-                    for p, m in zip(model.parameters(), masters):
-                        p.copy_(m)
+            opt.zero_grad(set_to_none=True)  # parallel.AdamW wrote the new weights
     return tr
 
 
