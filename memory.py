@@ -31,7 +31,8 @@ V vocabulary, L layers, b bytes per element, N parameters, t = tp, c = cp, d = d
                  a block's  backward at the MLP (incoming gradient, x W1ᵀ/x W3ᵀ/product gradients
                             b·3I; chunked: one chunk's six b·I·T/M tensors and the fp32 dW1..3, 12·h·I)
                             or at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)),
-                            plus whatever recompute rebuilds, plus with offload what comes back from
+                            plus whatever recompute rebuilds (under sp with the gathered inputs of the
+                            column-parallel matmuls, 2·b·h per token of all t ranks), plus with offload what comes back from
                             host for it and for the block before (prefetched one block ahead)
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
@@ -111,11 +112,11 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
 
     # activations per layer and token (offload.py's count, then the layout's)
+    # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm outputs
+    gathered_in = 2 * b * h * (1 - 1 / t)
     full = offload.kept_bytes(replace(c, recompute='none', offload=0.0), 1, S, dt) / S  # all a block saves
-    k = offload.kept_bytes(replace(c, offload=0.0), 1, S, dt) / S / t
-    if sp and c.recompute == 'none':  # the gathered inputs of wq|wk|wv and w1|w3 replace two norm outputs
-        k += 2 * b * h * (1 - 1 / t)
-    rebuilt = full / t - k           # what backward rebuilds (recompute), per token
+    k = offload.kept_bytes(replace(c, offload=0.0), 1, S, dt) / S / t + (gathered_in if c.recompute == 'none' else 0)
+    rebuilt = full / t + gathered_in - k  # what backward rebuilds (recompute), per token
     n_off = len(offload.offloaded_blocks(c))
     host = offload.host_bytes(c, batch_size, S // t, dt, cp_size)
     P = host / n_off if n_off else 0  # one offloaded block's bytes in host memory
@@ -145,7 +146,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # at each stage the block's tensors not yet consumed: all at the MLP, then all but the MLP's
     mlp_saved = (full - offload.kept_bytes(replace(c, recompute='none', offload=0.0, mlp_chunks=2), 1, S, dt) / S) / t
     stages = lambda alive: max(mlp + alive * T, max(attn, norm) + max(0, alive - mlp_saved) * T)
-    ws, ws_off = stages(rebuilt), stages(full / t - stays)  # offloaded: everything back or recomputed
+    ws, ws_off = stages(rebuilt), stages(full / t + gathered_in - stays)  # offloaded: all back or recomputed
 
     moments = {
         'forward and backward: LM head and loss': (g_acc, acts + head_kept, head_tr),
@@ -207,7 +208,8 @@ class Tracker:
         peaks = self.mt.get_tracker_snapshot('peak')
         dev = self.device if self.device is not None else max(peaks, key=lambda k: peaks[k]['Total'], default=None)
         snap = {getattr(k, 'value', k): v for k, v in peaks.get(dev, {}).items()}
-        nbytes = lambda ts: sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in ts}.values())  # views once
+        # each storage once (views share one), the storages kept alive while compared: a freed one's id is reused
+        nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
         host = self.host if dev is not None and torch.device(dev).type == 'cpu' else 0
