@@ -19,11 +19,10 @@ N parameters, b bytes per element. What each dimension saves, per rank:
       Adam moments of 1/d of every tensor, 12·N/(t·d) bytes per rank (d = dp·cp), and all-gathers each
       tensor's new rows after the step.
 
-parallelize(model, mesh) shards the weights in place and hooks Megatron's f (before the column-parallel
-matmuls: identity, or all-gather of the sequence) and g (after the row-parallel ones: all-reduce, or
-reduce-scatter) onto block.attention and block.feed_forward, which read their head counts from the
-weights' shapes; wraps Attention.attend for c; and sets Llama.vocab_group, so the LM head's loss is
-chunked.py's, vocabulary parallel. A fork that changes model.attention runs under t and Ulysses as is.
+parallelize(model, mesh) shards the weights in place, hooks Megatron's f and g onto block.attention and
+block.feed_forward (which read their head counts from the weights' shapes), wraps Attention.attend for c
+and sets Llama.vocab_group (chunked.py's loss, vocabulary parallel): a fork that changes model.attention
+runs under t and Ulysses as is.
 
 What moves per block, forward (backward), B·S·h elements each unless said; every collective is one of
 the five functions below (chunked.py's loss makes its own):
@@ -67,7 +66,6 @@ class Mesh:
     sequence_parallel: bool = True
     tp_group: object = None
     cp_group: object = None
-    dp_group: object = None
     dpcp_group: object = None
     kv_group: object = None
 
@@ -144,19 +142,16 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // (tp * cp)
     m = Mesh(world, rank, dp, cp, tp, rank // (cp * tp), rank // tp % cp, rank % tp, cp_impl, sequence_parallel)
-    at = lambda d, c, t: (d * cp + c) * tp + t
+    grid = torch.arange(world).view(dp, cp, tp)
 
-    def groups(sets):  # new_group is collective: all ranks build all sets; keep ours
-        made = [(dist.new_group(ranks) if len(ranks) > 1 else None, ranks) for ranks in sets]
+    def groups(sets):  # new_group is collective: every rank builds every group, in order; keep ours
+        made = [(dist.new_group(ranks) if len(ranks) > 1 else None, ranks) for ranks in sets.tolist()]
         return next(g for g, ranks in made if rank in ranks)
-    m.tp_group = groups([[at(d, c, t) for t in range(tp)] for d in range(dp) for c in range(cp)])
-    m.cp_group = groups([[at(d, c, t) for c in range(cp)] for d in range(dp) for t in range(tp)])
-    m.dp_group = groups([[at(d, c, t) for d in range(dp)] for c in range(cp) for t in range(tp)])
-    m.dpcp_group = groups([[at(d, c, t) for d in range(dp) for c in range(cp)] for t in range(tp)])
-    if n_kv_head is not None and n_kv_head < tp:
-        g = tp // n_kv_head
-        m.kv_group = groups([[at(d, c, h * g + j) for j in range(g)]
-                             for d in range(dp) for c in range(cp) for h in range(n_kv_head)])
+    m.tp_group = groups(grid.reshape(-1, tp))
+    m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))
+    m.dpcp_group = groups(grid.permute(2, 0, 1).reshape(tp, -1))
+    if n_kv_head is not None and n_kv_head < tp:  # kv head h on tp ranks h·g .. h·g + g-1, g = t/K
+        m.kv_group = groups(grid.reshape(-1, tp // n_kv_head))
     return m
 
 
@@ -243,23 +238,22 @@ def leave_tp(x, mesh):
 
 # ----------------------------------------------------------------------------- sharding the weights
 
+TP_SPLITS = {('tok_embeddings.weight', 'output.weight'): (0, 'vocab'), ('wk.weight', 'wv.weight'): (0, 'kv'),
+             ('wq.weight', 'w1.weight', 'w3.weight'): (0, 'even'), ('wo.weight', 'w2.weight'): (1, 'even')}
+
+
 def shard_spec(name, config, tp):
     """(dim, kind) of a parameter's split over tp, kind 'vocab', 'kv' (maybe replicated) or 'even'; None: replicated."""
     if tp == 1 or 'norm' in name:
         return None
-    if name in ('tok_embeddings.weight', 'output.weight'):
-        return 0, 'vocab'
-    if name.endswith(('wk.weight', 'wv.weight')):
-        return 0, 'kv'
-    if name.endswith(('wq.weight', 'w1.weight', 'w3.weight')):
-        return 0, 'even'
-    if name.endswith(('wo.weight', 'w2.weight')):
-        return 1, 'even'
-    raise ValueError(f"no tensor-parallel rule for parameter {name}")
+    spec = next((spec for ends, spec in TP_SPLITS.items() if name.endswith(ends)), None)
+    if spec is None:
+        raise ValueError(f"no tensor-parallel rule for parameter {name}")
+    return spec
 
 
 def shard(name, full, tp_rank, tp, config):
-    """This tp rank's piece of a full tensor (a weight, its gradient or an AdamW moment)."""
+    """This tp rank's piece of a full weight."""
     spec = shard_spec(name, config, tp)
     if spec is None:
         return full.clone()
@@ -268,18 +262,14 @@ def shard(name, full, tp_rank, tp, config):
         n = math.ceil(full.shape[0] / tp)
         full = torch.cat([full, full.new_zeros(n * tp - full.shape[0], *full.shape[1:])])
     if kind == 'kv' and config.n_kv_head < tp:  # kv head h lives on tp ranks h·g .. h·g + g-1
-        hd = config.head_dim
-        h = tp_rank // (tp // config.n_kv_head)
-        return full[h * hd:(h + 1) * hd].clone()
+        return full.chunk(config.n_kv_head)[tp_rank // (tp // config.n_kv_head)].clone()
     return full.chunk(tp, dim)[tp_rank].clone()
 
 
 def is_replica(name, mesh, config):
     """True where this rank's tensor is a copy of another tp rank's (count it once in norms, save it once)."""
-    spec = shard_spec(name, config, mesh.tp)
-    if spec is None:
-        return mesh.tp_rank > 0
-    return spec[1] == 'kv' and config.n_kv_head < mesh.tp and mesh.tp_rank % (mesh.tp // config.n_kv_head) > 0
+    spec, K = shard_spec(name, config, mesh.tp), config.n_kv_head
+    return mesh.tp_rank > 0 if spec is None else spec[1] == 'kv' and K < mesh.tp and mesh.tp_rank % (mesh.tp // K) > 0
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -320,15 +310,14 @@ def ulysses(attend, group, q, k, v):
 
 def flash_error(device_type, dtype, head_dim):
     """None, or why ring attention's fused flash kernel can't run here (check_layout asks up front)."""
-    if device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16):
-        return f"cp_impl='ring' on CUDA calls flash attention, which needs bfloat16 or float16, not {dtype} " \
-               "(use dtype='bfloat16' or cp_impl='ulysses')"
-    if device_type == 'cuda' and (head_dim > 256 or head_dim % 8):
-        return f"cp_impl='ring' on CUDA calls flash attention, which needs head_dim <= 256 and a multiple " \
-               f"of 8, not {head_dim} (use cp_impl='ulysses')"
-    if device_type not in ('cuda', 'cpu'):
-        return f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"
-    return None
+    cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
+    return next((why for bad, why in [
+        (device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16),
+         f"{cuda} bfloat16 or float16, not {dtype} (use dtype='bfloat16' or cp_impl='ulysses')"),
+        (device_type == 'cuda' and (head_dim > 256 or head_dim % 8),
+         f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"),
+        (device_type not in ('cuda', 'cpu'),
+         f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')")] if bad), None)
 
 
 def flash(q, k, v, causal, backward=None):
@@ -356,12 +345,11 @@ def _ring_steps(kv, group):
     chunks; an earlier rank's first chunk precedes all our tokens (its second follows them all); a later
     rank's two chunks precede our second chunk and follow our first. The next k, v moves meanwhile."""
     P, r, n = dist.get_world_size(group), dist.get_rank(group), kv.shape[3] // 2
+    every, first, second = slice(None), slice(0, n), slice(n, None)
     for s in range(P):
         nxt = ring_shift(kv, group) if s < P - 1 else None
-        if s == 0:
-            yield slice(None), slice(None), True, kv
-        else:
-            yield (slice(None), slice(0, n), False, kv) if (r - s) % P < r else (slice(n, None), slice(None), False, kv)
+        yield (every, every, True, kv) if s == 0 else (every, first, False, kv) if (r - s) % P < r else \
+            (second, every, False, kv)
         kv = nxt() if nxt else kv
 
 
