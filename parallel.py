@@ -216,8 +216,8 @@ class _Pair(Function):
 
 
 def enter_tp(x, mesh):
-    """f, before column-parallel matmuls: every tp rank needs all of x [B, S, h]. Under sp, all-gather the
-    sequence (backward: the ranks' partial dx, reduce-scattered); else x as is (backward: all-reduce)."""
+    """f, before the column-parallel matmuls: every tp rank needs all of x [B, S, h]. Under sp all-gather the
+    sequence (backward: reduce-scatter the partial dx); else x as is (backward: all-reduce)."""
     g = mesh.tp_group
     if mesh.tp == 1:
         return x
@@ -227,7 +227,7 @@ def enter_tp(x, mesh):
 
 
 def leave_tp(x, mesh):
-    """g, after row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
+    """g, after the row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
     g = mesh.tp_group
     if mesh.tp == 1:
         return x
@@ -250,20 +250,6 @@ def shard_spec(name, config, tp):
     if spec is None:
         raise ValueError(f"no tensor-parallel rule for parameter {name}")
     return spec
-
-
-def shard(name, full, tp_rank, tp, config):
-    """This tp rank's piece of a full weight."""
-    spec = shard_spec(name, config, tp)
-    if spec is None:
-        return full.clone()
-    dim, kind = spec
-    if kind == 'vocab':  # ⌈V/t⌉ rows per rank; the last rank's rows past V are zeros, never a logit
-        n = math.ceil(full.shape[0] / tp)
-        full = torch.cat([full, full.new_zeros(n * tp - full.shape[0], *full.shape[1:])])
-    if kind == 'kv' and config.n_kv_head < tp:  # kv head h lives on tp ranks h·g .. h·g + g-1
-        return full.chunk(config.n_kv_head)[tp_rank // (tp // config.n_kv_head)].clone()
-    return full.chunk(tp, dim)[tp_rank].clone()
 
 
 def is_replica(name, mesh, config):
@@ -419,8 +405,14 @@ def parallelize(model, mesh):
     c = model.config
     if mesh.tp > 1:
         for name, p in list(model.named_parameters()):
-            module = model.get_submodule(name.rsplit('.', 1)[0])
-            module.weight = nn.Parameter(shard(name, p.data, mesh.tp_rank, mesh.tp, c))
+            dim, kind, t, full = *(shard_spec(name, c, mesh.tp) or (0, None)), mesh.tp, p.data
+            if kind == 'vocab':  # ⌈V/t⌉ rows per rank; the last rank's rows past V are zeros, never a logit
+                full = F.pad(full, (0, 0, 0, -full.shape[0] % t))
+            if kind == 'kv' and c.n_kv_head < t:  # kv head h lives on tp ranks h·g .. h·g + g-1, g = t/K
+                full = full.chunk(c.n_kv_head)[mesh.tp_rank // (t // c.n_kv_head)]
+            elif kind:
+                full = full.chunk(t, dim)[mesh.tp_rank]
+            model.get_submodule(name.rsplit('.', 1)[0]).weight = nn.Parameter(full.clone())
         if c.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
@@ -442,10 +434,8 @@ def parallelize(model, mesh):
 
 
 # ----------------------------------------------------------------------------- gradients, clipping, optimizer
-# torch's ZeroRedundancyOptimizer gives whole tensors to ranks (uneven: the embedding alone can be a
-# rank's share) and updates tensors every rank holds in full: it can't own masters that exist only as
-# shards. So AdamW here owns rows: with zero=1, ⌈rows/d⌉ of every tensor (per parameter 2 + 4 + 12/d
-# bytes with bf16 weights, 4 + 4 + 8/d in fp32, instead of 2 + 4 + 12 or 4 + 4 + 8).
+# torch's ZeroRedundancyOptimizer gives whole tensors to ranks (uneven: the embedding alone can be one
+# rank's share) and can't own masters that exist only as shards: AdamW here owns ⌈rows/d⌉ rows of each.
 
 BUCKET_BYTES = 25 * 2**20  # DDP's: at most one bucket is ever copied, never the whole model's gradients
 
@@ -492,15 +482,6 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     return norm
 
 
-def real_rows(name, p, mesh, config):
-    """Rows of this rank's tensor that hold the model (the last tp ranks' vocabulary rows past V are padding)."""
-    spec = shard_spec(name, config, mesh.tp)
-    if spec is None or spec[1] != 'vocab':
-        return p.shape[0]
-    n = math.ceil(config.vocab_size / mesh.tp)
-    return max(0, min(n, config.vocab_size - mesh.tp_rank * n))
-
-
 def row_share(rows, d, j):
     """(first row, count) of rank j of d: ⌈rows/d⌉ each, the last ones fewer (DTensor's Shard(0) split)."""
     first = min(rows, j * math.ceil(rows / d))
@@ -518,7 +499,9 @@ class AdamW(torch.optim.AdamW):
         self.group = mesh.dpcp_group if zero else None
         d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
         self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
-        self.rows = [real_rows(n, p, mesh, config) for n, p in named_params]
+        V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
+        self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
+                     else p.shape[0] for n, p in named_params]
         self.shares = [row_share(r, d, j) for r in self.rows]
         self.pieces = [p.detach().narrow(0, a, n).float() for p, (a, n) in zip(self.params, self.shares)]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
