@@ -83,23 +83,21 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
     replay = ring and c.offload > 0 and (c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1)
     rules = [
         (H % tp, f"n_head={H} is not divisible by tp_size={tp}"),
-        (K % tp and tp % K, f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads are split "
-                            "or replicated)"),
+        (K % tp and tp % K, f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or copied)"),
         (c.intermediate_size % tp, f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"),
         (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
         (zero not in (0, 1), f"zero must be 0 or 1, got {zero!r}"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
-        (uly and H // tp % cp, f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} "
-                               "(Ulysses)"),
+        (uly and H // tp % cp,
+         f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
-        (ring and S % (2 * cp), f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring attention's "
-                                "zigzag chunks)"),
+        (ring and S % (2 * cp), f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"),
         (ring, ring and flash_error(device_type, dtype, c.n_embd // H)),
-        (replay, replay and f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring "
-         "attention's output can't be replayed in a recompute (offload.py); use recompute='full'"
+        (replay, replay and f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring attention's "
+         "output can't be replayed in a recompute (offload.py); use recompute='full'"
          + (", cp_impl='ulysses' or offload=1" if c.recompute == 'none' else " or cp_impl='ulysses'")),
-        (tp > 1 and S // cp % tp, f"seq_len / cp_size = {S // cp} is not divisible by tp_size={tp} (sequence "
-                                  "parallelism)"),
+        (tp > 1 and S // cp % tp,
+         f"seq_len / cp_size = {S // cp} is not divisible by tp_size={tp} (sequence parallelism)"),
     ]
     return next((why for bad, why in rules if bad and why), None)
 
@@ -303,7 +301,8 @@ def flash_error(device_type, dtype, head_dim):
         (device_type == 'cuda' and (head_dim > 256 or head_dim % 8),
          f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"),
         (device_type not in ('cuda', 'cpu'),
-         f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')")] if bad), None)
+         f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"),
+    ] if bad), None)
 
 
 def flash(q, k, v, causal, backward=None):
@@ -344,11 +343,10 @@ def _as_heads(t, H):  # k or v [B, K, n, hd] with q's H heads: the flash kernel'
 
 
 class RingAttention(Function):
-    """Attention.attend under ring attention, as functools.partial(RingAttention.apply, group): q [B, H,
-    2n, hd], k, v [B, K, 2n, hd] on zigzag shards (chunks r and 2c-1-r of 2c) -> y like q. Causal softmax
-    only: each step's flash kernel gives (out, lse) over one block of keys, the online softmax merges them.
-    Backward: with the final out and lse each block's flash backward is its exact share of the gradient,
-    and dk, dv travel around the ring with their k, v until they are back with their owner."""
+    """Attention.attend under ring attention (partial(RingAttention.apply, group)): q [B, H, 2n, hd], k, v
+    [B, K, 2n, hd] on zigzag shards -> y like q; causal softmax only. Each step's flash kernel gives (out,
+    lse) over one block of keys, merged by online softmax. Backward: with the final out and lse each block's
+    flash backward is its exact share; dk, dv travel the ring with their k, v back to their owner."""
 
     @staticmethod
     def forward(ctx, group, q, k, v):
