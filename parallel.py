@@ -14,16 +14,18 @@ N parameters, b bytes per element. What each dimension saves, per rank:
   c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
-  d   data parallel: other sequences; gradients summed over d·c, ZeRO-1 over d·c (below the marker).
+  d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never
+      one flat copy of them all. zero=1 (Megatron's distributed optimizer) keeps the fp32 master rows +
+      Adam moments of 1/d of every tensor, 12·N/(t·d) bytes per rank (d = dp·cp), and all-gathers each
+      tensor's new rows after the step.
 
-parallelize(model, mesh) shards the weights in place and hooks Megatron's f (before the column-parallel
-matmuls: identity, or all-gather of the sequence) and g (after the row-parallel ones: all-reduce, or
-reduce-scatter) onto block.attention and block.feed_forward, which read their head counts from the
-weights' shapes; wraps Attention.attend for c; and sets Llama.vocab_group, so the LM head's loss is
-chunked.py's, vocabulary parallel. A fork that changes model.attention runs under t and Ulysses as is.
+parallelize(model, mesh) shards the weights in place, hooks Megatron's f and g onto block.attention and
+block.feed_forward (which read their head counts from the weights' shapes), wraps Attention.attend for c
+and sets Llama.vocab_group (chunked.py's loss, vocabulary parallel): a fork that changes model.attention
+runs under t and Ulysses as is.
 
 What moves per block, forward (backward), B·S·h elements each unless said; every collective is one of
-the six functions below (chunked.py's loss makes its own):
+the five functions below (chunked.py's loss makes its own):
   t               2 all-reduce (2)                                  f before wq|w1, g after wo|w2
   t with sp       2 all-gather + 2 reduce-scatter (2 + 2)           the same volume
   c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other   (H/c heads move)
@@ -35,7 +37,6 @@ log-sum-exps, 1 all-reduce of the target logits.
 import functools
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,7 +52,8 @@ from torch.autograd import Function
 
 @dataclass
 class Mesh:
-    """Where this rank sits: rank = (dp_rank · cp + cp_rank) · tp + tp_rank. Groups are None when of size 1."""
+    """Where this rank sits: rank = (dp_rank·cp + cp_rank)·tp + tp_rank. A group is None when of size 1;
+    dpcp_group: the ranks holding the same weights; kv_group: the tp ranks sharing one kv head (K < t)."""
     world: int = 1
     rank: int = 0
     dp: int = 1
@@ -64,57 +66,47 @@ class Mesh:
     sequence_parallel: bool = True
     tp_group: object = None
     cp_group: object = None
-    dp_group: object = None
-    dpcp_group: object = None   # the ranks holding the same weights: gradients are summed over it
-    kv_group: object = None     # tp ranks sharing one kv head (K < t)
+    dpcp_group: object = None
+    kv_group: object = None
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
                  dtype=torch.float32):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules."""
-    c, S, H, K, hd = config, seq_len, config.n_head, config.n_kv_head, config.n_embd // config.n_head
+    c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
     if tp < 1 or cp < 1 or world % (tp * cp):
         return f"world size {world} is not divisible by tp_size * cp_size = {tp} * {cp}"
-    if H % tp:
-        return f"n_head={H} is not divisible by tp_size={tp}"
-    if K % tp and tp % K:
-        return f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads are split or replicated)"
-    if c.intermediate_size % tp:
-        return f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"
-    if cp_impl not in ('ulysses', 'ring'):
-        return f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"
-    if zero not in (0, 1):
-        return f"zero must be 0 or 1, got {zero!r}"
-    if cp > 1 and cp_impl == 'ulysses':
-        if S % cp:
-            return f"seq_len={S} is not divisible by cp_size={cp}"
-        if (H // tp) % cp:
-            return f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"
-        if (K // tp or 1) % cp and cp % (K // tp or 1):
-            return f"{K // tp or 1} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"
-    if cp > 1 and cp_impl == 'ring':
-        if S % (2 * cp):
-            return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring attention's zigzag chunks)"
-        if flash_error(device_type, dtype, hd):
-            return flash_error(device_type, dtype, hd)
-        # offload.py's token-wise recompute hands attention's saved output back: the ring's is merged
-        # from several kernel calls with shifts between them, nothing to hand back
-        if c.offload > 0 and (c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1):
-            instead = "recompute='full', cp_impl='ulysses' or offload=1" if c.recompute == 'none' else \
-                "recompute='full' or cp_impl='ulysses'"
-            return (f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring attention's "
-                    f"output can't be replayed in a recompute (offload.py); use {instead}")
-    if tp > 1 and (S // cp) % tp:
-        return f"seq_len / cp_size = {S // cp} is not divisible by tp_size={tp} (sequence parallelism)"
-    return None
+    uly, ring, k = cp > 1 and cp_impl == 'ulysses', cp > 1 and cp_impl == 'ring', K // tp or 1
+    # offload.py's token-wise recompute hands attention's saved output back: the ring's is merged from
+    # several kernel calls with shifts between them, nothing to hand back
+    replay = ring and c.offload > 0 and (c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1)
+    rules = [
+        (H % tp, f"n_head={H} is not divisible by tp_size={tp}"),
+        (K % tp and tp % K, f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or copied)"),
+        (c.intermediate_size % tp, f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"),
+        (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
+        (zero not in (0, 1), f"zero must be 0 or 1, got {zero!r}"),
+        (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
+        (uly and H // tp % cp,
+         f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
+        (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
+        (ring and S % (2 * cp), f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"),
+        (ring, ring and flash_error(device_type, dtype, c.n_embd // H)),
+        (replay, replay and f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring attention's "
+         "output can't be replayed in a recompute (offload.py); use recompute='full'"
+         + (", cp_impl='ulysses' or offload=1" if c.recompute == 'none' else " or cp_impl='ulysses'")),
+        (tp > 1 and S // cp % tp,
+         f"seq_len / cp_size = {S // cp} is not divisible by tp_size={tp} (sequence parallelism)"),
+    ]
+    return next((why for bad, why in rules if bad and why), None)
 
 
 def wait_for_every_rank(what, timeout=60):
-    """Under torchrun, return once every rank has reached this call (or after `timeout` seconds): torchrun
-    kills all ranks the moment one exits, so a rank that stops with a message waits here until every rank
-    has printed its own. Through the launcher's TCP store: no process group needed, nothing allocated."""
-    world = int(os.environ.get('WORLD_SIZE', 1))
+    """Under torchrun, return once every rank has reached this call (or after `timeout` s): torchrun kills
+    every rank when one exits, so a rank stopping with a message waits for the others' (the launcher's
+    TCP store: no process group needed)."""
+    world, deadline = int(os.environ.get('WORLD_SIZE', 1)), time.monotonic() + timeout
     if world == 1 or 'MASTER_ADDR' not in os.environ:
         return
     key = f"nanolong/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{what}"
@@ -122,7 +114,6 @@ def wait_for_every_rank(what, timeout=60):
         store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
                               timeout=timedelta(seconds=timeout))
         store.add(key, 1)
-        deadline = time.monotonic() + timeout
         while store.add(key, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
     except (RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
@@ -130,16 +121,15 @@ def wait_for_every_rank(what, timeout=60):
 
 
 def init_distributed(device_type):
-    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); returns (world, rank, local_rank)."""
-    world = int(os.environ.get('WORLD_SIZE', 1))
+    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank)."""
+    world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
     if world == 1:
         return 1, 0, 0
-    local_rank = int(os.environ.get('LOCAL_RANK', 0))
-    backend = 'nccl' if device_type == 'cuda' else 'gloo'
-    if backend == 'nccl':
+    if device_type == 'cuda':
         torch.cuda.set_device(local_rank)
     # a rank blocked in a collective gives up after this; torchrun's agent normally kills it sooner
-    dist.init_process_group(backend, timeout=timedelta(seconds=int(os.environ.get('NANOLONG_PG_TIMEOUT', 300))))
+    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo',
+                            timeout=timedelta(seconds=int(os.environ.get('NANOLONG_PG_TIMEOUT', 300))))
     return world, dist.get_rank(), local_rank
 
 
@@ -150,55 +140,44 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = world // (tp * cp)
     m = Mesh(world, rank, dp, cp, tp, rank // (cp * tp), rank // tp % cp, rank % tp, cp_impl, sequence_parallel)
-    at = lambda d, c, t: (d * cp + c) * tp + t
+    grid = torch.arange(world).view(dp, cp, tp)
 
-    def groups(sets):  # new_group is collective: all ranks build all sets; keep ours
-        mine = None
-        for ranks in sets:
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                mine = g
-        return mine
-    m.tp_group = groups([[at(d, c, t) for t in range(tp)] for d in range(dp) for c in range(cp)])
-    m.cp_group = groups([[at(d, c, t) for c in range(cp)] for d in range(dp) for t in range(tp)])
-    m.dp_group = groups([[at(d, c, t) for d in range(dp)] for c in range(cp) for t in range(tp)])
-    m.dpcp_group = groups([[at(d, c, t) for d in range(dp) for c in range(cp)] for t in range(tp)])
-    if n_kv_head is not None and n_kv_head < tp:
-        g = tp // n_kv_head
-        m.kv_group = groups([[at(d, c, h * g + j) for j in range(g)]
-                             for d in range(dp) for c in range(cp) for h in range(n_kv_head)])
+    def groups(sets):  # new_group is collective: every rank builds every group, in order; keep ours
+        made = [(dist.new_group(ranks) if len(ranks) > 1 else None, ranks) for ranks in sets.tolist()]
+        return next(g for g, ranks in made if rank in ranks)
+    m.tp_group = groups(grid.reshape(-1, tp))
+    m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))
+    m.dpcp_group = groups(grid.permute(2, 0, 1).reshape(tp, -1))
+    if n_kv_head is not None and n_kv_head < tp:  # kv head h on tp ranks h·g .. h·g + g-1, g = t/K
+        m.kv_group = groups(grid.reshape(-1, tp // n_kv_head))
     return m
 
 
 # ----------------------------------------------------------------------------- the collectives
-# Every byte that moves between ranks moves here (tests count the calls). Tensors are made contiguous
-# with the split dimension first, because the collectives work on flat memory.
+# Every byte that moves between ranks moves here (tests count the calls), contiguous with the split
+# dimension first: the collectives work on flat memory.
 
 def all_reduce(x, group, op=dist.ReduceOp.SUM):
     dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def all_gather(x, dim, group):
-    """Concatenate every rank's x along dim (rank order)."""
+def all_gather(x, dim, group):  # every rank's x, concatenated along dim in rank order
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
-def reduce_scatter(x, dim, group):
-    """Sum x over the ranks and keep this rank's 1/n slice along dim."""
+def reduce_scatter(x, dim, group):  # x summed over the ranks, this rank's 1/n slice along dim
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     dist.reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
-def all_to_all(x, group):
-    """x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
+def all_to_all(x, group):  # x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us
+    out = torch.empty_like(x := x.contiguous())
     dist.all_to_all_single(out, x, group=group)
     return out
 
@@ -207,8 +186,7 @@ def ring_shift(x, group):
     """Start sending x to the next rank of the ring and receiving the previous one's; the returned
     function waits (on NCCL the stream waits, not the host) and gives what arrived."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    recv = torch.empty_like(x)
+    recv = torch.empty_like(x := x.contiguous())
     # one batch, so NCCL posts the send and the receive together (two separate calls deadlock a ring)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, dist.get_global_rank(group, (r + 1) % n), group),
                                     dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (r - 1) % n), group)])
@@ -218,11 +196,6 @@ def ring_shift(x, group):
             w.wait()
         return recv
     return wait
-
-
-def broadcast(x, src, group):
-    dist.broadcast(x, src=src, group=group)
-    return x
 
 
 # ----------------------------------------------------------------------------- Megatron's f and g
@@ -241,8 +214,8 @@ class _Pair(Function):
 
 
 def enter_tp(x, mesh):
-    """f, before column-parallel matmuls: every tp rank needs all of x [B, S, h]. Under sp, all-gather the
-    sequence (backward: the ranks' partial dx, reduce-scattered); else x as is (backward: all-reduce)."""
+    """f, before the column-parallel matmuls: every tp rank needs all of x [B, S, h]. Under sp all-gather the
+    sequence (backward: reduce-scatter the partial dx); else x as is (backward: all-reduce)."""
     g = mesh.tp_group
     if mesh.tp == 1:
         return x
@@ -252,7 +225,7 @@ def enter_tp(x, mesh):
 
 
 def leave_tp(x, mesh):
-    """g, after row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
+    """g, after the row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
     g = mesh.tp_group
     if mesh.tp == 1:
         return x
@@ -263,56 +236,24 @@ def leave_tp(x, mesh):
 
 # ----------------------------------------------------------------------------- sharding the weights
 
+TP_SPLITS = {('tok_embeddings.weight', 'output.weight'): (0, 'vocab'), ('wk.weight', 'wv.weight'): (0, 'kv'),
+             ('wq.weight', 'w1.weight', 'w3.weight'): (0, 'even'), ('wo.weight', 'w2.weight'): (1, 'even')}
+
+
 def shard_spec(name, config, tp):
     """(dim, kind) of a parameter's split over tp, kind 'vocab', 'kv' (maybe replicated) or 'even'; None: replicated."""
     if tp == 1 or 'norm' in name:
         return None
-    if name in ('tok_embeddings.weight', 'output.weight'):
-        return 0, 'vocab'
-    if name.endswith(('wk.weight', 'wv.weight')):
-        return 0, 'kv'
-    if name.endswith(('wq.weight', 'w1.weight', 'w3.weight')):
-        return 0, 'even'
-    if name.endswith(('wo.weight', 'w2.weight')):
-        return 1, 'even'
-    raise ValueError(f"no tensor-parallel rule for parameter {name}")
-
-
-def shard(name, full, tp_rank, tp, config):
-    """This tp rank's piece of a full tensor (a weight, its gradient or an AdamW moment)."""
-    spec = shard_spec(name, config, tp)
+    spec = next((spec for ends, spec in TP_SPLITS.items() if name.endswith(ends)), None)
     if spec is None:
-        return full.clone()
-    dim, kind = spec
-    if kind == 'vocab':  # ⌈V/t⌉ rows per rank; the last rank's rows past V are zeros, never a logit
-        n = math.ceil(full.shape[0] / tp)
-        full = torch.cat([full, full.new_zeros(n * tp - full.shape[0], *full.shape[1:])])
-    if kind == 'kv' and config.n_kv_head < tp:  # kv head h lives on tp ranks h·g .. h·g + g-1
-        hd = config.head_dim
-        h = tp_rank // (tp // config.n_kv_head)
-        return full[h * hd:(h + 1) * hd].clone()
-    return full.chunk(tp, dim)[tp_rank].clone()
-
-
-def unshard(name, pieces, config):
-    """The full tensor from the tp ranks' pieces (in tp rank order)."""
-    tp = len(pieces)
-    spec = shard_spec(name, config, tp)
-    if spec is None:
-        return pieces[0]
-    dim, kind = spec
-    if kind == 'kv' and config.n_kv_head < tp:
-        pieces = pieces[::tp // config.n_kv_head]
-    full = torch.cat(pieces, dim)
-    return full[:config.vocab_size] if kind == 'vocab' else full
+        raise ValueError(f"no tensor-parallel rule for parameter {name}")
+    return spec
 
 
 def is_replica(name, mesh, config):
     """True where this rank's tensor is a copy of another tp rank's (count it once in norms, save it once)."""
-    spec = shard_spec(name, config, mesh.tp)
-    if spec is None:
-        return mesh.tp_rank > 0
-    return spec[1] == 'kv' and config.n_kv_head < mesh.tp and mesh.tp_rank % (mesh.tp // config.n_kv_head) > 0
+    spec, K = shard_spec(name, config, mesh.tp), config.n_kv_head
+    return mesh.tp_rank > 0 if spec is None else spec[1] == 'kv' and K < mesh.tp and mesh.tp_rank % (mesh.tp // K) > 0
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -353,15 +294,15 @@ def ulysses(attend, group, q, k, v):
 
 def flash_error(device_type, dtype, head_dim):
     """None, or why ring attention's fused flash kernel can't run here (check_layout asks up front)."""
-    if device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16):
-        return f"cp_impl='ring' on CUDA calls flash attention, which needs bfloat16 or float16, not {dtype} " \
-               "(use dtype='bfloat16' or cp_impl='ulysses')"
-    if device_type == 'cuda' and (head_dim > 256 or head_dim % 8):
-        return f"cp_impl='ring' on CUDA calls flash attention, which needs head_dim <= 256 and a multiple " \
-               f"of 8, not {head_dim} (use cp_impl='ulysses')"
-    if device_type not in ('cuda', 'cpu'):
-        return f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"
-    return None
+    cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
+    return next((why for bad, why in [
+        (device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16),
+         f"{cuda} bfloat16 or float16, not {dtype} (use dtype='bfloat16' or cp_impl='ulysses')"),
+        (device_type == 'cuda' and (head_dim > 256 or head_dim % 8),
+         f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"),
+        (device_type not in ('cuda', 'cpu'),
+         f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"),
+    ] if bad), None)
 
 
 def flash(q, k, v, causal, backward=None):
@@ -389,63 +330,55 @@ def _ring_steps(kv, group):
     chunks; an earlier rank's first chunk precedes all our tokens (its second follows them all); a later
     rank's two chunks precede our second chunk and follow our first. The next k, v moves meanwhile."""
     P, r, n = dist.get_world_size(group), dist.get_rank(group), kv.shape[3] // 2
+    every, first, second = slice(None), slice(0, n), slice(n, None)
     for s in range(P):
         nxt = ring_shift(kv, group) if s < P - 1 else None
-        if s == 0:
-            yield slice(None), slice(None), True, kv
-        else:
-            yield (slice(None), slice(0, n), False, kv) if (r - s) % P < r else (slice(n, None), slice(None), False, kv)
+        yield (every, every, True, kv) if s == 0 else (every, first, False, kv) if (r - s) % P < r else \
+            (second, every, False, kv)
         kv = nxt() if nxt else kv
 
 
-class _RingAttention(Function):
-    """Each step's flash kernel gives (out, lse) over one block of keys; the online softmax merges them.
-    Backward: with the final out and lse each block's flash backward is its exact share of the gradient,
-    and dk, dv travel around the ring with their k, v until they are back with their owner."""
+def _as_heads(t, H):  # k or v [B, K, n, hd] with q's H heads: the flash kernel's layout
+    return t.repeat_interleave(H // t.shape[1], dim=1).contiguous()
+
+
+class RingAttention(Function):
+    """Attention.attend under ring attention (partial(RingAttention.apply, group)): q [B, H, 2n, hd], k, v
+    [B, K, 2n, hd] on zigzag shards -> y like q; causal softmax only. Each step's flash kernel gives (out,
+    lse) over one block of keys, merged by online softmax. Backward: with the final out and lse each block's
+    flash backward is its exact share; dk, dv travel the ring with their k, v back to their owner."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, group, q, k, v):
         H = q.shape[1]
-        rep = lambda t: t.repeat_interleave(H // k.shape[1], dim=1).contiguous()  # the kernel: q's head count
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-        ctx.saved = []
+        ctx.saved, ctx.group = [], group
         for rows, cols, causal, kv in _ring_steps(torch.stack([k, v]), group):  # kv heads travel, not repeats
-            o, l, saved = flash(q[:, :, rows].contiguous(), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal)
+            o, l, saved = flash(q[:, :, rows].contiguous(), *(_as_heads(t[:, :, cols], H) for t in kv), causal)
             new = torch.logaddexp(lse[:, :, rows], l)
             out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + \
                 o.float() * (l - new).exp().unsqueeze(-1)
             lse[:, :, rows] = new
             ctx.saved.append(saved)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group = group
+        ctx.save_for_backward(q, k, v, out := out.to(q.dtype), lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         H, K = q.shape[1], k.shape[1]
-        rep = lambda t: t.repeat_interleave(H // K, dim=1).contiguous()
         fold = lambda g: g.float().view(g.shape[0], K, H // K, *g.shape[2:]).sum(2)  # repeats -> kv heads
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-        steps = _ring_steps(torch.stack([k, v]), ctx.group)
-        for (rows, cols, causal, kv), saved in zip(steps, ctx.saved):
+        for (rows, cols, causal, kv), saved in zip(_ring_steps(torch.stack([k, v]), ctx.group), ctx.saved):
             part = lambda t: t[:, :, rows].contiguous()
-            g = flash(part(q), rep(kv[0][:, :, cols]), rep(kv[1][:, :, cols]), causal,
-                      backward=(part(dout), part(out), part(lse), saved))
-            dq[:, :, rows] += g[0].float()
-            dkv[0][:, :, cols] += fold(g[1])
-            dkv[1][:, :, cols] += fold(g[2])
+            dq_, dk, dv = flash(part(q), *(_as_heads(t[:, :, cols], H) for t in kv), causal,
+                                backward=(part(dout), part(out), part(lse), saved))
+            dq[:, :, rows] += dq_.float()
+            dkv[:, :, :, cols] += torch.stack([fold(dk), fold(dv)])
             dkv = ring_shift(dkv, ctx.group)()  # after P shifts each dk, dv is back with its owner
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
-
-
-def ring(group, q, k, v):
-    """Attention.attend under ring attention: q [B, H, 2n, hd], k, v [B, K, 2n, hd] on zigzag shards
-    (chunks r and 2c-1-r of 2c) -> y like q. Causal softmax attention only: it runs its own kernel."""
-    return _RingAttention.apply(q, k, v, group)
+        return None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 def shard_batch(x, y, mesh):
@@ -470,8 +403,14 @@ def parallelize(model, mesh):
     c = model.config
     if mesh.tp > 1:
         for name, p in list(model.named_parameters()):
-            module = model.get_submodule(name.rsplit('.', 1)[0])
-            module.weight = nn.Parameter(shard(name, p.data, mesh.tp_rank, mesh.tp, c))
+            dim, kind, t, full = *(shard_spec(name, c, mesh.tp) or (0, None)), mesh.tp, p.data
+            if kind == 'vocab':  # ⌈V/t⌉ rows per rank; the last rank's rows past V are zeros, never a logit
+                full = F.pad(full, (0, 0, 0, -full.shape[0] % t))
+            if kind == 'kv' and c.n_kv_head < t:  # kv head h lives on tp ranks h·g .. h·g + g-1, g = t/K
+                full = full.chunk(c.n_kv_head)[mesh.tp_rank // (t // c.n_kv_head)]
+            elif kind:
+                full = full.chunk(t, dim)[mesh.tp_rank]
+            model.get_submodule(name.rsplit('.', 1)[0]).weight = nn.Parameter(full.clone())
         if c.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
@@ -486,23 +425,17 @@ def parallelize(model, mesh):
         if mesh.cp > 1 and mesh.cp_impl == 'ulysses':
             attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group)
         elif mesh.cp > 1:
-            attn.attend = functools.partial(ring, mesh.cp_group)
+            attn.attend = functools.partial(RingAttention.apply, mesh.cp_group)
         attn.mesh = mesh  # offload.py reads the layout here
     model.mesh = mesh
     return model
 
 
 # ----------------------------------------------------------------------------- gradients, clipping, optimizer
-# After backward every rank holds fp32 gradients of its tp shards, for its own tokens. sync_grads sums
-# them in buckets of BUCKET_BYTES (DDP's 25 MB): at most one bucket is ever copied, not the whole model.
-# AdamW below keeps the fp32 master weights and moments of rows; with zero=1 each of the d = dp·cp
-# ranks keeps only ⌈rows/d⌉ rows of every tensor (Megatron's distributed optimizer: per parameter
-# 2 + 4 + 12/d bytes with bf16 weights, 4 + 4 + 8/d in fp32, instead of 2 + 4 + 12 or 4 + 4 + 8) and
-# all-gathers the new rows after each step. torch's ZeroRedundancyOptimizer gives whole tensors to
-# ranks (uneven: the embedding alone can be a rank's share) and updates tensors every rank holds in
-# full, so it can't own masters that exist only as shards.
+# torch's ZeroRedundancyOptimizer gives whole tensors to ranks (uneven: the embedding alone can be one
+# rank's share) and can't own masters that exist only as shards: AdamW here owns ⌈rows/d⌉ rows of each.
 
-BUCKET_BYTES = 25 * 2**20
+BUCKET_BYTES = 25 * 2**20  # DDP's: at most one bucket is ever copied, never the whole model's gradients
 
 
 def all_reduce_buckets(grads, group):
@@ -510,27 +443,22 @@ def all_reduce_buckets(grads, group):
     if group is None:
         return
     bucket = []
-
-    def flush():
-        if len(bucket) == 1:
-            all_reduce(bucket[0], group)
-        elif bucket:
-            flat = all_reduce(torch.cat([g.reshape(-1) for g in bucket]), group)
-            for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(piece.view_as(g))
-        bucket.clear()
-    for g in grads:
-        if bucket and sum(b.nbytes for b in bucket) + g.nbytes > BUCKET_BYTES:
-            flush()
+    for g in [*grads, None]:  # None: the last bucket
+        if bucket and (g is None or sum(b.nbytes for b in bucket) + g.nbytes > BUCKET_BYTES):
+            if len(bucket) == 1:
+                all_reduce(bucket[0], group)
+            else:
+                flat = all_reduce(torch.cat([b.reshape(-1) for b in bucket]), group)
+                for b, piece in zip(bucket, flat.split([b.numel() for b in bucket])):
+                    b.copy_(piece.view_as(b))
+            bucket = []
         bucket.append(g)
-    flush()
 
 
 def sync_grads(named_params, mesh, config):
-    """After backward: make each rank's gradients those of the whole step. named_params: (name, tensor
-    holding .grad), the model's names. Under sp the norms saw only our tokens: sum over tp. Replicated kv
-    heads: sum over the copies. Everything: sum over dp × cp (the loss was already divided by the
-    step's global token count, so a sum is the exact token-weighted mean)."""
+    """After backward, each rank's gradients of the whole step. named_params: (model's name, tensor holding
+    .grad). The norms saw only our tokens under sp: summed over tp; replicated kv heads over the copies;
+    everything over dp × cp (the loss was divided by the step's global token count: a sum is the mean)."""
     for _, p in named_params:
         if p.grad is None:
             p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
@@ -545,29 +473,17 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     sq = sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
               for n, p in named_params if not is_replica(n, mesh, config)),
              torch.zeros((), device=named_params[0][1].device))
-    if mesh.tp_group is not None:
-        all_reduce(sq, mesh.tp_group)
-    norm = sq.sqrt()
+    norm = (all_reduce(sq, mesh.tp_group) if mesh.tp_group is not None else sq).sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for _, p in named_params:
         p.grad.mul_(coef.to(p.grad.dtype))
     return norm
 
 
-def real_rows(name, p, mesh, config):
-    """Rows of this rank's tensor that hold the model (the last tp ranks' vocabulary rows past V are padding)."""
-    spec = shard_spec(name, config, mesh.tp)
-    if spec is None or spec[1] != 'vocab':
-        return p.shape[0]
-    n = math.ceil(config.vocab_size / mesh.tp)
-    return max(0, min(n, config.vocab_size - mesh.tp_rank * n))
-
-
 def row_share(rows, d, j):
     """(first row, count) of rank j of d: ⌈rows/d⌉ each, the last ones fewer (DTensor's Shard(0) split)."""
-    n = math.ceil(rows / d)
-    first = min(rows, j * n)
-    return first, min(rows, first + n) - first
+    first = min(rows, j * math.ceil(rows / d))
+    return first, min(rows, first + math.ceil(rows / d)) - first
 
 
 class AdamW(torch.optim.AdamW):
@@ -581,7 +497,9 @@ class AdamW(torch.optim.AdamW):
         self.group = mesh.dpcp_group if zero else None
         d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
         self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
-        self.rows = [real_rows(n, p, mesh, config) for n, p in named_params]
+        V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
+        self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
+                     else p.shape[0] for n, p in named_params]
         self.shares = [row_share(r, d, j) for r in self.rows]
         self.pieces = [p.detach().narrow(0, a, n).float() for p, (a, n) in zip(self.params, self.shares)]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
@@ -603,15 +521,3 @@ class AdamW(torch.optim.AdamW):
     def zero_grad(self, set_to_none=True):
         for t in self.masters + self.pieces:
             t.grad = None
-
-
-def gather_full(named_tensors, mesh, config, grads=False):
-    """{name: full tensor} on every rank: the tp pieces of each parameter (or its .grad) all-gathered."""
-    out = {}
-    for n, p in named_tensors:
-        t = (p.grad if grads else p.data).contiguous()
-        if mesh.tp > 1:
-            pieces = all_gather(t.unsqueeze(0), 0, mesh.tp_group).unbind(0)
-            t = unshard(n, list(pieces), config)
-        out[n] = t.clone()
-    return out

@@ -94,6 +94,22 @@ def global_batch(vocab_size=MODEL['vocab_size']):
     return x, y
 
 
+def gather_full(named_tensors, mesh, config, grads=False):
+    """{name: full tensor} on every rank: the tp pieces of each parameter (or its .grad) all-gathered and
+    put back together: kv heads replicated when K < t counted once, the vocabulary's padding rows cut."""
+    out = {}
+    for n, p in named_tensors:
+        t = (p.grad if grads else p.data).contiguous()
+        spec = parallel.shard_spec(n, config, mesh.tp)
+        if spec is not None:
+            pieces = parallel.all_gather(t.unsqueeze(0), 0, mesh.tp_group).unbind(0)
+            if spec[1] == 'kv' and config.n_kv_head < mesh.tp:
+                pieces = pieces[::mesh.tp // config.n_kv_head]
+            t = torch.cat(pieces, spec[0])[:config.vocab_size] if spec[1] == 'vocab' else torch.cat(pieces, spec[0])
+        out[n] = t.clone()
+    return out
+
+
 def one_step(model, mesh, config, zero):
     """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens), grad sync, clipping
     at a norm it reaches, then SGD (AdamW for zero=1). Returns (loss, grad norm, grads, new weights)."""
@@ -103,14 +119,14 @@ def one_step(model, mesh, config, zero):
     named = list(model.named_parameters())
     parallel.sync_grads(named, mesh, config)
     norm = parallel.clip_grad_norm_(named, 0.5, mesh, config)
-    grads = parallel.gather_full(named, mesh, config, grads=True)
+    grads = gather_full(named, mesh, config, grads=True)
     if zero:
         params = [p for _, p in named]
         opt = parallel.AdamW(named, params, [{'params': params}], mesh, config, zero=1, lr=LR)
     else:
         opt = torch.optim.SGD([p for _, p in named], lr=LR)
     opt.step()
-    return loss.item(), norm.item(), grads, parallel.gather_full(named, mesh, config)
+    return loss.item(), norm.item(), grads, gather_full(named, mesh, config)
 
 
 def reference(overrides, zero):
@@ -139,7 +155,7 @@ def eval_matmuls(model, mesh):
 
 # ----------------------------------------------------------------------------- the spawned ranks
 
-COUNTED = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'ring_shift', 'broadcast')
+COUNTED = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'ring_shift')
 
 
 def count_collectives(fn):
