@@ -2,8 +2,7 @@
 Keep, recompute or offload: what each transformer block saves for its backward, and where it waits.
 
 Once chunked.py has removed the S×V and S×I peaks, what grows with S is what every block keeps for
-backward. Per token and block (b bytes per element, h width, H heads, kv = K·hd, I intermediate size),
-recompute='none' keeps (`saved_per_token` lists each tensor):
+backward. Per token and block, recompute='none' keeps (`saved_per_token` lists each tensor):
 
     qkv        q, k, v as attention gets them                 b·(h + 2kv)
     attention  its output and logsumexp (fp32)                b·h + 4·H
@@ -18,41 +17,35 @@ next blocks compute, with n = floor(α·S) host tokens:
     selective  input + attention  input + qkv + attention                      all of other
     full       input              input                                        the whole block
 
-    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)     (none; selective: n = 0)
-                           B·S·b·h                                                    (full)
+    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)   (none; selective: n = 0)
+                           B·S·b·h                                                  (full)
 
 plus B·S·b·h under Ulysses when S - n > 0 (attention's output after the all-to-all is not the tensor
-attention saves). An offloaded block keeps nothing on the device that grows with S; the last KEEP_LAST
-blocks are never offloaded, nor is a tensor under MIN_BYTES.
+attention saves). The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
-The cut (`_split`). Every op of a block but the attention core works on each token alone. So the block
-runs on two token ranges: [0, S-n) under torch's checkpoint (its saved tensors dropped, recomputed in
-backward from its input) and [S-n, S) with its saved tensors sent to host; the attention core
-(`block.attention.attend`), which needs every token's k and v, runs once on both ranges' q, k, v, and
-what it saves goes to host whole. The ranges meet inside attention: the first range's `attend` runs the
-second range's block, whose `attend` runs the core; each range then finishes on its share of the
-output, which the first range's recompute gets back from host instead of attending again. In bf16 a
-weight's gradient is then the sum of two bf16 parts (equal to one pass within rounding). Under sequence
-parallelism q, k, v hold tp runs of S tokens (the RoPE tables too): a range cuts every run (`_tokens`),
-and every rank runs the same collectives in the same order. Ring attention merges several kernels in
-its own autograd Function: recompute='full' or α = 1 only (`layout_error`).
+The cut (`_split`): every op of a block but the attention core works on each token alone, so the block
+runs on two token ranges, [0, S-n) under torch's checkpoint and [S-n, S) with its saved tensors sent to
+host. They meet inside `block.attention.attend`: the first range's attend runs the second range's block,
+whose attend runs the core once on both ranges' q, k, v; what the core saves goes to host whole, and its
+output is handed back to the first range's recompute instead of attending again. Under sequence
+parallelism q, k, v hold tp runs of S tokens: a range cuts every run (`_tokens`). Ring attention merges
+its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout says so).
 
-Overlap (CUDA; on a CPU the same code runs, streams are no-ops). After a block's forward its tensors are
-copied to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT blocks' copies
-before compute waits); when block i's backward begins, block i-1's come back on another. Host memory
-is a pool: a buffer per block at its exact size, pinned with cudaHostRegister (`pin_memory()` rounds up
-to a power of two), reused every step. A forward whose backward never runs keeps its buffer until
-`reset()`.
+Overlap (CUDA; on a CPU streams are no-ops, the same code runs): a block's tensors go to host on a side
+stream while the next blocks compute (at most MAX_IN_FLIGHT blocks' copies in flight); when block i's
+backward begins, block i-1's come back on another. Host memory is a pool, a buffer per block at its exact
+size pinned with cudaHostRegister, reused every step; a forward whose backward never runs keeps its
+buffer until `reset()`.
 
-From: Memo (Zhao et al. 2024, arXiv 2407.12117), the layer input and attention whole and a token
-fraction α of the rest; torch's `save_on_cpu` (synchronous); recomputation Chen et al. 2016, selective
-recomputation Korthikanti et al. 2022 (torch's non-reentrant checkpoint).
+From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's `save_on_cpu`, recomputation (Chen et al. 2016),
+selective recomputation (Korthikanti et al. 2022).
 """
 import math
 import os
 import weakref
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -101,13 +94,12 @@ def host_tokens(alpha, seq_len):
 
 
 def offloaded_blocks(config):
-    """Indices of the blocks whose activations go to host."""
     return range(max(0, config.n_layer - KEEP_LAST)) if config.offload > 0 else range(0)
 
 
 def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
-    """Bytes one offloaded block sends to host per forward: the header's formula, tensors under
-    MIN_BYTES kept; cp_size > 1 is Ulysses (ring runs only what needs no replay)."""
+    """Bytes one offloaded block sends to host per forward: the header's formula, tensors under MIN_BYTES
+    kept; cp_size > 1 is Ulysses (ring runs only what needs no replay)."""
     if config.offload == 0:
         return 0
     bh, S = torch.empty(0, dtype=dtype).element_size() * config.n_embd, seq_len
@@ -134,10 +126,9 @@ def block_forward_seconds(config, batch, seq_len, flops_per_s):
 
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):
-    """Memo's rule: the largest α whose bytes per token, b·h + qkv + attention + α·other (the header's
-    formula), cross in one block's forward at bandwidth (bytes/s, one direction) and fit host_bytes_free
-    over the offloaded blocks; 0.0 if not even α = 0 does ('full' is then cheaper); 0 or 1 for 'full'
-    and 'selective' (whole tensors only)."""
+    """Memo's rule: the largest α whose bytes per token, b·h + qkv + attention + α·other, cross in one
+    block's forward at bandwidth (bytes/s, one way) and fit host_bytes_free over the offloaded blocks;
+    0.0 if not even α = 0 does ('full' is then cheaper); 0 or 1 for 'full' and 'selective'."""
     blocks = config.n_layer - KEEP_LAST
     if blocks <= 0:
         return 0.0
@@ -151,8 +142,8 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
 
 
 def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0, cp_size=1):
-    """One line saying how much host memory offload takes per rank; MemoryError (one line) when it
-    needs more than is available (MemAvailable shared by this host's ranks) or than budget_gb."""
+    """One line saying how much host memory offload takes per rank; MemoryError (one line) when it needs
+    more than is available (MemAvailable shared by this host's ranks) or than budget_gb."""
     need = host_bytes(config, batch, seq_len, dtype, cp_size)
     with open('/proc/meminfo') as f:
         available = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
@@ -164,18 +155,6 @@ def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0, 
     if need > limit:
         raise MemoryError(f"{line}: lower offload, seq_len or batch_size, or use recompute='full'")
     return line
-
-
-def layout_error(recompute, alpha, cp_size=1, cp_impl='ulysses', compile=False):
-    """None, or the one-line reason offload = alpha can't run with this recompute and context parallel
-    layout (parallel.check_layout asks). compile=True runs: the offloaded blocks run eagerly."""
-    if alpha > 0 and cp_size > 1 and cp_impl == 'ring' and (recompute == 'selective' or
-                                                            recompute == 'none' and alpha < 1):
-        instead = "recompute='full', cp_impl='ulysses' or offload=1" if recompute == 'none' else \
-            "recompute='full' or cp_impl='ulysses'"
-        return (f"offload={alpha} with recompute={recompute!r} and cp_impl='ring': ring attention's output "
-                f"can't be handed back to a token range's recompute (offload.py); use {instead}")
-    return None
 
 
 # ----------------------------------------------------------------------------- the policy, per block
@@ -211,23 +190,18 @@ def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
         y = checkpoint(inner, x, cos, sin, use_reentrant=False, **({} if c.recompute == 'full' else dict(
             context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))))
     if c.offload > 0:  # when block i's backward begins, block i-1 starts coming back (the first kept
-        eng = _engine(x)  # block brings back the last offloaded one)
-        eng.last = None if i == 0 else eng.last  # a new forward
-        if eng.last is not None and eng.last[0] == i - 1 and y.requires_grad:
-            previous = eng.last[1]
-            y.register_hook(lambda grad: previous() and previous().fetch())
-        eng.last = (i, weakref.ref(saved)) if saved is not None else eng.last
+        dev = _device(x)  # block brings back the last offloaded one)
+        last = None if i == 0 else dev.last  # i == 0: a new forward
+        if last is not None and last[0] == i - 1 and y.requires_grad:
+            y.register_hook(lambda grad: last[1]() and last[1]().fetch())
+        dev.last = (i, weakref.ref(saved)) if saved is not None else last
     return y
 
 
 @torch.compiler.disable  # saved-tensor hooks, side streams, a swapped attention: eager under compile too
 def _offload(block, inner, x, cos, sin, mode, alpha, i):
-    mesh = getattr(block.attention, 'mesh', None)  # parallel.py's blocks carry their layout
-    why = mesh and layout_error(mode, alpha, mesh.cp, mesh.cp_impl)
-    if why:
-        raise ValueError(why)
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]  # shared by every block: stay
-    saved = Offloaded(_engine(x), i, keep)
+    saved = Offloaded(_device(x), i, keep)
     with saved_tensors_hooks(saved.pack, _unpack):
         if mode == 'full':  # torch's checkpoint saves its input only, through our hooks
             y = checkpoint(inner, x, cos, sin, use_reentrant=False)
@@ -303,8 +277,8 @@ class Offloaded:
     """What one block's forward sends to host: pack (forward) -> send (its end) -> fetch (the next
     block's backward begins) -> wait and unpack (its own backward)."""
 
-    def __init__(self, eng, index, keep):
-        self.eng, self.index, self.keep = eng, index, keep
+    def __init__(self, dev, index, keep):
+        self.dev, self.index, self.keep = dev, index, keep
         self.tensors, self.uses = [], []  # device tensors: to send (forward), then back (backward)
         self.host = self.buffer = self.sent = self.back = None
         self.ready = False
@@ -324,12 +298,12 @@ class Offloaded:
     def send(self):
         if not self.tensors:
             return
-        eng, sizes = self.eng, [t.numel() * t.element_size() for t in self.tensors]
-        self.buffer = eng.pool.take(self.index, sum(_align(n) for n in sizes))
-        ready = eng.mark()  # after this block's forward kernels: the copies read their results
-        with eng.on(eng.d2h):
-            eng.wait(ready, eng.d2h)
-            eng.wait(self.buffer.ready, eng.d2h)  # the last host->device copy out of this buffer
+        dev, sizes = self.dev, [t.numel() * t.element_size() for t in self.tensors]
+        self.buffer = dev.pool.take(self.index, sum(_align(n) for n in sizes))
+        ready = _mark(dev)  # after this block's forward kernels: the copies read their results
+        with _on(dev.d2h):
+            _wait(dev, ready, dev.d2h)
+            _wait(dev, self.buffer.ready, dev.d2h)  # the last host->device copy out of this buffer
             self.host, self.orders, offset = [], [], 0
             for t, n in zip(self.tensors, sizes):
                 # in t's memory order (attention's output is [B, S, H, hd] in memory): it comes back
@@ -337,32 +311,32 @@ class Offloaded:
                 order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
                 t = t.permute(order)
                 self.host.append(self.buffer.data[offset:offset + n].view(t.dtype).view(t.shape))
-                self.host[-1].copy_(t, non_blocking=eng.cuda)
+                self.host[-1].copy_(t, non_blocking=dev.cuda)
                 self.orders.append([order.index(d) for d in range(t.dim())])
                 offset += _align(n)
-            self.sent = eng.mark(eng.d2h)
-        eng.count('bytes_to_host', sum(sizes))
+            self.sent = _mark(dev, dev.d2h)
+        _count(dev, 'bytes_to_host', sum(sizes))
         # the device tensors may be freed once compute has waited for the copies (MAX_IN_FLIGHT blocks on)
-        eng.in_flight.append((self.sent, self.tensors))
+        dev.in_flight.append((self.sent, self.tensors))
         self.tensors = [None] * len(sizes)
-        eng.retire(MAX_IN_FLIGHT if eng.cuda else 0)
+        _retire(dev, MAX_IN_FLIGHT if dev.cuda else 0)
 
     def fetch(self):
         if self.buffer is None:
             return
-        eng = self.eng
-        eng.retire(0)  # backward has begun: every device->host copy must be done
+        dev = self.dev
+        _retire(dev, 0)  # backward has begun: every device->host copy must be done
         # allocated on the compute stream, which frees them after use
-        self.tensors = [torch.empty(h.shape, dtype=h.dtype, device=eng.device) for h in self.host]
-        ready = eng.mark()  # that memory may still be read by kernels queued before now
-        with eng.on(eng.h2d):
-            eng.wait(self.sent, eng.h2d)
-            eng.wait(ready, eng.h2d)
+        self.tensors = [torch.empty(h.shape, dtype=h.dtype, device=dev.device) for h in self.host]
+        ready = _mark(dev)  # that memory may still be read by kernels queued before now
+        with _on(dev.h2d):
+            _wait(dev, self.sent, dev.h2d)
+            _wait(dev, ready, dev.h2d)
             for t, h in zip(self.tensors, self.host):
-                t.copy_(h, non_blocking=eng.cuda)
-            self.back = eng.mark(eng.h2d)
-        eng.count('bytes_to_device', sum(h.numel() * h.element_size() for h in self.host))
-        eng.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
+                t.copy_(h, non_blocking=dev.cuda)
+            self.back = _mark(dev, dev.h2d)
+        _count(dev, 'bytes_to_device', sum(h.numel() * h.element_size() for h in self.host))
+        dev.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
         self.tensors = [t.permute(order) for t, order in zip(self.tensors, self.orders)]
         self.buffer = self.host = None
 
@@ -370,7 +344,7 @@ class Offloaded:
         """This block's backward begins: its own copies (no others) must have arrived."""
         self.ready = True
         self.fetch()  # nothing to do when it was prefetched
-        self.eng.wait(self.back)
+        _wait(self.dev, self.back)
 
     def unpack(self, k):
         if not self.ready:
@@ -388,35 +362,22 @@ def _unpack(packed):
     return packed if isinstance(packed, torch.Tensor) else packed[0].unpack(packed[1])
 
 
-# ----------------------------------------------------------------------------- streams, events, host pool
+# ----------------------------------------------------------------------------- host pool, streams, events
 
 def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype and for DMA
     return -(-nbytes // to) * to
 
 
-class _HostBuffer:
-    """One allocation of the pool, the one place host memory is made (memory.py tells it from the
-    device's). Pinned, exactly its pages, with cudaHostRegister; `release` unpins."""
-
-    def __init__(self, nbytes, pin, page=4096):
-        self.nbytes, self.ready, self.pinned = nbytes, None, pin
-        raw = torch.empty(nbytes + (2 * page if pin else 0), dtype=torch.uint8)
-        start = -raw.data_ptr() % page if pin else 0
-        self.data = raw[start:start + nbytes]
-        if pin and int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), _align(nbytes, page), 0)):
-            raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
-
-    def release(self):
-        if self.pinned:
-            if self.ready is not None:  # no copy may still be reading these pages
-                self.ready.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.pinned = False
+class _Buffer:  # one allocation of the pool; `ready`: the last host->device copy out of it has passed
+    def __init__(self, data):
+        self.data, self.nbytes, self.ready = data, data.numel(), None
 
 
 class HostPool:
     """A buffer per block, allocated at its exact size the first time and reused by every later forward
-    (a second one if a block is forwarded again before its backward: micro-batches forwarded early)."""
+    (a second one if a block is forwarded again before its backward: micro-batches forwarded early).
+    `_allocate` is the one place host memory is made: pinned, exactly its pages, with cudaHostRegister
+    (`pin_memory()` rounds up to a power of two); `release` unpins."""
 
     def __init__(self, pin):
         self.pin, self.idle, self.buffers = pin, {}, []
@@ -430,10 +391,18 @@ class HostPool:
         else:
             if idle:  # a longer sequence than before: give back a buffer that is now too small
                 self.release(idle.pop())
-            buf = _HostBuffer(nbytes, self.pin)
-            self.buffers.append(buf)
-            self.reserved, self.allocations = self.reserved + nbytes, self.allocations + 1
+            buf = self._allocate(nbytes)
         self.in_use += buf.nbytes
+        return buf
+
+    def _allocate(self, nbytes, page=4096):
+        raw = torch.empty(nbytes + (2 * page if self.pin else 0), dtype=torch.uint8)
+        start = -raw.data_ptr() % page if self.pin else 0
+        buf = _Buffer(raw[start:start + nbytes])
+        if self.pin and int(torch.cuda.cudart().cudaHostRegister(buf.data.data_ptr(), _align(nbytes, page), 0)):
+            raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
+        self.buffers.append(buf)
+        self.reserved, self.allocations = self.reserved + nbytes, self.allocations + 1
         return buf
 
     def give(self, block, buf, ready):
@@ -442,47 +411,51 @@ class HostPool:
         self.idle.setdefault(block, []).append(buf)
 
     def release(self, buf):
-        buf.release()
+        if self.pin:
+            if buf.ready is not None:  # no copy may still be reading these pages
+                buf.ready.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(buf.data.data_ptr())
         self.buffers.remove(buf)
         self.reserved -= buf.nbytes
 
 
-class _Engine:
-    """Per device: the copy streams, the host pool, the blocks whose copies may still be running. On a
-    CPU (or fake tensors) events are None and streams no-ops."""
-
-    def __init__(self, device, fake):
-        self.device, self.fake, self.cuda = device, fake, device.type == 'cuda' and not fake
-        self.d2h, self.h2d = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.cuda else (None, None)
-        self.pool, self.in_flight, self.last = HostPool(pin=self.cuda), [], None
-
-    def on(self, stream):
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    def mark(self, stream=None):  # an event after the work queued so far on stream (default: current)
-        return (stream or torch.cuda.current_stream(self.device)).record_event() if self.cuda else None
-
-    def wait(self, event, stream=None):  # stream (default: current) waits for event; the host does not
-        if event is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
-
-    def count(self, what, nbytes):
-        if not self.fake:  # a dry run's fake bytes are not bytes moved
-            _stats[what] += nbytes
-
-    def retire(self, limit):  # compute waits for the oldest copies; then their device memory is free
-        while len(self.in_flight) > limit:
-            self.wait(self.in_flight.pop(0)[0])
+# Per device (a dry run's fake tensors: their own, with a pool of fake buffers): the two copy streams,
+# the host pool, the blocks whose copies may still run, the last block offloaded. On a CPU events are
+# None and streams no-ops.
+_devices, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
 
 
-_engines, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
+def _device(x):
+    key = (str(x.device), isinstance(x, FakeTensor))
+    if key not in _devices:
+        cuda = x.device.type == 'cuda' and not key[1]
+        d2h, h2d = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device)) if cuda else (None, None)
+        _devices[key] = SimpleNamespace(device=x.device, fake=key[1], cuda=cuda, d2h=d2h, h2d=h2d,
+                                        pool=HostPool(pin=cuda), in_flight=[], last=None)
+    return _devices[key]
 
 
-def _engine(x):
-    key = (str(x.device), isinstance(x, FakeTensor))  # a dry run's fake tensors: a pool of fake buffers
-    if key not in _engines:
-        _engines[key] = _Engine(x.device, fake=key[1])
-    return _engines[key]
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _mark(dev, stream=None):  # an event after the work queued so far on stream (default: current)
+    return (stream or torch.cuda.current_stream(dev.device)).record_event() if dev.cuda else None
+
+
+def _wait(dev, event, stream=None):  # stream (default: current) waits for event; the host does not
+    if event is not None:
+        (stream or torch.cuda.current_stream(dev.device)).wait_event(event)
+
+
+def _retire(dev, limit):  # compute waits for the oldest copies; then their device memory is free
+    while len(dev.in_flight) > limit:
+        _wait(dev, dev.in_flight.pop(0)[0])
+
+
+def _count(dev, what, nbytes):
+    if not dev.fake:  # a dry run's fake bytes are not bytes moved
+        _stats[what] += nbytes
 
 
 def bytes_to_host():
@@ -492,19 +465,19 @@ def bytes_to_host():
 
 def stats():
     """Bytes moved each way since start, and the host pool: reserved, in use, allocations made."""
-    pools = [e.pool for e in _engines.values() if not e.fake]
+    pools = [d.pool for d in _devices.values() if not d.fake]
     return dict(_stats, host_reserved=sum(p.reserved for p in pools), host_in_use=sum(p.in_use for p in pools),
                 host_allocations=sum(p.allocations for p in pools))
 
 
 def host_buffers():
     """The host pool's tensors alive now (fake ones in a dry run): host memory, not the device's."""
-    return [buf.data for e in _engines.values() for buf in e.pool.buffers]
+    return [buf.data for d in _devices.values() for buf in d.pool.buffers]
 
 
 def reset():
-    """Give every pool's host memory back and forget the engines (tests; a forward without backward)."""
-    for e in _engines.values():
-        for buf in list(e.pool.buffers):
-            e.pool.release(buf)
-    _engines.clear()
+    """Give every pool's host memory back and forget the devices (tests; a forward without backward)."""
+    for d in _devices.values():
+        for buf in list(d.pool.buffers):
+            d.pool.release(buf)
+    _devices.clear()
