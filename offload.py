@@ -20,30 +20,24 @@ next blocks compute, with n = floor(α·S) host tokens:
     host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)   (none; selective: n = 0)
                            B·S·b·h                                                  (full)
 
-plus B·S·b·h under Ulysses when S - n > 0 (attention's output after the all-to-all is not the tensor
-attention saves). The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
+plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves). The
+last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
-The cut (`_split`): every op of a block but the attention core works on each token alone, so the block
-runs on two token ranges, [0, S-n) under torch's checkpoint and [S-n, S) with its saved tensors sent to
-host. They meet inside `block.attention.attend`: the first range's attend runs the second range's block,
-whose attend runs the core once on both ranges' q, k, v; what the core saves goes to host whole, and its
-output is handed back to the first range's recompute instead of attending again. Under sequence
-parallelism q, k, v hold tp runs of S tokens: a range cuts every run (`_tokens`). Ring attention merges
-its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout says so).
+The cut (`_split`): all but the attention core works on each token alone, so the block runs on tokens
+[0, S-n) under torch's checkpoint and on [S-n, S) with its saved tensors sent to host. The two meet in
+`block.attention.attend`: the first range's runs the second range's block, whose attend runs the core once
+on both ranges' q, k, v (under sequence parallelism each holds tp runs of S tokens: `_tokens` cuts each);
+the core's output is handed back to the first range's recompute, not attended again. Ring attention
+merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout).
 
-Overlap (CUDA; on a CPU streams are no-ops, the same code runs): a block's tensors go to host on a side
-stream while the next blocks compute (at most MAX_IN_FLIGHT blocks' copies in flight); when block i's
-backward begins, block i-1's come back on another. Host memory is a pool, a buffer per block at its exact
-size pinned with cudaHostRegister, reused every step; a forward whose backward never runs keeps its
-buffer until `reset()`.
-
-From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's `save_on_cpu`, recomputation (Chen et al. 2016),
-selective recomputation (Korthikanti et al. 2022).
+A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
+blocks' copies in flight) and come back on another when the next block's backward begins (on a CPU
+streams are no-ops), into host buffers reused every step (a forward never backpropagated keeps its
+buffer until `reset()`). From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's `save_on_cpu`,
+recomputation (Chen et al. 2016), selective recomputation (Korthikanti et al. 2022).
 """
 import math
-import os
 import weakref
-from contextlib import contextmanager, nullcontext
 from functools import partial
 from types import SimpleNamespace
 
@@ -88,11 +82,6 @@ def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     return batch * seq_len * per_token
 
 
-def host_tokens(alpha, seq_len):
-    """Tokens per sequence whose other tensors go to host (the last ones): floor(α·S)."""
-    return math.floor(alpha * seq_len)
-
-
 def offloaded_blocks(config):
     return range(max(0, config.n_layer - KEEP_LAST)) if config.offload > 0 else range(0)
 
@@ -106,7 +95,7 @@ def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     sent = lambda per_token, tokens: batch * tokens * per_token if batch * tokens * per_token >= MIN_BYTES else 0
     if config.recompute == 'full':
         return sent(bh, S)
-    n = host_tokens(config.offload, S) if config.recompute == 'none' else 0
+    n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
     total = sent(bh, S - n) + sent(bh, n) + (sent(bh, S) if cp_size > 1 and n < S else 0)
     return total + sum(sent(per_token, n if kind == 'other' else S)
                        for _, per_token, kind in saved_per_token(config, dtype, S))
@@ -117,7 +106,7 @@ def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     return len(offloaded_blocks(config)) * block_host_bytes(config, batch, seq_len, dtype, cp_size)
 
 
-# ----------------------------------------------------------------------------- choosing α, checking host memory
+# ----------------------------------------------------------------------------- choosing α
 
 def block_forward_seconds(config, batch, seq_len, flops_per_s):
     """One block's forward at flops_per_s: 2 FLOPs per weight per token, and causal attention's 2·S·h."""
@@ -130,31 +119,13 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
     block's forward at bandwidth (bytes/s, one way) and fit host_bytes_free over the offloaded blocks;
     0.0 if not even α = 0 does ('full' is then cheaper); 0 or 1 for 'full' and 'selective'."""
     blocks = config.n_layer - KEEP_LAST
-    if blocks <= 0:
-        return 0.0
     whole = torch.empty(0, dtype=dtype).element_size() * config.n_embd + (
         0 if config.recompute == 'full' else _per_token(config, dtype, seq_len, 'qkv', 'attention'))
     other = _per_token(config, dtype, seq_len, 'other') if config.recompute == 'none' else 0
-    budget = min(bandwidth * block_forward_s, host_bytes_free / blocks) / (batch * seq_len)
-    if budget < whole:
+    budget = min(bandwidth * block_forward_s, host_bytes_free / max(blocks, 1)) / (batch * seq_len)
+    if blocks <= 0 or budget < whole:
         return 0.0
     return 1.0 if other == 0 else min(1.0, (budget - whole) / other)
-
-
-def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0, cp_size=1):
-    """One line saying how much host memory offload takes per rank; MemoryError (one line) when it needs
-    more than is available (MemAvailable shared by this host's ranks) or than budget_gb."""
-    need = host_bytes(config, batch, seq_len, dtype, cp_size)
-    with open('/proc/meminfo') as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
-    limit, what = available // int(os.environ.get('LOCAL_WORLD_SIZE', 1)), 'available'
-    if budget_gb and budget_gb * 2**30 < limit:
-        limit, what = int(budget_gb * 2**30), 'in host_memory_budget_gb'
-    line = (f"offload={config.offload}: {need / 2**30:.2f} GiB of host memory per rank "
-            f"({len(offloaded_blocks(config))} blocks), {limit / 2**30:.1f} GiB {what}")
-    if need > limit:
-        raise MemoryError(f"{line}: lower offload, seq_len or batch_size, or use recompute='full'")
-    return line
 
 
 # ----------------------------------------------------------------------------- the policy, per block
@@ -168,14 +139,8 @@ def apply(model):
     return model
 
 
-_SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
-    '_scaled_dot_product_flash_attention', '_scaled_dot_product_efficient_attention',
-    '_scaled_dot_product_cudnn_attention', '_scaled_dot_product_flash_attention_for_cpu')
-    if hasattr(torch.ops.aten, name)}
-
-
-def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: torch's checkpoint keeps attention's outputs
-    return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: checkpoint keeps SDPA's outputs (any kernel)
+    return CheckpointPolicy.MUST_SAVE if 'scaled_dot_product' in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
@@ -206,7 +171,7 @@ def _offload(block, inner, x, cos, sin, mode, alpha, i):
         if mode == 'full':  # torch's checkpoint saves its input only, through our hooks
             y = checkpoint(inner, x, cos, sin, use_reentrant=False)
         else:
-            n = host_tokens(alpha, x.shape[1]) if mode == 'none' else 0
+            n = math.floor(alpha * x.shape[1]) if mode == 'none' else 0
             y = _split(block.attention, inner, x, cos, sin, x.shape[1] - n, saved)
     saved.send()
     return y, saved
@@ -218,20 +183,18 @@ def _tokens(t, S, lo, hi):
     return t if (lo, hi) == (0, S) else t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
 
 
-@contextmanager
-def _attend_with(attention, fn):
-    real, attention.attend = attention.attend, fn
-    try:
-        yield
-    finally:
-        attention.attend = real
-
-
 def _split(attention, inner, x, cos, sin, s0, saved):
     """The block on tokens [0, s0) under checkpoint and on [s0, S) with our hooks active, meeting at
     attention (the header's cut). s0 = S: 'selective'; s0 = 0: α = 1, nothing recomputed."""
     S, real = x.shape[1], attention.attend
     state = {'late x': x[:, s0:]} if s0 < S else {}  # (an empty view would keep x alive)
+
+    def run(attend, *args):  # the block with attention.attend swapped for ours
+        outer, attention.attend = attention.attend, attend
+        try:
+            return inner(*args)
+        finally:
+            attention.attend = outer
 
     def core(q, k, v):  # every token's q, k, v: attention once, what it saves to host whole
         if 'early' in state:  # each run: the early range's tokens, then the late one's
@@ -244,8 +207,7 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         state['a'], state['grad'] = a, a.requires_grad
         return a
 
-    def attend_late(q, k, v):
-        return _tokens(core(q, k, v), S, s0, S)
+    attend_late = lambda q, k, v: _tokens(core(q, k, v), S, s0, S)
 
     def attend_early(q, k, v):
         if 'replay' in state and 'a' not in state:  # backward: the early range's recompute
@@ -254,19 +216,14 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         with saved_tensors_hooks(saved.pack, _unpack):
             if s0 < S:  # the late range's block, whose attention runs the core
                 state['early'] = (q, k, v)
-                with _attend_with(attention, attend_late):
-                    state['late y'] = inner(state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S))
+                state['late y'] = run(attend_late, state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S))
             else:
                 core(q, k, v)
         return _tokens(state.pop('a'), S, 0, s0)
 
-    def early(x0):
-        with _attend_with(attention, attend_early):
-            return inner(x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0))
-
     if s0 == 0:
-        with _attend_with(attention, attend_late):
-            return inner(state.pop('late x'), cos, sin)
+        return run(attend_late, state.pop('late x'), cos, sin)
+    early = lambda x0: run(attend_early, x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0))
     y = checkpoint(early, x[:, :s0], use_reentrant=False)
     return y if s0 == S else torch.cat([y, state.pop('late y')], 1)
 
@@ -301,21 +258,20 @@ class Offloaded:
         dev, sizes = self.dev, [t.numel() * t.element_size() for t in self.tensors]
         self.buffer = dev.pool.take(self.index, sum(_align(n) for n in sizes))
         ready = _mark(dev)  # after this block's forward kernels: the copies read their results
-        with _on(dev.d2h):
-            _wait(dev, ready, dev.d2h)
-            _wait(dev, self.buffer.ready, dev.d2h)  # the last host->device copy out of this buffer
-            self.host, self.orders, offset = [], [], 0
+        with torch.cuda.stream(dev.d2h):  # None: a no-op
+            _wait(ready, dev.d2h)
+            _wait(self.buffer.ready, dev.d2h)  # the last host->device copy out of this buffer
+            self.host, offset = [], 0
             for t, n in zip(self.tensors, sizes):
                 # in t's memory order (attention's output is [B, S, H, hd] in memory): it comes back
                 # with t's strides, and what backward views of it stays a view, not a copy
                 order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-                t = t.permute(order)
-                self.host.append(self.buffer.data[offset:offset + n].view(t.dtype).view(t.shape))
+                h = self.buffer.data[offset:offset + n].view(t.dtype).view([t.shape[d] for d in order])
+                self.host.append(h.permute([order.index(d) for d in range(t.dim())]))
                 self.host[-1].copy_(t, non_blocking=dev.cuda)
-                self.orders.append([order.index(d) for d in range(t.dim())])
                 offset += _align(n)
             self.sent = _mark(dev, dev.d2h)
-        _count(dev, 'bytes_to_host', sum(sizes))
+        _stats['bytes_to_host'] += 0 if dev.fake else sum(sizes)  # a dry run's fake bytes are not moved
         # the device tensors may be freed once compute has waited for the copies (MAX_IN_FLIGHT blocks on)
         dev.in_flight.append((self.sent, self.tensors))
         self.tensors = [None] * len(sizes)
@@ -327,24 +283,23 @@ class Offloaded:
         dev = self.dev
         _retire(dev, 0)  # backward has begun: every device->host copy must be done
         # allocated on the compute stream, which frees them after use
-        self.tensors = [torch.empty(h.shape, dtype=h.dtype, device=dev.device) for h in self.host]
+        self.tensors = [torch.empty_like(h, device=dev.device) for h in self.host]
         ready = _mark(dev)  # that memory may still be read by kernels queued before now
-        with _on(dev.h2d):
-            _wait(dev, self.sent, dev.h2d)
-            _wait(dev, ready, dev.h2d)
+        with torch.cuda.stream(dev.h2d):
+            _wait(self.sent, dev.h2d)
+            _wait(ready, dev.h2d)
             for t, h in zip(self.tensors, self.host):
                 t.copy_(h, non_blocking=dev.cuda)
             self.back = _mark(dev, dev.h2d)
-        _count(dev, 'bytes_to_device', sum(h.numel() * h.element_size() for h in self.host))
+        _stats['bytes_to_device'] += 0 if dev.fake else sum(h.numel() * h.element_size() for h in self.host)
         dev.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
-        self.tensors = [t.permute(order) for t, order in zip(self.tensors, self.orders)]
         self.buffer = self.host = None
 
     def wait(self):
         """This block's backward begins: its own copies (no others) must have arrived."""
         self.ready = True
         self.fetch()  # nothing to do when it was prefetched
-        _wait(self.dev, self.back)
+        _wait(self.back)
 
     def unpack(self, k):
         if not self.ready:
@@ -374,16 +329,16 @@ class _Buffer:  # one allocation of the pool; `ready`: the last host->device cop
 
 
 class HostPool:
-    """A buffer per block, allocated at its exact size the first time and reused by every later forward
-    (a second one if a block is forwarded again before its backward: micro-batches forwarded early).
-    `_allocate` is the one place host memory is made: pinned, exactly its pages, with cudaHostRegister
-    (`pin_memory()` rounds up to a power of two); `release` unpins."""
+    """A buffer per block at its exact size, made the first time and reused by every later forward (a
+    second one if a block is forwarded again before its backward: micro-batches forwarded early). The one
+    place host memory is made: pinned, exactly its pages, with cudaHostRegister (`pin_memory()` rounds up
+    to a power of two)."""
 
     def __init__(self, pin):
         self.pin, self.idle, self.buffers = pin, {}, []
         self.reserved = self.in_use = self.allocations = 0
 
-    def take(self, block, nbytes):
+    def take(self, block, nbytes, page=4096):
         idle = self.idle.setdefault(block, [])
         buf = next((buf for buf in idle if buf.nbytes >= nbytes), None)
         if buf is not None:
@@ -391,23 +346,18 @@ class HostPool:
         else:
             if idle:  # a longer sequence than before: give back a buffer that is now too small
                 self.release(idle.pop())
-            buf = self._allocate(nbytes)
+            raw = torch.empty(nbytes + (2 * page if self.pin else 0), dtype=torch.uint8)
+            start = -raw.data_ptr() % page if self.pin else 0
+            buf = _Buffer(raw[start:start + nbytes])
+            if self.pin and int(torch.cuda.cudart().cudaHostRegister(buf.data.data_ptr(), _align(nbytes, page), 0)):
+                raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
+            self.buffers.append(buf)
+            self.reserved, self.allocations = self.reserved + nbytes, self.allocations + 1
         self.in_use += buf.nbytes
         return buf
 
-    def _allocate(self, nbytes, page=4096):
-        raw = torch.empty(nbytes + (2 * page if self.pin else 0), dtype=torch.uint8)
-        start = -raw.data_ptr() % page if self.pin else 0
-        buf = _Buffer(raw[start:start + nbytes])
-        if self.pin and int(torch.cuda.cudart().cudaHostRegister(buf.data.data_ptr(), _align(nbytes, page), 0)):
-            raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
-        self.buffers.append(buf)
-        self.reserved, self.allocations = self.reserved + nbytes, self.allocations + 1
-        return buf
-
     def give(self, block, buf, ready):
-        buf.ready = ready
-        self.in_use -= buf.nbytes
+        buf.ready, self.in_use = ready, self.in_use - buf.nbytes
         self.idle.setdefault(block, []).append(buf)
 
     def release(self, buf):
@@ -419,13 +369,12 @@ class HostPool:
         self.reserved -= buf.nbytes
 
 
-# Per device (a dry run's fake tensors: their own, with a pool of fake buffers): the two copy streams,
-# the host pool, the blocks whose copies may still run, the last block offloaded. On a CPU events are
-# None and streams no-ops.
 _devices, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
 
 
 def _device(x):
+    """Per device (a dry run's fake tensors: their own, with fake buffers): the copy streams, the host pool,
+    the blocks whose copies may still run, the last block offloaded. On a CPU: no streams, no events."""
     key = (str(x.device), isinstance(x, FakeTensor))
     if key not in _devices:
         cuda = x.device.type == 'cuda' and not key[1]
@@ -435,27 +384,18 @@ def _device(x):
     return _devices[key]
 
 
-def _on(stream):
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-
 def _mark(dev, stream=None):  # an event after the work queued so far on stream (default: current)
     return (stream or torch.cuda.current_stream(dev.device)).record_event() if dev.cuda else None
 
 
-def _wait(dev, event, stream=None):  # stream (default: current) waits for event; the host does not
+def _wait(event, stream=None):  # stream (default: current) waits for event; the host does not
     if event is not None:
-        (stream or torch.cuda.current_stream(dev.device)).wait_event(event)
+        event.wait(stream)
 
 
 def _retire(dev, limit):  # compute waits for the oldest copies; then their device memory is free
     while len(dev.in_flight) > limit:
-        _wait(dev, dev.in_flight.pop(0)[0])
-
-
-def _count(dev, what, nbytes):
-    if not dev.fake:  # a dry run's fake bytes are not bytes moved
-        _stats[what] += nbytes
+        _wait(dev.in_flight.pop(0)[0])
 
 
 def bytes_to_host():
