@@ -56,8 +56,7 @@ MAX_IN_FLIGHT = 2    # blocks whose device->host copies may still run before com
 # ----------------------------------------------------------------------------- how many bytes
 
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
-    """[(what, bytes per token, kind)] for every tensor one block saves with recompute='none'; kind is
-    the header's 'qkv', 'attention' or 'other'. seq_len matters only for mlp_chunks=0."""
+    """[(what, bytes per token, the header's kind)] of each tensor a block saves with recompute='none'."""
     b, h, H = torch.empty(0, dtype=dtype).element_size(), config.n_embd, config.n_head
     kv, I = config.n_kv_head * config.head_dim, config.intermediate_size
     norm = lambda name: [(f'{name} fp32 input', 4 * h, 'other'), (f'{name} 1/rms', 4, 'other'),
@@ -87,8 +86,7 @@ def offloaded_blocks(config):
 
 
 def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
-    """Bytes one offloaded block sends to host per forward: the header's formula, tensors under MIN_BYTES
-    kept; cp_size > 1 is Ulysses (ring runs only what needs no replay)."""
+    """Bytes an offloaded block sends to host per forward: the header's formula (cp_size > 1: Ulysses)."""
     if config.offload == 0:
         return 0
     bh, S = torch.empty(0, dtype=dtype).element_size() * config.n_embd, seq_len
@@ -115,9 +113,8 @@ def block_forward_seconds(config, batch, seq_len, flops_per_s):
 
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):
-    """Memo's rule: the largest α whose bytes per token, b·h + qkv + attention + α·other, cross in one
-    block's forward at bandwidth (bytes/s, one way) and fit host_bytes_free over the offloaded blocks;
-    0.0 if not even α = 0 does ('full' is then cheaper); 0 or 1 for 'full' and 'selective'."""
+    """Memo's rule: the largest α whose b·h + qkv + attention + α·other bytes per token cross in a block's
+    forward at bandwidth (bytes/s) and fit host_bytes_free; 0.0 if α = 0 doesn't; 0 or 1 unless 'none'."""
     blocks = config.n_layer - KEEP_LAST
     whole = torch.empty(0, dtype=dtype).element_size() * config.n_embd + (
         0 if config.recompute == 'full' else _per_token(config, dtype, seq_len, 'qkv', 'attention'))
@@ -131,8 +128,7 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
 # ----------------------------------------------------------------------------- the policy, per block
 
 def apply(model):
-    """Wrap every block of model at build time (as torchtitan applies activation checkpointing): its
-    forward keeps, recomputes or offloads as model.config says, read at every call. Idempotent."""
+    """Wrap each block's forward (as torchtitan applies checkpointing): it reads model.config at every call."""
     for i, block in enumerate(model.layers):
         if 'forward' not in vars(block):
             block.forward = partial(_block_forward, model, i, block, block.forward)
@@ -178,14 +174,12 @@ def _offload(block, inner, x, cos, sin, mode, alpha, i):
 
 
 def _tokens(t, S, lo, hi):
-    """Tokens lo..hi of every run of S tokens along dim -2 (q, k, v, attention's output [B, H, runs·S, hd],
-    RoPE tables [runs·S, hd]: under sequence parallelism a run per tp rank)."""
+    """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run per tp rank)."""
     return t if (lo, hi) == (0, S) else t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
 
 
 def _split(attention, inner, x, cos, sin, s0, saved):
-    """The block on tokens [0, s0) under checkpoint and on [s0, S) with our hooks active, meeting at
-    attention (the header's cut). s0 = S: 'selective'; s0 = 0: α = 1, nothing recomputed."""
+    """The header's cut: tokens [0, s0) under checkpoint, [s0, S) to host (s0 = S: 'selective'; 0: α = 1)."""
     S, real = x.shape[1], attention.attend
     state = {'late x': x[:, s0:]} if s0 < S else {}  # (an empty view would keep x alive)
 
@@ -231,14 +225,12 @@ def _split(attention, inner, x, cos, sin, s0, saved):
 # ----------------------------------------------------------------------------- one block's tensors, to host and back
 
 class Offloaded:
-    """What one block's forward sends to host: pack (forward) -> send (its end) -> fetch (the next
-    block's backward begins) -> wait and unpack (its own backward)."""
+    """One block's tensors: pack (forward), send (its end), fetch (block i+1's backward), wait and unpack."""
 
     def __init__(self, dev, index, keep):
         self.dev, self.index, self.keep = dev, index, keep
         self.tensors, self.uses = [], []  # device tensors: to send (forward), then back (backward)
-        self.host = self.buffer = self.sent = self.back = None
-        self.ready = False
+        self.host, self.buffer, self.sent, self.back, self.ready = None, None, None, None, False
 
     def pack(self, t):
         if t.numel() * t.element_size() < MIN_BYTES or any(t.untyped_storage() is s for s in self.keep):
@@ -329,10 +321,8 @@ class _Buffer:  # one allocation of the pool; `ready`: the last host->device cop
 
 
 class HostPool:
-    """A buffer per block at its exact size, made the first time and reused by every later forward (a
-    second one if a block is forwarded again before its backward: micro-batches forwarded early). The one
-    place host memory is made: pinned, exactly its pages, with cudaHostRegister (`pin_memory()` rounds up
-    to a power of two)."""
+    """A buffer per block (two if forwarded twice before its backward), reused every forward; the one place
+    host memory is made, pinned with cudaHostRegister (`pin_memory()` rounds up to a power of two)."""
 
     def __init__(self, pin):
         self.pin, self.idle, self.buffers = pin, {}, []
@@ -373,8 +363,7 @@ _devices, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
 
 
 def _device(x):
-    """Per device (a dry run's fake tensors: their own, with fake buffers): the copy streams, the host pool,
-    the blocks whose copies may still run, the last block offloaded. On a CPU: no streams, no events."""
+    """Per device (fake tensors: their own): copy streams (CUDA only), host pool, copies in flight."""
     key = (str(x.device), isinstance(x, FakeTensor))
     if key not in _devices:
         cuda = x.device.type == 'cuda' and not key[1]
