@@ -432,13 +432,14 @@ def variants(c, batch_size, seq_len, host, layout):
                 yield v
                 if not host or c.n_layer <= offload.KEEP_LAST:
                     continue
-                tokens = S // layout.get('tp_size', 1)  # offload.py's tokens: this rank's sequence shard
+                tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
+                tokens = S // tp  # offload.py's tokens: this rank's sequence shard
                 alpha = offload.choose_alpha(replace(v, offload=1.0), batch_size, tokens, torch.bfloat16,
                                              offload.block_forward_seconds(v, batch_size, tokens, FLOPS), PCIE, host)
                 for a in sorted({round(alpha, 3), 1.0} - {0.0}):
                     w = replace(v, offload=a)
                     if offload.host_bytes(w, batch_size, tokens, torch.bfloat16) <= host and \
-                            not offload.layout_error(rc, a, layout.get('cp_size', 1), layout.get('cp_impl', 'ulysses')):
+                            not parallel.check_layout(w, tp * cp, tp, cp, layout.get('cp_impl', 'ulysses'), seq_len):
                         yield w
 
 

@@ -2,8 +2,7 @@
 Keep, recompute or offload: what each transformer block saves for its backward, and where it waits.
 
 Once chunked.py has removed the S×V and S×I peaks, what grows with S is what every block keeps for
-backward. Per token and block (b bytes per element, h width, H heads, kv = K·hd, I intermediate size),
-recompute='none' keeps (`saved_per_token` lists each tensor):
+backward. Per token and block, recompute='none' keeps (`saved_per_token` lists each tensor):
 
     qkv        q, k, v as attention gets them                 b·(h + 2kv)
     attention  its output and logsumexp (fp32)                b·h + 4·H
@@ -18,41 +17,29 @@ next blocks compute, with n = floor(α·S) host tokens:
     selective  input + attention  input + qkv + attention                      all of other
     full       input              input                                        the whole block
 
-    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)     (none; selective: n = 0)
-                           B·S·b·h                                                    (full)
+    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)   (none; selective: n = 0)
+                           B·S·b·h                                                  (full)
 
-plus B·S·b·h under Ulysses when S - n > 0 (attention's output after the all-to-all is not the tensor
-attention saves). An offloaded block keeps nothing on the device that grows with S; the last KEEP_LAST
-blocks are never offloaded, nor is a tensor under MIN_BYTES.
+plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves). The
+last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
-The cut (`_split`). Every op of a block but the attention core works on each token alone. So the block
-runs on two token ranges: [0, S-n) under torch's checkpoint (its saved tensors dropped, recomputed in
-backward from its input) and [S-n, S) with its saved tensors sent to host; the attention core
-(`block.attention.attend`), which needs every token's k and v, runs once on both ranges' q, k, v, and
-what it saves goes to host whole. The ranges meet inside attention: the first range's `attend` runs the
-second range's block, whose `attend` runs the core; each range then finishes on its share of the
-output, which the first range's recompute gets back from host instead of attending again. In bf16 a
-weight's gradient is then the sum of two bf16 parts (equal to one pass within rounding). Under sequence
-parallelism q, k, v hold tp runs of S tokens (the RoPE tables too): a range cuts every run (`_tokens`),
-and every rank runs the same collectives in the same order. Ring attention merges several kernels in
-its own autograd Function: recompute='full' or α = 1 only (`layout_error`).
+The cut (`_split`): all but the attention core works on each token alone, so the block runs on tokens
+[0, S-n) under torch's checkpoint and on [S-n, S) with its saved tensors sent to host. The two meet in
+`block.attention.attend`: the first range's runs the second range's block, whose attend runs the core once
+on both ranges' q, k, v (under sequence parallelism each holds tp runs of S tokens: `_tokens` cuts each);
+the core's output is handed back to the first range's recompute, not attended again. Ring attention
+merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout).
 
-Overlap (CUDA; on a CPU the same code runs, streams are no-ops). After a block's forward its tensors are
-copied to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT blocks' copies
-before compute waits); when block i's backward begins, block i-1's come back on another. Host memory
-is a pool: a buffer per block at its exact size, pinned with cudaHostRegister (`pin_memory()` rounds up
-to a power of two), reused every step. A forward whose backward never runs keeps its buffer until
-`reset()`.
-
-From: Memo (Zhao et al. 2024, arXiv 2407.12117), the layer input and attention whole and a token
-fraction α of the rest; torch's `save_on_cpu` (synchronous); recomputation Chen et al. 2016, selective
-recomputation Korthikanti et al. 2022 (torch's non-reentrant checkpoint).
+A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
+blocks' copies in flight) and come back on another when the next block's backward begins (on a CPU
+streams are no-ops), into host buffers reused every step (a forward never backpropagated keeps its
+buffer until `reset()`). From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's `save_on_cpu`,
+recomputation (Chen et al. 2016), selective recomputation (Korthikanti et al. 2022).
 """
 import math
-import os
 import weakref
-from contextlib import contextmanager, nullcontext
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -69,8 +56,7 @@ MAX_IN_FLIGHT = 2    # blocks whose device->host copies may still run before com
 # ----------------------------------------------------------------------------- how many bytes
 
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
-    """[(what, bytes per token, kind)] for every tensor one block saves with recompute='none'; kind is
-    the header's 'qkv', 'attention' or 'other'. seq_len matters only for mlp_chunks=0."""
+    """[(what, bytes per token, the header's kind)] of each tensor a block saves with recompute='none'."""
     b, h, H = torch.empty(0, dtype=dtype).element_size(), config.n_embd, config.n_head
     kv, I = config.n_kv_head * config.head_dim, config.intermediate_size
     norm = lambda name: [(f'{name} fp32 input', 4 * h, 'other'), (f'{name} 1/rms', 4, 'other'),
@@ -95,34 +81,25 @@ def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     return batch * seq_len * per_token
 
 
-def host_tokens(alpha, seq_len):
-    """Tokens per sequence whose other tensors go to host (the last ones): floor(α·S)."""
-    return math.floor(alpha * seq_len)
-
-
 def offloaded_blocks(config):
-    """Indices of the blocks whose activations go to host."""
     return range(max(0, config.n_layer - KEEP_LAST)) if config.offload > 0 else range(0)
 
 
 def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
-    """(host, device): the bytes one offloaded block sends to host per forward (the header's formula)
-    and those it keeps on the device (its saved tensors under MIN_BYTES); cp_size > 1 is Ulysses."""
+    """(host, device): the bytes an offloaded block sends to host per forward (the header's formula;
+    cp_size > 1: Ulysses) and those it keeps on the device (its saved tensors under MIN_BYTES)."""
     if config.offload == 0:
         return 0, 0
     bh, S = torch.empty(0, dtype=dtype).element_size() * config.n_embd, seq_len
-    if config.recompute == 'full':
-        pieces = [bh * S]
-    else:
-        n = host_tokens(config.offload, S) if config.recompute == 'none' else 0
-        pieces = [bh * (S - n), bh * n] + ([bh * S] if cp_size > 1 and n < S else [])
-        pieces += [per_token * (n if kind == 'other' else S) for _, per_token, kind in saved_per_token(config, dtype, S)]
+    n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
+    pieces = [bh * S] if config.recompute == 'full' else \
+        [bh * (S - n), bh * n] + ([bh * S] if cp_size > 1 and n < S else []) + \
+        [per_token * (n if kind == 'other' else S) for _, per_token, kind in saved_per_token(config, dtype, S)]
     pieces = [batch * p for p in pieces]
     return sum(p for p in pieces if p >= MIN_BYTES), sum(p for p in pieces if p < MIN_BYTES)
 
 
 def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
-    """Bytes one offloaded block sends to host per forward."""
     return block_bytes(config, batch, seq_len, dtype, cp_size)[0]
 
 
@@ -131,7 +108,7 @@ def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     return len(offloaded_blocks(config)) * block_host_bytes(config, batch, seq_len, dtype, cp_size)
 
 
-# ----------------------------------------------------------------------------- choosing α, checking host memory
+# ----------------------------------------------------------------------------- choosing α
 
 def block_forward_seconds(config, batch, seq_len, flops_per_s):
     """One block's forward at flops_per_s: 2 FLOPs per weight per token, and causal attention's 2·S·h."""
@@ -140,69 +117,30 @@ def block_forward_seconds(config, batch, seq_len, flops_per_s):
 
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):
-    """Memo's rule: the largest α whose bytes per token, b·h + qkv + attention + α·other (the header's
-    formula), cross in one block's forward at bandwidth (bytes/s, one direction) and fit host_bytes_free
-    over the offloaded blocks; 0.0 if not even α = 0 does ('full' is then cheaper); 0 or 1 for 'full'
-    and 'selective' (whole tensors only)."""
+    """Memo's rule: the largest α whose b·h + qkv + attention + α·other bytes per token cross in a block's
+    forward at bandwidth (bytes/s) and fit host_bytes_free; 0.0 if α = 0 doesn't; 0 or 1 unless 'none'."""
     blocks = config.n_layer - KEEP_LAST
-    if blocks <= 0:
-        return 0.0
     whole = torch.empty(0, dtype=dtype).element_size() * config.n_embd + (
         0 if config.recompute == 'full' else _per_token(config, dtype, seq_len, 'qkv', 'attention'))
     other = _per_token(config, dtype, seq_len, 'other') if config.recompute == 'none' else 0
-    budget = min(bandwidth * block_forward_s, host_bytes_free / blocks) / (batch * seq_len)
-    if budget < whole:
+    budget = min(bandwidth * block_forward_s, host_bytes_free / max(blocks, 1)) / (batch * seq_len)
+    if blocks <= 0 or budget < whole:
         return 0.0
     return 1.0 if other == 0 else min(1.0, (budget - whole) / other)
-
-
-def check_host_memory(config, batch, seq_len, dtype=torch.float32, budget_gb=0, cp_size=1):
-    """One line saying how much host memory offload takes per rank; MemoryError (one line) when it
-    needs more than is available (MemAvailable shared by this host's ranks) or than budget_gb."""
-    need = host_bytes(config, batch, seq_len, dtype, cp_size)
-    with open('/proc/meminfo') as f:
-        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
-    limit, what = available // int(os.environ.get('LOCAL_WORLD_SIZE', 1)), 'available'
-    if budget_gb and budget_gb * 2**30 < limit:
-        limit, what = int(budget_gb * 2**30), 'in host_memory_budget_gb'
-    line = (f"offload={config.offload}: {need / 2**30:.2f} GiB of host memory per rank "
-            f"({len(offloaded_blocks(config))} blocks), {limit / 2**30:.1f} GiB {what}")
-    if need > limit:
-        raise MemoryError(f"{line}: lower offload, seq_len or batch_size, or use recompute='full'")
-    return line
-
-
-def layout_error(recompute, alpha, cp_size=1, cp_impl='ulysses', compile=False):
-    """None, or the one-line reason offload = alpha can't run with this recompute and context parallel
-    layout (parallel.check_layout asks). compile=True runs: the offloaded blocks run eagerly."""
-    if alpha > 0 and cp_size > 1 and cp_impl == 'ring' and (recompute == 'selective' or
-                                                            recompute == 'none' and alpha < 1):
-        instead = "recompute='full', cp_impl='ulysses' or offload=1" if recompute == 'none' else \
-            "recompute='full' or cp_impl='ulysses'"
-        return (f"offload={alpha} with recompute={recompute!r} and cp_impl='ring': ring attention's output "
-                f"can't be handed back to a token range's recompute (offload.py); use {instead}")
-    return None
 
 
 # ----------------------------------------------------------------------------- the policy, per block
 
 def apply(model):
-    """Wrap every block of model at build time (as torchtitan applies activation checkpointing): its
-    forward keeps, recomputes or offloads as model.config says, read at every call. Idempotent."""
+    """Wrap each block's forward (as torchtitan applies checkpointing): it reads model.config at every call."""
     for i, block in enumerate(model.layers):
         if 'forward' not in vars(block):
             block.forward = partial(_block_forward, model, i, block, block.forward)
     return model
 
 
-_SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
-    '_scaled_dot_product_flash_attention', '_scaled_dot_product_efficient_attention',
-    '_scaled_dot_product_cudnn_attention', '_scaled_dot_product_flash_attention_for_cpu')
-    if hasattr(torch.ops.aten, name)}
-
-
-def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: torch's checkpoint keeps attention's outputs
-    return CheckpointPolicy.MUST_SAVE if op in _SDPA_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: checkpoint keeps SDPA's outputs (any kernel)
+    return CheckpointPolicy.MUST_SAVE if 'scaled_dot_product' in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
@@ -217,53 +155,44 @@ def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
         y = checkpoint(inner, x, cos, sin, use_reentrant=False, **({} if c.recompute == 'full' else dict(
             context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))))
     if c.offload > 0:  # when block i's backward begins, block i-1 starts coming back (the first kept
-        eng = _engine(x)  # block brings back the last offloaded one)
-        eng.last = None if i == 0 else eng.last  # a new forward
-        if eng.last is not None and eng.last[0] == i - 1 and y.requires_grad:
-            previous = eng.last[1]
-            y.register_hook(lambda grad: previous() and previous().fetch())
-        eng.last = (i, weakref.ref(saved)) if saved is not None else eng.last
+        dev = _device(x)  # block brings back the last offloaded one)
+        last = None if i == 0 else dev.last  # i == 0: a new forward
+        if last is not None and last[0] == i - 1 and y.requires_grad:
+            y.register_hook(lambda grad: last[1]() and last[1]().fetch())
+        dev.last = (i, weakref.ref(saved)) if saved is not None else last
     return y
 
 
 @torch.compiler.disable  # saved-tensor hooks, side streams, a swapped attention: eager under compile too
 def _offload(block, inner, x, cos, sin, mode, alpha, i):
-    mesh = getattr(block.attention, 'mesh', None)  # parallel.py's blocks carry their layout
-    why = mesh and layout_error(mode, alpha, mesh.cp, mesh.cp_impl)
-    if why:
-        raise ValueError(why)
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]  # shared by every block: stay
-    saved = Offloaded(_engine(x), i, keep)
+    saved = Offloaded(_device(x), i, keep)
     with saved_tensors_hooks(saved.pack, _unpack):
         if mode == 'full':  # torch's checkpoint saves its input only, through our hooks
             y = checkpoint(inner, x, cos, sin, use_reentrant=False)
         else:
-            n = host_tokens(alpha, x.shape[1]) if mode == 'none' else 0
+            n = math.floor(alpha * x.shape[1]) if mode == 'none' else 0
             y = _split(block.attention, inner, x, cos, sin, x.shape[1] - n, saved)
     saved.send()
     return y, saved
 
 
 def _tokens(t, S, lo, hi):
-    """Tokens lo..hi of every run of S tokens along dim -2 (q, k, v, attention's output [B, H, runs·S, hd],
-    RoPE tables [runs·S, hd]: under sequence parallelism a run per tp rank)."""
+    """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run per tp rank)."""
     return t if (lo, hi) == (0, S) else t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
 
 
-@contextmanager
-def _attend_with(attention, fn):
-    real, attention.attend = attention.attend, fn
-    try:
-        yield
-    finally:
-        attention.attend = real
-
-
 def _split(attention, inner, x, cos, sin, s0, saved):
-    """The block on tokens [0, s0) under checkpoint and on [s0, S) with our hooks active, meeting at
-    attention (the header's cut). s0 = S: 'selective'; s0 = 0: α = 1, nothing recomputed."""
+    """The header's cut: tokens [0, s0) under checkpoint, [s0, S) to host (s0 = S: 'selective'; 0: α = 1)."""
     S, real = x.shape[1], attention.attend
     state = {'late x': x[:, s0:]} if s0 < S else {}  # (an empty view would keep x alive)
+
+    def run(attend, *args):  # the block with attention.attend swapped for ours
+        outer, attention.attend = attention.attend, attend
+        try:
+            return inner(*args)
+        finally:
+            attention.attend = outer
 
     def core(q, k, v):  # every token's q, k, v: attention once, what it saves to host whole
         if 'early' in state:  # each run: the early range's tokens, then the late one's
@@ -276,8 +205,7 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         state['a'], state['grad'] = a, a.requires_grad
         return a
 
-    def attend_late(q, k, v):
-        return _tokens(core(q, k, v), S, s0, S)
+    attend_late = lambda q, k, v: _tokens(core(q, k, v), S, s0, S)
 
     def attend_early(q, k, v):
         if 'replay' in state and 'a' not in state:  # backward: the early range's recompute
@@ -286,19 +214,14 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         with saved_tensors_hooks(saved.pack, _unpack):
             if s0 < S:  # the late range's block, whose attention runs the core
                 state['early'] = (q, k, v)
-                with _attend_with(attention, attend_late):
-                    state['late y'] = inner(state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S))
+                state['late y'] = run(attend_late, state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S))
             else:
                 core(q, k, v)
         return _tokens(state.pop('a'), S, 0, s0)
 
-    def early(x0):
-        with _attend_with(attention, attend_early):
-            return inner(x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0))
-
     if s0 == 0:
-        with _attend_with(attention, attend_late):
-            return inner(state.pop('late x'), cos, sin)
+        return run(attend_late, state.pop('late x'), cos, sin)
+    early = lambda x0: run(attend_early, x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0))
     y = checkpoint(early, x[:, :s0], use_reentrant=False)
     return y if s0 == S else torch.cat([y, state.pop('late y')], 1)
 
@@ -306,14 +229,12 @@ def _split(attention, inner, x, cos, sin, s0, saved):
 # ----------------------------------------------------------------------------- one block's tensors, to host and back
 
 class Offloaded:
-    """What one block's forward sends to host: pack (forward) -> send (its end) -> fetch (the next
-    block's backward begins) -> wait and unpack (its own backward)."""
+    """One block's tensors: pack (forward), send (its end), fetch (block i+1's backward), wait and unpack."""
 
-    def __init__(self, eng, index, keep):
-        self.eng, self.index, self.keep = eng, index, keep
+    def __init__(self, dev, index, keep):
+        self.dev, self.index, self.keep = dev, index, keep
         self.tensors, self.uses = [], []  # device tensors: to send (forward), then back (backward)
-        self.host = self.buffer = self.sent = self.back = None
-        self.ready = False
+        self.host, self.buffer, self.sent, self.back, self.ready = None, None, None, None, False
 
     def pack(self, t):
         if t.numel() * t.element_size() < MIN_BYTES or any(t.untyped_storage() is s for s in self.keep):
@@ -330,53 +251,51 @@ class Offloaded:
     def send(self):
         if not self.tensors:
             return
-        eng, sizes = self.eng, [t.numel() * t.element_size() for t in self.tensors]
-        self.buffer = eng.pool.take(self.index, sum(_align(n) for n in sizes))
-        ready = eng.mark()  # after this block's forward kernels: the copies read their results
-        with eng.on(eng.d2h):
-            eng.wait(ready, eng.d2h)
-            eng.wait(self.buffer.ready, eng.d2h)  # the last host->device copy out of this buffer
-            self.host, self.orders, offset = [], [], 0
+        dev, sizes = self.dev, [t.numel() * t.element_size() for t in self.tensors]
+        self.buffer = dev.pool.take(self.index, sum(_align(n) for n in sizes))
+        ready = _mark(dev)  # after this block's forward kernels: the copies read their results
+        with torch.cuda.stream(dev.d2h):  # None: a no-op
+            _wait(ready, dev.d2h)
+            _wait(self.buffer.ready, dev.d2h)  # the last host->device copy out of this buffer
+            self.host, offset = [], 0
             for t, n in zip(self.tensors, sizes):
                 # in t's memory order (attention's output is [B, S, H, hd] in memory): it comes back
                 # with t's strides, and what backward views of it stays a view, not a copy
                 order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-                t = t.permute(order)
-                self.host.append(self.buffer.data[offset:offset + n].view(t.dtype).view(t.shape))
-                self.host[-1].copy_(t, non_blocking=eng.cuda)
-                self.orders.append([order.index(d) for d in range(t.dim())])
+                h = self.buffer.data[offset:offset + n].view(t.dtype).view([t.shape[d] for d in order])
+                self.host.append(h.permute([order.index(d) for d in range(t.dim())]))
+                self.host[-1].copy_(t, non_blocking=dev.cuda)
                 offset += _align(n)
-            self.sent = eng.mark(eng.d2h)
-        eng.count('bytes_to_host', sum(sizes))
+            self.sent = _mark(dev, dev.d2h)
+        _stats['bytes_to_host'] += 0 if dev.fake else sum(sizes)  # a dry run's fake bytes are not moved
         # the device tensors may be freed once compute has waited for the copies (MAX_IN_FLIGHT blocks on)
-        eng.in_flight.append((self.sent, self.tensors))
+        dev.in_flight.append((self.sent, self.tensors))
         self.tensors = [None] * len(sizes)
-        eng.retire(MAX_IN_FLIGHT if eng.cuda else 0)
+        _retire(dev, MAX_IN_FLIGHT if dev.cuda else 0)
 
     def fetch(self):
         if self.buffer is None:
             return
-        eng = self.eng
-        eng.retire(0)  # backward has begun: every device->host copy must be done
+        dev = self.dev
+        _retire(dev, 0)  # backward has begun: every device->host copy must be done
         # allocated on the compute stream, which frees them after use
-        self.tensors = [torch.empty(h.shape, dtype=h.dtype, device=eng.device) for h in self.host]
-        ready = eng.mark()  # that memory may still be read by kernels queued before now
-        with eng.on(eng.h2d):
-            eng.wait(self.sent, eng.h2d)
-            eng.wait(ready, eng.h2d)
+        self.tensors = [torch.empty_like(h, device=dev.device) for h in self.host]
+        ready = _mark(dev)  # that memory may still be read by kernels queued before now
+        with torch.cuda.stream(dev.h2d):
+            _wait(self.sent, dev.h2d)
+            _wait(ready, dev.h2d)
             for t, h in zip(self.tensors, self.host):
-                t.copy_(h, non_blocking=eng.cuda)
-            self.back = eng.mark(eng.h2d)
-        eng.count('bytes_to_device', sum(h.numel() * h.element_size() for h in self.host))
-        eng.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
-        self.tensors = [t.permute(order) for t, order in zip(self.tensors, self.orders)]
+                t.copy_(h, non_blocking=dev.cuda)
+            self.back = _mark(dev, dev.h2d)
+        _stats['bytes_to_device'] += 0 if dev.fake else sum(h.numel() * h.element_size() for h in self.host)
+        dev.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
         self.buffer = self.host = None
 
     def wait(self):
         """This block's backward begins: its own copies (no others) must have arrived."""
         self.ready = True
         self.fetch()  # nothing to do when it was prefetched
-        self.eng.wait(self.back)
+        _wait(self.back)
 
     def unpack(self, k):
         if not self.ready:
@@ -394,41 +313,26 @@ def _unpack(packed):
     return packed if isinstance(packed, torch.Tensor) else packed[0].unpack(packed[1])
 
 
-# ----------------------------------------------------------------------------- streams, events, host pool
+# ----------------------------------------------------------------------------- host pool, streams, events
 
 def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype and for DMA
     return -(-nbytes // to) * to
 
 
-class _HostBuffer:
-    """One allocation of the pool, the one place host memory is made (memory.py tells it from the
-    device's). Pinned, exactly its pages, with cudaHostRegister; `release` unpins."""
-
-    def __init__(self, nbytes, pin, page=4096):
-        self.nbytes, self.ready, self.pinned = nbytes, None, pin
-        raw = torch.empty(nbytes + (2 * page if pin else 0), dtype=torch.uint8)
-        start = -raw.data_ptr() % page if pin else 0
-        self.data = raw[start:start + nbytes]
-        if pin and int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), _align(nbytes, page), 0)):
-            raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
-
-    def release(self):
-        if self.pinned:
-            if self.ready is not None:  # no copy may still be reading these pages
-                self.ready.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.pinned = False
+class _Buffer:  # one allocation of the pool; `ready`: the last host->device copy out of it has passed
+    def __init__(self, data):
+        self.data, self.nbytes, self.ready = data, data.numel(), None
 
 
 class HostPool:
-    """A buffer per block, allocated at its exact size the first time and reused by every later forward
-    (a second one if a block is forwarded again before its backward: micro-batches forwarded early)."""
+    """A buffer per block (two if forwarded twice before its backward), reused every forward; the one place
+    host memory is made, pinned with cudaHostRegister (`pin_memory()` rounds up to a power of two)."""
 
     def __init__(self, pin):
         self.pin, self.idle, self.buffers = pin, {}, []
         self.reserved = self.in_use = self.allocations = 0
 
-    def take(self, block, nbytes):
+    def take(self, block, nbytes, page=4096):
         idle = self.idle.setdefault(block, [])
         buf = next((buf for buf in idle if buf.nbytes >= nbytes), None)
         if buf is not None:
@@ -436,59 +340,55 @@ class HostPool:
         else:
             if idle:  # a longer sequence than before: give back a buffer that is now too small
                 self.release(idle.pop())
-            buf = _HostBuffer(nbytes, self.pin)
+            raw = torch.empty(nbytes + (2 * page if self.pin else 0), dtype=torch.uint8)
+            start = -raw.data_ptr() % page if self.pin else 0
+            buf = _Buffer(raw[start:start + nbytes])
+            if self.pin and int(torch.cuda.cudart().cudaHostRegister(buf.data.data_ptr(), _align(nbytes, page), 0)):
+                raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
             self.buffers.append(buf)
             self.reserved, self.allocations = self.reserved + nbytes, self.allocations + 1
         self.in_use += buf.nbytes
         return buf
 
     def give(self, block, buf, ready):
-        buf.ready = ready
-        self.in_use -= buf.nbytes
+        buf.ready, self.in_use = ready, self.in_use - buf.nbytes
         self.idle.setdefault(block, []).append(buf)
 
     def release(self, buf):
-        buf.release()
+        if self.pin:
+            if buf.ready is not None:  # no copy may still be reading these pages
+                buf.ready.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(buf.data.data_ptr())
         self.buffers.remove(buf)
         self.reserved -= buf.nbytes
 
 
-class _Engine:
-    """Per device: the copy streams, the host pool, the blocks whose copies may still be running. On a
-    CPU (or fake tensors) events are None and streams no-ops."""
-
-    def __init__(self, device, fake):
-        self.device, self.fake, self.cuda = device, fake, device.type == 'cuda' and not fake
-        self.d2h, self.h2d = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if self.cuda else (None, None)
-        self.pool, self.in_flight, self.last = HostPool(pin=self.cuda), [], None
-
-    def on(self, stream):
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    def mark(self, stream=None):  # an event after the work queued so far on stream (default: current)
-        return (stream or torch.cuda.current_stream(self.device)).record_event() if self.cuda else None
-
-    def wait(self, event, stream=None):  # stream (default: current) waits for event; the host does not
-        if event is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
-
-    def count(self, what, nbytes):
-        if not self.fake:  # a dry run's fake bytes are not bytes moved
-            _stats[what] += nbytes
-
-    def retire(self, limit):  # compute waits for the oldest copies; then their device memory is free
-        while len(self.in_flight) > limit:
-            self.wait(self.in_flight.pop(0)[0])
+_devices, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
 
 
-_engines, _stats = {}, {'bytes_to_host': 0, 'bytes_to_device': 0}
+def _device(x):
+    """Per device (fake tensors: their own): copy streams (CUDA only), host pool, copies in flight."""
+    key = (str(x.device), isinstance(x, FakeTensor))
+    if key not in _devices:
+        cuda = x.device.type == 'cuda' and not key[1]
+        d2h, h2d = (torch.cuda.Stream(x.device), torch.cuda.Stream(x.device)) if cuda else (None, None)
+        _devices[key] = SimpleNamespace(device=x.device, fake=key[1], cuda=cuda, d2h=d2h, h2d=h2d,
+                                        pool=HostPool(pin=cuda), in_flight=[], last=None)
+    return _devices[key]
 
 
-def _engine(x):
-    key = (str(x.device), isinstance(x, FakeTensor))  # a dry run's fake tensors: a pool of fake buffers
-    if key not in _engines:
-        _engines[key] = _Engine(x.device, fake=key[1])
-    return _engines[key]
+def _mark(dev, stream=None):  # an event after the work queued so far on stream (default: current)
+    return (stream or torch.cuda.current_stream(dev.device)).record_event() if dev.cuda else None
+
+
+def _wait(event, stream=None):  # stream (default: current) waits for event; the host does not
+    if event is not None:
+        event.wait(stream)
+
+
+def _retire(dev, limit):  # compute waits for the oldest copies; then their device memory is free
+    while len(dev.in_flight) > limit:
+        _wait(dev.in_flight.pop(0)[0])
 
 
 def bytes_to_host():
@@ -498,19 +398,19 @@ def bytes_to_host():
 
 def stats():
     """Bytes moved each way since start, and the host pool: reserved, in use, allocations made."""
-    pools = [e.pool for e in _engines.values() if not e.fake]
+    pools = [d.pool for d in _devices.values() if not d.fake]
     return dict(_stats, host_reserved=sum(p.reserved for p in pools), host_in_use=sum(p.in_use for p in pools),
                 host_allocations=sum(p.allocations for p in pools))
 
 
 def host_buffers():
     """The host pool's tensors alive now (fake ones in a dry run): host memory, not the device's."""
-    return [buf.data for e in _engines.values() for buf in e.pool.buffers]
+    return [buf.data for d in _devices.values() for buf in d.pool.buffers]
 
 
 def reset():
-    """Give every pool's host memory back and forget the engines (tests; a forward without backward)."""
-    for e in _engines.values():
-        for buf in list(e.pool.buffers):
-            e.pool.release(buf)
-    _engines.clear()
+    """Give every pool's host memory back and forget the devices (tests; a forward without backward)."""
+    for d in _devices.values():
+        for buf in list(d.pool.buffers):
+            d.pool.release(buf)
+    _devices.clear()

@@ -340,15 +340,15 @@ def _offload_worker(rank, world, port, out_dir):
         runs = []
         for a in (0.0, alpha):  # the same layout with offload off, then on
             config = model_config(dict(recompute=recompute, offload=a))
+            why = parallel.check_layout(config, world, tp, cp, cp_impl, S)
+            if why:  # refused up front, as train.py does
+                runs.append(why)
+                continue
             mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head)
             torch.manual_seed(0)
             model = offload.apply(parallel.parallelize(Llama(config), mesh))
             before = offload.stats()
-            try:
-                loss, _, grads, _ = one_step(model, mesh, config, zero=0)
-            except ValueError as e:  # refused by every rank alike, in the first block's forward
-                runs.append(str(e))
-                continue
+            loss, _, grads, _ = one_step(model, mesh, config, zero=0)
             moved = {k: offload.stats()[k] - before[k] for k in ('bytes_to_host', 'bytes_to_device')}
             runs.append((loss, grads, moved, offload.stats()['host_in_use']))
         results[layout] = runs
