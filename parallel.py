@@ -426,7 +426,6 @@ def parallelize(model, mesh):
             attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group)
         elif mesh.cp > 1:
             attn.attend = functools.partial(RingAttention.apply, mesh.cp_group)
-        attn.mesh = mesh  # offload.py reads the layout here
     model.mesh = mesh
     return model
 
