@@ -32,8 +32,8 @@ V vocabulary, L layers, b bytes per element, N parameters, t = tp, c = cp, d = d
                             b·3I; chunked: one chunk's six b·I·T/M tensors and the fp32 dW1..3, 12·h·I)
                             or at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)),
                             plus whatever recompute rebuilds (under sp with the gathered inputs of the
-                            column-parallel matmuls, 2·b·h per token of all t ranks), plus with offload what comes back from
-                            host for it and for the block before (prefetched one block ahead)
+                            column-parallel matmuls, 2·b·h per token of all t ranks), plus with offload
+                            what comes back from host for it and for the block before (prefetched)
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
                second micro-step on), the head's at the last block, all but the embedding's at block 0.
@@ -423,7 +423,8 @@ def variants(c, batch_size, seq_len, host, layout):
     """Knob settings worth trying: every recompute mode, chunks as configured, automatic or 4x that,
     and (with host memory known) offload at Memo's α and at 1 when host memory holds it."""
     S = seq_len // layout.get('cp_size', 1)
-    auto_m, auto_l = chunked.mlp_chunks(replace(c, mlp_chunks=0), S), chunked.loss_chunks(replace(c, loss_chunks=0), batch_size * S)
+    auto_m = chunked.mlp_chunks(replace(c, mlp_chunks=0), S)
+    auto_l = chunked.loss_chunks(replace(c, loss_chunks=0), batch_size * S)
     mlps = sorted({c.mlp_chunks, 0, max(1, min(S, 4 * auto_m))} - ({0} if auto_m == 1 else set()))
     for rc in ('none', 'selective', 'full'):
         for m in mlps:
@@ -475,15 +476,18 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
         change = knobs(v, config)
         e = estimate(v, batch_size, seq_len, **est)
         x = cost(v, config, batch_size, seq_len)
-        if len(change) == 1 and fits(e, budget, overhead) and (x, e.total) < best.get(next(iter(change)), (1e9, 0, 0))[:2]:
-            best[next(iter(change))] = (x, e.total, describe(change), e)
+        k = next(iter(change), None)
+        if len(change) == 1 and fits(e, budget, overhead) and (x, e.total) < best.get(k, (1e9, 0, 0))[:2]:
+            best[k] = (x, e.total, describe(change), e)
     out = [(d, e, x) for x, _, d, e in sorted(best.values(), key=lambda o: o[:2])]
     if not out and (p := plan(config, budget, overhead, host, batch_size, seq_len, **layout)):
         out.append((describe(knobs(p[0], config)), p[1], p[2]))
     dp, cp = layout.get('dp', 1), layout.get('cp_size', 1)
-    if dp * cp > 1 and not layout.get('zero') and fits(e := estimate(config, batch_size, seq_len, **{**est, 'zero': 1}), budget, overhead):
-        out.append(('--zero=1', e, 0.0))
-    comm = overhead_bytes(layout.get('device_type', 'cuda'), 1 + (world == 1)) - overhead_bytes(layout.get('device_type', 'cuda'))
+    if dp * cp > 1 and not layout.get('zero'):
+        if fits(e := estimate(config, batch_size, seq_len, **{**est, 'zero': 1}), budget, overhead):
+            out.append(('--zero=1', e, 0.0))
+    device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
+    comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
     for key in ('tp_size', 'cp_size'):
         for factor in (2, 4, 8):
             n = layout.get(key, 1) * factor
@@ -493,7 +497,8 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
                 continue
             p = plan(config, budget, overhead + comm, host, batch_size, seq_len, **{**layout, key: n})
             if p is not None:
-                out.append((f"--{key}={n} {describe(knobs(p[0], config))}".strip() + f" ({world * factor} GPUs)", p[1], p[2]))
+                change = f"--{key}={n} {describe(knobs(p[0], config))}".strip()
+                out.append((change + f" ({world * factor} GPUs)", p[1], p[2]))
                 break
     return out
 
@@ -517,7 +522,8 @@ class Report:
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
                            zero=cfg.get('zero', 0))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
-        self.overhead = overhead_bytes(self.layout['device_type'], sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1))
+        groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)
+        self.overhead = overhead_bytes(self.layout['device_type'], groups)
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
         self.config, self.measured, self.logged = model.config, None, False
         self.path = os.path.join(cfg.get('out_dir', '.'), 'memory.json')
@@ -580,7 +586,8 @@ class Report:
         rank = {'rank': self.rank, 'estimate': self.est.as_dict(), 'measured': self.measured,
                 'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
                 'tp_size': self.layout['tp_size'], 'cp_size': self.layout['cp_size'], 'seq_len': self.S}
-        write_json(self.path, [rank], peak_at=self.est.moment, **{'fits': fits(self.est, self.budget, self.overhead), **extra})
+        extra = {'fits': fits(self.est, self.budget, self.overhead), **extra}
+        write_json(self.path, [rank], peak_at=self.est.moment, **extra)
 
     def measure(self, model, masters, optimizer, compiled=False):
         """Around a step: the first one (rank 0) is measured, printed beside the estimate, recorded."""
@@ -604,7 +611,8 @@ class Report:
         print(table(self.est, self.budget, self.overhead, measured=self.measured,
                     title="memory after the first step (measured: tensors alive at the step's peak):"))
         if cuda:
-            print(f"  cuda: peak allocated {_gib(extra['cuda']['peak_allocated'], 0)}, reserved {_gib(extra['cuda']['peak_reserved'], 0)}")
+            print(f"  cuda: peak allocated {_gib(extra['cuda']['peak_allocated'], 0)}, "
+                  f"reserved {_gib(extra['cuda']['peak_reserved'], 0)}")
         self.write(**extra)
 
     def dry_run(self, step, model, masters, optimizer, batches):

@@ -6,13 +6,14 @@
 # The layout, and why (per rank; P = 6.74e9 parameters, S = 1,048,576 tokens, h = 4096, 32 layers):
 # - tp_size = 4 (Megatron tensor + sequence parallelism over NVLink): model states are 18 bytes per
 #   parameter (bf16 weights, fp32 grads, fp32 master + Adam m, v); tp = 4 leaves 18·P/4 = 30 GB, and
-#   zero = 1 splits the Adam moments over the 2 cp ranks: 22 GiB. 7B can't be replicated: tp = 1 keeps
+#   zero = 1 splits the fp32 masters and Adam moments over the 2 cp ranks (2 + 4 + 12/2 bytes per
+#   parameter): 18.8 GiB. 7B can't be replicated: tp = 1 keeps
 #   18·P = 121 GB of states on every rank.
 # - cp_size = 2 with Ulysses (cp_impl = 'ulysses': an all-to-all turns sequence shards into head
 #   shards around attention; 32 heads / tp 4 = 8 per rank, divisible by cp): each rank holds S/2 tokens,
 #   so the whole-sequence tensors of sequence parallelism (the all-gathered input of the column-parallel
 #   matmuls, the row-parallel outputs before their reduce-scatter) are S/2 · h, 4 GiB in bf16 each.
-#   tp = 8, cp = 1 makes them S · h (8 GiB each): the dry run then needs 66.6 + 2.6 GiB, over 80%.
+#   tp = 8, cp = 1 makes them S · h (8 GiB each).
 # - recompute = 'full' keeps one bf16 tensor per layer, the block input on its shard: S/(cp·tp) · h ·
 #   2 bytes = 1 GiB per layer, 32 GiB for 32 layers; offload = 1.0 (offload.py, Memo) sends it to host
 #   memory while the next layer computes and brings it back one layer ahead of backward: 30 GiB of host
@@ -21,11 +22,11 @@
 # - the transient working set is one recomputed block in backward at S/2 tokens: the all-gathered input
 #   and the row-parallel partial sums (4 GiB each), q, k, v for 8 heads, the MLP in mini-sequences and
 #   the loss in vocabulary-parallel chunks (chunked.py, automatic).
-# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's): params 3.14, grads 6.28,
-# optimizer 12.55 GiB, activations 9.65 and transient 28.45 GiB (peak in the LM head's forward):
-# 60.06 GiB measured on fake tensors (estimate 60.10 for those kernels, 58.19 for CUDA's) + 2.60 GiB
-# overhead: under 80% of 80 GiB, it fits.
-# 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (55.4 GiB estimated).
+# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23): params 3.14,
+# grads 6.28, optimizer 9.41 GiB, activations and transient 37.0 GiB (peak in a block's MLP backward):
+# 55.78 GiB on fake tensors (the estimate's formula: 53.35, -4.4%) + 2.60 GiB overhead = 58.38 GiB,
+# under 80% of 80 GiB: it fits.
+# 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (check it with --dry_run=True).
 out_dir = 'out-llama7b-long'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama-2's 32,000-token vocabulary)
 eval_interval = 50
