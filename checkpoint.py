@@ -108,7 +108,6 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
     path = os.path.join(root, f'{max(done, default=0) + 1:06d}')
     _barrier()  # every rank has chosen the same k before any makes the directory
     os.makedirs(path, exist_ok=True)
-    _materialize(optimizer)
     dcp.save(state_dict(model, optimizer, mesh, data_gen), storage_writer=dcp.FileSystemWriter(path))
     if mesh.rank == 0:  # dcp.save returned: every rank's files and DCP's metadata are written
         args = {k: v for k, v in asdict(model.config).items() if k not in MEMORY_KNOBS}
@@ -158,27 +157,8 @@ class _Reader(dcp.FileSystemReader):
         return md
 
 
-def _materialize(optimizer):
-    """AdamW makes its state in its first step; DCP loads into tensors that exist. One step with zero
-    gradients at lr 0 (an exact no-op on the weights), then the step counts back to 0."""
-    if all(x in optimizer.state for x in optimizer.pieces):
-        return
-    lrs = [g['lr'] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g['lr'] = 0.0
-    for x in optimizer.pieces:
-        x.grad = torch.zeros_like(x)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g['lr'] = lr
-    for x in optimizer.pieces:
-        x.grad = None
-        optimizer.state[x]['step'].zero_()
-
-
 def load(path, model, optimizer, mesh, data_gen=None):
     """Load a checkpoint of any layout into this rank's weights, masters, moments and RNGs, in place; its meta.json."""
-    _materialize(optimizer)
     saved = _Reader(path).read_metadata().state_dict_metadata
     sd = state_dict(model, optimizer, mesh, data_gen)
     # fp32 weights load from a bf16 run's masters; bf16 runs' masters from fp32 weights (below)

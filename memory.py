@@ -225,28 +225,6 @@ class Tracker:
     peak = property(lambda self: self.breakdown()['total'])
 
 
-def materialize_optimizer_state(optimizer):
-    """Make AdamW's state now (it makes it lazily, in the first step), so the first step's memory is
-    every step's and an OOM comes before it: one step with zero gradients and lr = 0 (update and decay
-    exactly zero), then the step counts reset; the weights are untouched."""
-    lrs = [g['lr'] for g in optimizer.param_groups]
-    params = [p for g in optimizer.param_groups for p in g['params'] if p.grad is None]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g['lr'] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g['lr'] = lr
-    for state in optimizer.state.values():
-        if isinstance(state.get('step'), torch.Tensor):
-            state['step'].zero_()
-        elif 'step' in state:
-            state['step'] = 0
-    for p in params:
-        p.grad = None
-
-
 # ----------------------------------------------------------------------------- the dry run
 
 def dry_run_world(tp_size=1, cp_size=1):

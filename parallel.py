@@ -503,6 +503,10 @@ class AdamW(torch.optim.AdamW):
         self.pieces = [p.detach().narrow(0, a, n).float() for p, (a, n) in zip(self.params, self.shares)]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
         super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
+        for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
+            for x in g['params']:
+                step = torch.zeros((), device=x.device if g['fused'] or g['capturable'] else 'cpu')
+                self.state[x] = {'step': step, 'exp_avg': torch.zeros_like(x), 'exp_avg_sq': torch.zeros_like(x)}
 
     @torch.no_grad()
     def step(self):

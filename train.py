@@ -388,7 +388,6 @@ def main():
     memory.to_fake(model, ptdtype) if dry_run else model.to(device=dev, dtype=ptdtype)
     masters = make_master_weights(model)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
-    memory.materialize_optimizer_state(optimizer)  # AdamW's state now, not in step 1: step 1 shows the peak
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, float('inf')
     if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into this rank's pieces

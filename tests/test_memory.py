@@ -39,7 +39,6 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
         model = offload.apply(memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
         masters = train.make_master_weights(model)
         opt = train.make_optimizer(model, masters, 'cpu')
-        memory.materialize_optimizer_state(opt)
         autocast = torch.autocast('cpu', dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
         batches = [memory.fake_batch(B, S, cfg.vocab_size) for _ in range(gas)]
         tr = memory.Tracker(model, masters, opt, [t for b in batches for t in b], device=torch.device('cpu'))
@@ -149,20 +148,24 @@ def test_fake_tensors_see_what_real_ones_do(c, dtype):
 
 
 def test_first_step_shows_the_steady_state():
-    """AdamW's state is made before the first step (materialize_optimizer_state), so the first step
-    already holds it, and it is the state the first real step would have made."""
+    """parallel.AdamW makes its state when it is built (torch's makes it lazily, in the first step), so
+    the first step already holds every step's memory; and its steps are torch's AdamW's."""
     c = cfg()
     torch.manual_seed(0)
     a, b = Llama(c), Llama(c)
     b.load_state_dict(a.state_dict())
-    oa, ob = train.make_optimizer(a, list(a.parameters()), 'cpu'), train.make_optimizer(b, list(b.parameters()), 'cpu')
-    memory.materialize_optimizer_state(ob)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    assert len(ob.state) == len(list(b.parameters())) and len(oa.state) == 0
-    x, y = memory.fake_batch(2, 64, c.vocab_size)
-    for model, opt in ((a, oa), (b, ob)):
-        model(x, y)[1].backward()
-        opt.step()
+    ob = train.make_optimizer(b, list(b.parameters()), 'cpu')
+    assert len(ob.state) == len(list(b.parameters()))
+    assert all(float(s['step']) == 0 and not s['exp_avg'].any() and not s['exp_avg_sq'].any() for s in ob.state.values())
+    groups = [{'params': [p for p in a.parameters() if p.dim() >= 2], 'weight_decay': train.weight_decay},
+              {'params': [p for p in a.parameters() if p.dim() < 2], 'weight_decay': 0.0}]
+    oa = torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
+    for _ in range(2):
+        x, y = memory.fake_batch(2, 64, c.vocab_size)
+        for model, opt in ((a, oa), (b, ob)):
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
