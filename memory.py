@@ -4,57 +4,47 @@ step, a dry run on fake tensors, a fit check and a planner. It saves nothing; it
 run out.
 
 Five categories, bytes per rank: params, grads, optimizer, activations (made by forward, kept for
-backward), transient (everything else alive at that moment). `total` is tensor bytes at the peak;
-`overhead` (CUDA context, NCCL buffers) is added back only for the verdict: total + overhead must be
-under 80% of the device (Fujii et al. 2024, arXiv 2411.06465: in 454 runs on A100/H100 estimates under
-80% never ran out).
+backward), transient (everything else alive at that moment). `overhead` (CUDA context, NCCL buffers)
+is added to the tensors' total for the verdict: it must be under 80% of the device (Fujii et al. 2024,
+arXiv 2411.06465: in 454 runs on A100/H100 estimates under 80% never ran out).
 
-The estimate (notation: S tokens per sequence, B batch, h width, H heads, kv = K·hd, I MLP intermediate,
-V vocabulary, L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
+The estimate (S tokens per sequence, B batch, h width, kv = K·hd, I MLP width, V vocabulary, L layers,
+b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
 
-  states       per parameter of this rank (N/t for the matrices, norms whole):
+  states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed precision:
                  bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); zero=1: 2 + 4 + 12/d
                  fp32: 4 + 4 + 8;                                               zero=1: 4 + 4 + 8/d
-               (Megatron's mixed precision and distributed optimizer; Korthikanti et al. 2022)
-  activations  T = B·S/c tokens of a micro-batch on this rank, k bytes kept per token and layer:
-                 L · k · T
-               k is offload.py's (`kept_bytes`: 'none' keeps every tensor of a block, 'selective' its
-               input and attention's output, 'full' its input); under tensor + sequence parallelism
-               (Korthikanti et al. 2022) k/t, but with 'none' the gathered input of the column-parallel
-               matmuls (b·h per token of all t ranks, attention's and the MLP's). With offload α > 0
-               the first L - KEEP_LAST blocks keep on the device only their tensors under MIN_BYTES;
-               the rest waits in host memory (offload.host_bytes), reported apart, never in the total.
-  transient    the largest of a few moments, each a per-token working set × T plus weight-sized terms:
+  activations  L · k · T, T = B·S/c tokens of a micro-batch, k the bytes a block keeps per token
+               (offload.kept_bytes: 'none' all, 'selective' its input and attention's output, 'full' its
+               input); k/t under tensor + sequence parallelism (Korthikanti et al. 2022), but 'none' keeps
+               the gathered input of the column-parallel matmuls (b·h per token of all t ranks, twice).
+               With α > 0 the first L - KEEP_LAST blocks keep on the device only what offload.py doesn't
+               send (offload.block_bytes); the rest is host memory, reported apart, never in the total.
+  transient    the largest of a few moments, each a working set per token × T plus weight-sized terms:
                  LM head    plain: the fp32 log-softmax kept (4V) and its gradients (8V) per token;
-                            chunked.py's (loss_chunks > 1, and under tp): dh (b·h·T) and the fp32 dW
-                            (4·V·h) kept, one chunk's fp32 logits and gradient (4 + b)·V·T/M
+                            chunked.py's (loss_chunks > 1, or tp): dh (b·h·T) and the fp32 dW (4·V·h)
+                            kept, one chunk's fp32 logits and gradient (4 + b)·V·T/M
                  a block's  backward at the MLP (incoming gradient, x W1ᵀ/x W3ᵀ/product gradients
-                            b·3I; chunked: one chunk's six b·I·T/M tensors and the fp32 dW1..3, 12·h·I)
-                            or at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)),
-                            plus whatever recompute rebuilds (under sp with the gathered inputs of the
-                            column-parallel matmuls, 2·b·h per token of all t ranks), plus with offload
-                            what comes back from host for it and for the block before (prefetched)
+                            b·3I; chunked: one chunk's six b·I·T/M tensors and the fp32 dW1..3, 12·h·I),
+                            at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)) or in an
+                            RMSNorm's fp32 backward (five h-wide fp32 tensors), plus what recompute
+                            rebuilds (under sp with the gathered inputs, 2·b·h per token of all t ranks),
+                            plus with offload what comes back from host for it and the block before
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
                second micro-step on), the head's at the last block, all but the embedding's at block 0.
 
-Measured: torch's MemTracker over the first step (its categories: parameters + buffers, gradients,
-optimizer states, activations = made in forward, transient = its temp). The fp32 masters are
-registered with it as external tensors and their gradients re-registered as they are made (train.py
-writes them itself, after autograd); the host pool's buffers (offload.host_buffers) are host memory,
-taken out of the device's total. MemTracker files gradients made fresh each step under temp until
-their parameter's hook runs, and a forward peak's working set under activations: categories are
-compared relative to the total. On CUDA torch.cuda's peak is read beside it.
-
-The dry run (`--dry_run=True`): rank 0 of the configured world with a fake process group, the model
-built on the meta device then made of FakeTensors (shapes and storages, no data), one step under the
-MemTracker: the exact answer, and the verdict. CPU autocast in bf16 stands in for CUDA.
+Measured: torch's MemTracker over the first step, its categories mapped to ours (the optimizer's fp32
+master rows as optimizer, the host pool out of the device's total), torch.cuda's peak beside it. The
+dry run (`--dry_run=True`): the same on rank 0 of the configured world, a fake process group, the model
+made of FakeTensors (shapes, no data) and CPU autocast in bf16 standing in for CUDA: the exact answer.
 """
+import json
 import math
 import os
 import sys
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -91,11 +81,10 @@ class Estimate:
 
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
              tp_size=1, cp_size=1, dp=1, zero=0):
-    """Per-rank peak bytes of one training step of model.Llama(config) (the header's formula), as an
-    Estimate: its five categories, .total, .moment (where the peak is), .host (offloaded bytes)."""
+    """Per-rank peak bytes of one training step of model.Llama(config): the header's formula."""
     c, t, L = config, tp_size, config.n_layer
-    bf16 = dtype in ('bfloat16', torch.bfloat16)
-    b, dt = (2, torch.bfloat16) if bf16 else (4, torch.float32)
+    b, dt = (2, torch.bfloat16) if dtype in ('bfloat16', torch.bfloat16) else (4, torch.float32)
+    bf16 = b == 2
     h, kv, I, V = c.n_embd, c.n_kv_head * c.head_dim, c.intermediate_size, c.vocab_size
     S = seq_len // cp_size          # one sequence's tokens on this rank
     T = batch_size * S              # a micro-batch's tokens on this rank (all t ranks' under sp)
@@ -164,43 +153,38 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 # ----------------------------------------------------------------------------- the measurement
 
 class Tracker:
-    """torch's MemTracker over a step, read as our five categories at its peak (.breakdown(), .peak).
-    model: the module (or its parameters); masters: the optimizer's fp32 copies when they are not the
-    parameters; inputs: tensors made before the step that it uses (the batch)."""
+    """torch's MemTracker over a step, read as our five categories at its peak (.breakdown()).
+    model: the module or its parameters; masters: train.py's fp32 gradient holders when they are not
+    the parameters; inputs: tensors made before the step that it uses (the batch)."""
 
     def __init__(self, model, masters=(), optimizer=None, inputs=(), device=None):
         from torch.distributed._tools.mem_tracker import MemTracker
-        self.mt, self.device = MemTracker(), device
+        self.mt, self.device, self.inputs = MemTracker(), device, list(inputs)
         self.root = model if isinstance(model, torch.nn.Module) else None
-        self.params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
+        self.params = list(model.parameters()) if self.root is not None else list(model)
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
-        self.inputs = list(inputs)
-        # parallel.AdamW keeps the fp32 master rows (its param groups' tensors) unless they are the
-        # parameters' own (fp32 weights): counted with the optimizer
+        # parallel.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [p.untyped_storage() for p in self.params]
         self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
-        # (the masters list holds train.py's fp32 gradient holders: they own no memory, their .grad does)
-        self.mt.track_external(*([model] if isinstance(model, torch.nn.Module) else self.params),
-                               *([optimizer] if optimizer is not None else []), *self.state, *self.inputs)
+        self.mt.track_external(*([model] if self.root is not None else self.params), *self.state, *self.inputs,
+                               *([optimizer] if optimizer is not None else []))
 
     def __enter__(self):
-        # train.py writes a master's .grad itself, after autograd's hook: register it then (as "other",
-        # with the masters; .breakdown() tells them apart)
+        # train.py writes a master's .grad after autograd's hook: register it then
         self.hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad))
-                      for p, m in zip(self.params, self.masters)] if self.masters else []
+                      for p, m in zip(self.params, self.masters)]
         # MemTracker refuses a second forward of the model (gradient accumulation) unless its
         # per-module statistics, which we don't read, are reset first; this hook runs before its own
         self.hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
             lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
-        self.quiet = warnings.catch_warnings()
-        self.quiet.__enter__()
+        self.stack = ExitStack()
+        self.stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
-        self.mt.__enter__()
+        self.stack.enter_context(self.mt)
         return self
 
     def __exit__(self, *exc):
-        self.mt.__exit__(*exc)
-        self.quiet.__exit__(*exc)
+        self.stack.__exit__(*exc)
         for hook in self.hooks:
             hook.remove()
 
@@ -218,31 +202,15 @@ class Tracker:
                'optimizer': snap.get('Optstate', 0) + masters,
                'activations': snap.get('Activation', 0) + inputs - host,
                'transient': snap.get('Temp', 0)}
-        out['total'] = sum(out.values())
-        return out
-
-    peak_at = property(breakdown)
-    peak = property(lambda self: self.breakdown()['total'])
+        return {**out, 'total': sum(out.values())}
 
 
 # ----------------------------------------------------------------------------- the dry run
 
-def dry_run_world(tp_size=1, cp_size=1):
-    """The world a dry run stands in for: WORLD_SIZE if set (dp = world / (tp·cp)), else tp·cp."""
-    return int(os.environ.get('WORLD_SIZE', tp_size * cp_size))
-
-
-def dry_run_ranks():
-    """(world, rank, local_rank) of a dry run: rank 0 of the fake process group's world."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return world, 0, 0
-
-
 def start_dry_run(world_size=1):
-    """Make this process rank 0 of a world_size job that allocates nothing: a fake process group
-    (collectives return at once). Returns the device: the CPU, whose bf16 autocast stands in for
-    CUDA's (fake CUDA tensors abort in SDPA backward on a CPU build)."""
-    os.environ.setdefault('WORLD_SIZE', str(world_size))
+    """Be rank 0 of a WORLD_SIZE (else world_size) job in a fake process group (collectives return at
+    once). Returns the CPU, whose bf16 autocast stands in for CUDA's (fake CUDA tensors abort in SDPA)."""
+    world_size = int(os.environ.setdefault('WORLD_SIZE', str(world_size)))
     os.environ.setdefault('RANK', '0')
     os.environ.setdefault('LOCAL_RANK', '0')
     if world_size > 1 and not torch.distributed.is_initialized():
@@ -251,10 +219,14 @@ def start_dry_run(world_size=1):
     return torch.device('cpu')
 
 
+def dry_run_ranks():
+    """(world, rank, local_rank) of a dry run: rank 0 of the fake process group's world."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1, 0, 0
+
+
 def to_fake(model, dtype):
-    """model.to(dtype) for a model built on the meta device, as FakeTensors on the CPU, in the active
-    FakeTensorMode or one entered for the rest of the process (Module.to can't convert fake
-    parameters in place). Parameters shared by two modules stay shared; buffers keep their dtype."""
+    """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't make
+    them in place): tied parameters stay tied, buffers keep their dtype."""
     from torch._guards import active_fake_mode
     if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -283,21 +255,15 @@ def fake_batch(batch_size, seq_len, vocab_size):
 # ----------------------------------------------------------------------------- budget and verdict
 
 def device_bytes(device, budget_gb=0.0, dry_run=False):
-    """What the run is checked against: memory_budget_gb if set; else 80 GiB for a dry run (an
-    H100's), the device's own memory on CUDA, the machine's RAM on a CPU."""
-    if budget_gb:
-        return int(budget_gb * GiB)
-    if dry_run:
-        return 80 * GiB
-    if device.type == 'cuda':
-        return torch.cuda.get_device_properties(device).total_memory
-    return meminfo('MemTotal')
+    """memory_budget_gb if set; else 80 GiB (an H100's) for a dry run, the device's memory, or the RAM."""
+    if budget_gb or dry_run:
+        return int((budget_gb or 80) * GiB)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == 'cuda' else meminfo('MemTotal')
 
 
 def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
-    """Host memory one rank may fill with offloaded activations: host_memory_budget_gb (per rank) if
-    set, capped on a real run by this node's MemAvailable shared by its LOCAL_WORLD_SIZE ranks. A dry
-    run stands in for another machine: its host memory is host_memory_budget_gb, or unknown (None)."""
+    """Host memory a rank may fill: host_memory_budget_gb, capped by this node's MemAvailable over its
+    LOCAL_WORLD_SIZE ranks; a dry run stands in for another machine: the budget, or unknown (None)."""
     if dry_run:
         return int(budget_gb * GiB) if budget_gb else None
     free = meminfo('MemAvailable') // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
@@ -305,70 +271,56 @@ def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
 
 
 def meminfo(key):
-    try:
+    """A /proc/meminfo figure in bytes; the physical memory where there is no /proc."""
+    if os.path.exists('/proc/meminfo'):
         with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith(key + ':'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ':'))
     return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
 
 def overhead_bytes(device_type, communicators=0):
-    """What tensors don't show, added back for the verdict: the CUDA context with its library
-    workspaces (about 0.6 GiB) and NCCL's buffers, about 0.5 GiB per communicator (Fujii et al.)."""
+    """What tensors don't show: the CUDA context and its libraries' workspaces (about 0.6 GiB), and
+    about 0.5 GiB of NCCL buffers per communicator (Fujii et al.)."""
     return 0 if device_type != 'cuda' else int(0.6 * GiB + 0.5 * GiB * communicators)
 
 
 def fits(est, budget, overhead=0):
-    total = est.total if isinstance(est, Estimate) else est
-    return total + overhead <= FIT_FRACTION * budget
+    return (est.total if isinstance(est, Estimate) else est) + overhead <= FIT_FRACTION * budget
 
 
-# ----------------------------------------------------------------------------- the report
+# ----------------------------------------------------------------------------- the table
 
-def _gib(n, width=8):
+def gib(n, width=8):
     """Bytes in GiB, MiB or KiB, whichever reads best."""
     if n is None:
         return '-'
-    for unit, size in (('GiB', GiB), ('MiB', 2 ** 20), ('KiB', 2 ** 10)):
-        if abs(n) >= size or unit == 'KiB':
-            return f"{n / size:{width}.2f} {unit}"
+    unit, size = next((u, x) for u, x in (('GiB', GiB), ('MiB', 2 ** 20), ('KiB', 1024)) if abs(n) >= x or u == 'KiB')
+    return f"{n / size:{width}.2f} {unit}"
 
 
-def table(est, budget, overhead=0, measured=None, title='memory per rank', measured_label='measured'):
+def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=False):
     """A row per category, estimate and (when given) measured with the error in percent (a category's
     relative to the measured total), a bar each (the device is 40 characters, 80% at 32), the verdict."""
-    e = est.as_dict() if isinstance(est, Estimate) else est
-    lines = [title, f"  {'':12s}{'estimate':>12s}" + (f"{measured_label:>13s}{'error':>8s}" if measured else '')]
+    e = est.as_dict()
+    label = 'dry run' if dry else 'measured'  # a dry run's figure is the verdict's, the estimate otherwise
+    lines = [title, f"  {'':12s}{'estimate':>12s}" + (f"{label:>13s}{'error':>8s}" if measured else '')]
     mt = measured.get('total') if measured else None
     for k in CATEGORIES + ('total',):
-        row = f"  {k:12s}{_gib(e[k]):>12s}"
+        row = f"  {k:12s}{gib(e[k]):>12s}"
         if measured:
             m = measured.get(k)
             err = '' if m is None or not mt else f"{100 * (e[k] - m) / (m if k == 'total' else mt):+7.1f}%"
-            row += f"{_gib(m):>13s}{err:>8s}"
+            row += f"{gib(m):>13s}{err:>8s}"
         lines.append(row + '  ' + '█' * min(80, round(40 * e[k] / budget)) if budget else row)
-    total = (mt if mt is not None and measured_label == 'dry run' else e['total']) + overhead
-    lines.append(f"  {'+ overhead':12s}{_gib(overhead):>12s}   (CUDA context, NCCL buffers: not in tensors)")
-    lines.append(f"  {'device':12s}{_gib(budget):>12s}   80% rule: {_gib(total, 0)} of "
-                 f"{_gib(FIT_FRACTION * budget, 0)} -> {'fits' if total <= FIT_FRACTION * budget else 'DOES NOT FIT'}")
-    if isinstance(est, Estimate):
-        lines.append(f"  peak at: {est.moment}" + (f"; {_gib(est.host, 0)} offloaded to host" if est.host else ''))
+    total = (mt if dry else e['total']) + overhead
+    lines.append(f"  {'+ overhead':12s}{gib(overhead):>12s}   (CUDA context, NCCL buffers: not in tensors)")
+    lines.append(f"  {'device':12s}{gib(budget):>12s}   80% rule: {gib(total, 0)} of "
+                 f"{gib(FIT_FRACTION * budget, 0)} -> {'fits' if total <= FIT_FRACTION * budget else 'DOES NOT FIT'}")
+    lines.append(f"  peak at: {est.moment}" + (f"; {gib(est.host, 0)} offloaded to host" if est.host else ''))
     return '\n'.join(lines)
 
 
-def write_json(path, ranks, **extra):
-    """out_dir/memory.json: {"ranks": [{"rank", "estimate", "measured", "overhead", "device_bytes",
-    "world_size", "tp_size", "cp_size", "seq_len"}], ...extra}, written atomically."""
-    import json
-    with open(path + '.tmp', 'w') as f:
-        json.dump({'ranks': ranks, **extra}, f, indent=1)
-    os.replace(path + '.tmp', path)
-
-
-# ----------------------------------------------------------------------------- fit check and planner
+# ----------------------------------------------------------------------------- the planner
 #
 # What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
 # FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
@@ -398,21 +350,18 @@ def cost(c, base, batch_size, seq_len):
 
 
 def variants(c, batch_size, seq_len, host, layout):
-    """Knob settings worth trying: every recompute mode, chunks as configured, automatic or 4x that,
-    and (with host memory known) offload at Memo's α and at 1 when host memory holds it."""
-    S = seq_len // layout.get('cp_size', 1)
+    """Every recompute mode; chunks as configured, automatic or 4x that; offload at Memo's α and 1."""
+    tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
+    S, tokens = seq_len // cp, seq_len // cp // tp  # offload.py's tokens: this rank's sequence shard
     auto_m = chunked.mlp_chunks(replace(c, mlp_chunks=0), S)
     auto_l = chunked.loss_chunks(replace(c, loss_chunks=0), batch_size * S)
     mlps = sorted({c.mlp_chunks, 0, max(1, min(S, 4 * auto_m))} - ({0} if auto_m == 1 else set()))
     for rc in ('none', 'selective', 'full'):
         for m in mlps:
             for lc in sorted({c.loss_chunks, 0, max(1, min(batch_size * S, 4 * auto_l))}):
-                v = replace(c, recompute=rc, mlp_chunks=m, loss_chunks=lc, offload=0.0)
-                yield v
+                yield (v := replace(c, recompute=rc, mlp_chunks=m, loss_chunks=lc, offload=0.0))
                 if not host or c.n_layer <= offload.KEEP_LAST:
                     continue
-                tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
-                tokens = S // tp  # offload.py's tokens: this rank's sequence shard
                 alpha = offload.choose_alpha(replace(v, offload=1.0), batch_size, tokens, torch.bfloat16,
                                              offload.block_forward_seconds(v, batch_size, tokens, FLOPS), PCIE, host)
                 for a in sorted({round(alpha, 3), 1.0} - {0.0}):
@@ -430,52 +379,46 @@ def describe(changes):
     return ' '.join(f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in changes.items())
 
 
-def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
-    """The cheapest knob setting whose estimate fits, as (config, estimate, cost); at equal cost the
-    fewest changes, then the smallest. None when none fits. A pure function of its arguments: every
-    rank given the same ones reaches the same plan."""
+def options(config, budget, overhead, host, batch_size, seq_len, layout):
+    """Every variant that fits, (cost, knobs changed, total, config, estimate), cheapest first."""
     est = {k: v for k, v in layout.items() if k != 'cp_impl'}
-    options = []
+    out = []
     for v in variants(config, batch_size, seq_len, host, layout):
-        e = estimate(v, batch_size, seq_len, **est)
-        if fits(e, budget, overhead):
-            options.append((round(cost(v, config, batch_size, seq_len), 9), len(knobs(v, config)), e.total, v, e))
-    options.sort(key=lambda o: o[:3])
-    return (options[0][3], options[0][4], options[0][0]) if options else None
+        if fits(e := estimate(v, batch_size, seq_len, **est), budget, overhead):
+            out.append((round(cost(v, config, batch_size, seq_len), 9), len(knobs(v, config)), e.total, v, e))
+    return sorted(out, key=lambda o: o[:3])
+
+
+def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
+    """The cheapest knob setting that fits, as (config, estimate, cost), or None. A pure function of
+    its arguments: every rank given the same ones reaches the same plan."""
+    fit = options(config, budget, overhead, host, batch_size, seq_len, layout)
+    return (fit[0][3], fit[0][4], fit[0][0]) if fit else None
 
 
 def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **layout):
-    """What would make a run fit, [(command-line change, estimate, cost)]: each knob alone at its
-    cheapest fitting value, or the planner's combination; then zero=1; then tp or cp 2, 4, 8 times
-    larger (more GPUs), each with the cheapest knobs that fit there."""
-    best = {}
+    """[(command-line change, estimate, cost)] that fit: each knob alone at its cheapest, else the plan;
+    then zero=1; then tp or cp 2, 4 or 8 times larger (more GPUs) with the knobs it needs."""
+    fit = options(config, budget, overhead, host, batch_size, seq_len, layout)
+    alone = {}
+    for x, n, _, v, e in fit:  # cheapest first: the first of each knob changed alone
+        if n == 1:
+            alone.setdefault(next(iter(knobs(v, config))), (describe(knobs(v, config)), e, x))
+    out = list(alone.values()) or [(describe(knobs(v, config)), e, x) for x, _, _, v, e in fit[:1]]
     est = {k: v for k, v in layout.items() if k != 'cp_impl'}
-    for v in variants(config, batch_size, seq_len, host, layout):
-        change = knobs(v, config)
-        e = estimate(v, batch_size, seq_len, **est)
-        x = cost(v, config, batch_size, seq_len)
-        k = next(iter(change), None)
-        if len(change) == 1 and fits(e, budget, overhead) and (x, e.total) < best.get(k, (1e9, 0, 0))[:2]:
-            best[k] = (x, e.total, describe(change), e)
-    out = [(d, e, x) for x, _, d, e in sorted(best.values(), key=lambda o: o[:2])]
-    if not out and (p := plan(config, budget, overhead, host, batch_size, seq_len, **layout)):
-        out.append((describe(knobs(p[0], config)), p[1], p[2]))
-    dp, cp = layout.get('dp', 1), layout.get('cp_size', 1)
-    if dp * cp > 1 and not layout.get('zero'):
+    if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero'):
         if fits(e := estimate(config, batch_size, seq_len, **{**est, 'zero': 1}), budget, overhead):
             out.append(('--zero=1', e, 0.0))
     device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
     for key in ('tp_size', 'cp_size'):
         for factor in (2, 4, 8):
-            n = layout.get(key, 1) * factor
-            n_layout = {**layout, key: n}
-            if parallel.check_layout(config, world * factor, n_layout.get('tp_size', 1), n_layout.get('cp_size', 1),
+            bigger = {**layout, key: layout.get(key, 1) * factor}
+            if parallel.check_layout(config, world * factor, bigger.get('tp_size', 1), bigger.get('cp_size', 1),
                                      layout.get('cp_impl', 'ulysses'), seq_len):
                 continue
-            p = plan(config, budget, overhead + comm, host, batch_size, seq_len, **{**layout, key: n})
-            if p is not None:
-                change = f"--{key}={n} {describe(knobs(p[0], config))}".strip()
+            if p := plan(config, budget, overhead + comm, host, batch_size, seq_len, **bigger):
+                change = f"--{key}={bigger[key]} {describe(knobs(p[0], config))}".strip()
                 out.append((change + f" ({world * factor} GPUs)", p[1], p[2]))
                 break
     return out
@@ -484,16 +427,17 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
 # ----------------------------------------------------------------------------- what train.py calls
 
 class Report:
-    """Report(model, cfg, ...) before anything is on the device: the estimate printed and written to
-    out_dir/memory.json, auto_memory's plan applied (rank 0 decides, every rank gets its knobs), the
-    host memory offload needs checked, and a run that can't fit stopped with the changes that would
-    fit (a dry run reports its verdict instead). `with report.measure(model, masters, optimizer):`
-    around the first step prints and records the measured peak beside the estimate;
-    report.dry_run(step, model, masters, optimizer, batches) runs one step on fake tensors."""
+    """Made before anything is on the device: auto_memory's plan applied (rank 0 decides, every rank
+    takes its knobs), the estimate printed and written to out_dir/memory.json, offload's host memory
+    checked, and a run that can't fit stopped with the changes that would fit (a dry run gives its
+    verdict instead). `with report.measure(...)` around the first step adds the measured peak.
+    memory.json: {"ranks": [{"rank", "estimate", "measured", "overhead", "device_bytes", "world_size",
+    "tp_size", "cp_size", "seq_len"}], "peak_at", "fits", ...}."""
 
     def __init__(self, model, cfg, world=1, rank=0, mesh=None, device=torch.device('cpu'), dtype=torch.float32):
-        self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
+        self.cfg, self.world, self.rank, self.device, self.config = cfg, world, rank, device, model.config
         self.dry, self.B, self.S = bool(cfg.get('dry_run')), cfg['batch_size'], cfg['seq_len']
+        self.measured, self.logged = None, False
         tp, cp, dp = (getattr(mesh, k, 1) for k in ('tp', 'cp', 'dp'))
         self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
                            device_type='cuda' if self.dry else device.type,
@@ -503,7 +447,6 @@ class Report:
         groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)
         self.overhead = overhead_bytes(self.layout['device_type'], groups)
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
-        self.config, self.measured, self.logged = model.config, None, False
         self.path = os.path.join(cfg.get('out_dir', '.'), 'memory.json')
         if cfg.get('auto_memory'):
             self.auto_memory(model)
@@ -514,20 +457,18 @@ class Report:
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
             self.write()
-        if self.config.offload > 0:  # offload.py's tokens per rank: the sequence shard, S / (cp·tp)
-            need = offload.host_bytes(self.config, self.B, self.S // (cp * tp), dtype, cp)
-            line = (f"offload={self.config.offload}: {need / GiB:.2f} GiB of host memory per rank "
+        if self.est.host:  # offload.host_bytes: this rank's offloaded blocks
+            line = (f"offload={self.config.offload}: {self.est.host / GiB:.2f} GiB of host memory per rank "
                     f"({len(offload.offloaded_blocks(self.config))} blocks)")
             budget = cfg.get('host_memory_budget_gb', 0)
-            limit = 'in host_memory_budget_gb' if budget and self.host == int(budget * GiB) else 'available'
-            if self.host is not None and need > self.host:
-                self.stop([f"error: {line}, {self.host / GiB:.2f} GiB {limit} per rank: lower offload, seq_len "
-                           f"or batch_size, or use recompute='full'"])
-            rank == 0 and print(line + (f", {self.host / GiB:.2f} GiB {limit}" if self.host is not None
-                                        else ' on the target'))
+            have = ' on the target' if self.host is None else f", {self.host / GiB:.2f} GiB " + \
+                ('in host_memory_budget_gb' if budget and self.host == int(budget * GiB) else 'available')
+            if self.host is not None and self.est.host > self.host:
+                self.stop([f"error: {line}{have} per rank: lower offload, seq_len or batch_size, or recompute='full'"])
+            rank == 0 and print(line + have)
         if not self.dry and not fits(self.est, self.budget, self.overhead):
-            self.stop([f"error: does not fit: {_gib(self.est.total, 0)} per rank + {_gib(self.overhead, 0)} overhead "
-                       f"> 80% of {_gib(self.budget, 0)}, peak at {self.est.moment}"] + self.suggest())
+            self.stop([f"error: does not fit: {gib(self.est.total, 0)} per rank + {gib(self.overhead, 0)} overhead "
+                       f"> 80% of {gib(self.budget, 0)}, peak at {self.est.moment}"] + self.suggest())
 
     def auto_memory(self, model):
         # rank 0 plans and every rank takes its knobs: no rank's own free memory can make it differ
@@ -536,78 +477,66 @@ class Report:
         chosen = [knobs(p[0], self.config) if p else None]
         if self.world > 1 and not self.dry and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(chosen, src=0)
-        if chosen[0] is None:
-            self.rank == 0 and print("auto_memory: no setting of recompute / mlp_chunks / loss_chunks / offload "
-                                     "fits; keeping the configured one" + (" (host memory unknown: "
-                                     "set host_memory_budget_gb to let it offload)" if self.host is None else ''))
-            return
-        for k, v in chosen[0].items():  # forward reads model.config's knobs at every call
+        for k, v in (chosen[0] or {}).items():  # forward reads model.config's knobs at every call
             setattr(model.config, k, v)
         self.rank == 0 and print(f"auto_memory chose {describe(chosen[0]) or 'the configured setting'}: "
-                                 f"{_gib(p[1].total, 0)}, {100 * p[2]:+.1f}% step time")
+                                 f"{gib(p[1].total, 0)}, {100 * p[2]:+.1f}% step time" if p else
+                                 "auto_memory: no setting of the memory knobs fits; keeping the configured one" +
+                                 (" (host memory unknown: set host_memory_budget_gb)" if self.host is None else ''))
 
     def suggest(self):
         sug = suggestions(self.config, self.budget, self.overhead, self.host or 0, self.B, self.S, world=self.world,
                           cp_impl=self.cfg.get('cp_impl', 'ulysses'), **self.layout)
-        if not sug:
-            return ["nothing within reach fits: fewer tokens per step (batch_size, seq_len) or more GPUs"]
         return ["cheapest changes that fit (estimate per rank, extra step time):"] + \
-            [f"  {d:52s} {_gib(e.total)}  {100 * x:+5.1f}%" for d, e, x in sug[:8]] + \
-            ["or --auto_memory=True to take the first memory knob setting above"]
+            [f"  {d:52s} {gib(e.total)}  {100 * x:+5.1f}%" for d, e, x in sug[:8]] + \
+            ["or --auto_memory=True to take the first memory knob setting above"] if sug else \
+            ["nothing within reach fits: fewer tokens per step (batch_size, seq_len) or more GPUs"]
 
     def stop(self, lines):
-        if self.rank == 0:
-            print('\n'.join(lines), file=sys.stderr)
+        self.rank == 0 and print('\n'.join(lines), file=sys.stderr)
         sys.exit(2)
 
     def write(self, **extra):
         rank = {'rank': self.rank, 'estimate': self.est.as_dict(), 'measured': self.measured,
                 'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
                 'tp_size': self.layout['tp_size'], 'cp_size': self.layout['cp_size'], 'seq_len': self.S}
-        extra = {'fits': fits(self.est, self.budget, self.overhead), **extra}
-        write_json(self.path, [rank], peak_at=self.est.moment, **extra)
-
-    def measure(self, model, masters, optimizer, compiled=False):
-        """Around a step: the first one (rank 0) is measured, printed beside the estimate, recorded."""
-        if self.measured is not None or self.rank != 0:
-            return nullcontext()
-        return self._first_step(model, masters, optimizer, compiled)
+        extra = {'peak_at': self.est.moment, 'fits': fits(self.est, self.budget, self.overhead), **extra}
+        with open(self.path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
+            json.dump({'ranks': [rank], **extra}, f, indent=1)
+        os.replace(self.path + '.tmp', self.path)
 
     @contextmanager
-    def _first_step(self, model, masters, optimizer, compiled):
+    def measure(self, model, masters, optimizer, compiled=False):
+        """Around a step: the first one (rank 0) is measured, printed beside the estimate and recorded,
+        in a dry run with the verdict. Compiled, MemTracker can't see into the graph: CUDA's peak only."""
+        if self.measured is not None or self.rank != 0:
+            yield
+            return
         cuda = self.device.type == 'cuda'
         cuda and torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device)
-        with tracker:
+        with nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device) as tracker:
             yield
         self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tracker.breakdown()
-        extra = {}
+        extra = {'cuda': {'peak_allocated': torch.cuda.max_memory_allocated(self.device),
+                          'peak_reserved': torch.cuda.max_memory_reserved(self.device)}} if cuda else {}
         if cuda:
-            extra['cuda'] = {'peak_allocated': torch.cuda.max_memory_allocated(self.device),
-                             'peak_reserved': torch.cuda.max_memory_reserved(self.device)}
             self.measured['total'] = self.measured['total'] or extra['cuda']['peak_allocated']
-        print(table(self.est, self.budget, self.overhead, measured=self.measured,
-                    title="memory after the first step (measured: tensors alive at the step's peak):"))
+        print(table(self.est, self.budget, self.overhead, self.measured, dry=self.dry,
+                    title="dry run: one step on fake tensors (CPU kernels standing in for CUDA's):" if self.dry
+                    else "memory after the first step (measured: tensors alive at the step's peak):"))
         if cuda:
-            print(f"  cuda: peak allocated {_gib(extra['cuda']['peak_allocated'], 0)}, "
-                  f"reserved {_gib(extra['cuda']['peak_reserved'], 0)}")
-        self.write(**extra)
+            print(f"  cuda: peak allocated {gib(extra['cuda']['peak_allocated'], 0)}, "
+                  f"reserved {gib(extra['cuda']['peak_reserved'], 0)}")
+        if self.dry:
+            ok = extra['fits'] = fits(self.measured['total'], self.budget, self.overhead)
+            extra['verdict'] = (f"verdict: {'fits' if ok else 'DOES NOT FIT'} on a {gib(self.budget, 0)} device: dry "
+                                f"run {gib(self.measured['total'], 0)} + {gib(self.overhead, 0)} overhead "
+                                f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget, 0)})")
+            print('\n'.join([extra['verdict']] + ([] if ok else self.suggest())))
+        self.write(dry_run=self.dry, **extra)
 
     def dry_run(self, step, model, masters, optimizer, batches):
-        """One step on fake tensors under the MemTracker, the table, the verdict (by the dry run)."""
-        with Tracker(model, masters, optimizer, device=torch.device('cpu')) as tracker:
+        """One step on fake tensors, measured as above: whether the run fits, by the dry run."""
+        with self.measure(model, masters, optimizer):
             step(batches)
-        self.measured = tracker.breakdown()
-        total = self.measured['total'] + self.overhead
-        ok = total <= FIT_FRACTION * self.budget
-        verdict = (f"verdict: {'fits' if ok else 'DOES NOT FIT'} on a {_gib(self.budget, 0)} device: dry run "
-                   f"{_gib(self.measured['total'], 0)} + {_gib(self.overhead, 0)} overhead {'<=' if ok else '>'} "
-                   f"80% ({_gib(FIT_FRACTION * self.budget, 0)})")
-        if self.rank == 0:
-            print(table(self.est, self.budget, self.overhead, measured=self.measured, measured_label='dry run',
-                        title="dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"))
-            print(verdict)
-            if not ok:
-                print('\n'.join(self.suggest()))
-            self.write(dry_run=True, verdict=verdict, fits=ok)
-        return ok
+        return fits(self.measured['total'], self.budget, self.overhead)

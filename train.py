@@ -285,7 +285,7 @@ def device_and_dtype():
         dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
     dev = torch.device(dev)
     if dry_run:  # memory.py: be rank 0 of the configured world (a fake process group); this CPU stands in for CUDA
-        dev = memory.start_dry_run(memory.dry_run_world(tp_size, cp_size))
+        dev = memory.start_dry_run(tp_size * cp_size)
     ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
                'float32': torch.float32, 'bfloat16': torch.bfloat16}.get(dtype)
     if ptdtype is None:

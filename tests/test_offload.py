@@ -194,7 +194,8 @@ def backward_peak(cfg, seq_len=256):
     tracker = memory.Tracker(list(model.parameters()), inputs=[idx, targets])
     with tracker:
         model(idx, targets)[1].backward()
-    return tracker.peak, tracker.peak_at['activations'] + tracker.peak_at['transient']
+    peak = tracker.breakdown()
+    return peak['total'], peak['activations'] + peak['transient']
 
 
 @pytest.mark.parametrize('mode,alpha', [('selective', 1.0), ('none', 0.5)])

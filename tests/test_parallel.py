@@ -364,7 +364,7 @@ def _offload_worker(rank, world, port, out_dir):
         tracker = memory.Tracker(list(model.parameters()), inputs=[x])
         with tracker:
             model(x, x.roll(-1, 1))[1].backward()
-        results['sp peak', alpha] = tracker.peak
+        results['sp peak', alpha] = tracker.breakdown()['total']
     if rank == 0:
         torch.save(results, os.path.join(out_dir, 'offload.pt'))
     dist.destroy_process_group()
