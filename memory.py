@@ -154,20 +154,18 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 
 class Tracker:
     """torch's MemTracker over a step, read as our five categories at its peak (.breakdown()).
-    model: the module or its parameters; masters: train.py's fp32 gradient holders when they are not
-    the parameters; inputs: tensors made before the step that it uses (the batch)."""
+    masters: train.py's fp32 gradient holders when they are not the parameters; inputs: tensors made
+    before the step that it uses (the batch)."""
 
-    def __init__(self, model, masters=(), optimizer=None, inputs=(), device=None):
+    def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu')):
         from torch.distributed._tools.mem_tracker import MemTracker
-        self.mt, self.device, self.inputs = MemTracker(), device, list(inputs)
-        self.root = model if isinstance(model, torch.nn.Module) else None
-        self.params = list(model.parameters()) if self.root is not None else list(model)
+        self.mt, self.root, self.device, self.inputs = MemTracker(), model, device, list(inputs)
+        self.params = list(model.parameters())
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # parallel.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [p.untyped_storage() for p in self.params]
         self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
-        self.mt.track_external(*([model] if self.root is not None else self.params), *self.state, *self.inputs,
-                               *([optimizer] if optimizer is not None else []))
+        self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self):
         # train.py writes a master's .grad after autograd's hook: register it then
@@ -189,14 +187,12 @@ class Tracker:
             hook.remove()
 
     def breakdown(self):
-        peaks = self.mt.get_tracker_snapshot('peak')
-        dev = self.device if self.device is not None else max(peaks, key=lambda k: peaks[k]['Total'], default=None)
-        snap = {getattr(k, 'value', k): v for k, v in peaks.get(dev, {}).items()}
+        snap = {getattr(k, 'value', k): v for k, v in self.mt.get_tracker_snapshot('peak').get(self.device, {}).items()}
         # each storage once (views share one), the storages kept alive while compared: a freed one's id is reused
         nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
-        host = self.host if dev is not None and torch.device(dev).type == 'cpu' else 0
+        host = self.host if self.device.type == 'cpu' else 0
         out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0),
                'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs,
                'optimizer': snap.get('Optstate', 0) + masters,
@@ -324,8 +320,7 @@ def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=F
 #
 # What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
 # FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
-# nothing under 'full', which re-runs them anyway); loss_chunks nothing; offload α the copies that
-# don't hide behind a block's forward, and with 'none' the token-wise recompute of the other 1 - α.
+# nothing under 'full', which re-runs them anyway); loss_chunks nothing; offload offload.extra_time.
 # A stand-in for the machine: 40% of an H100's 989 TFLOP/s, PCIe at 25 GB/s each way.
 FLOPS, PCIE = 0.4 * 989e12, 25e9
 KNOBS = ('recompute', 'mlp_chunks', 'loss_chunks', 'offload')
@@ -338,14 +333,7 @@ def cost(c, base, batch_size, seq_len):
         x = (hfu - mfu) / mfu
         if chunked.mlp_chunks(c, seq_len) > 1 and c.recompute != 'full':
             x += 4 * c.n_layer * c.n_embd * c.intermediate_size / mfu
-        if c.offload > 0:
-            t_fwd = offload.block_forward_seconds(c, batch_size, seq_len, FLOPS)
-            sent = offload.block_host_bytes(c, batch_size, seq_len, torch.bfloat16) / PCIE
-            blocks = len(offload.offloaded_blocks(c))
-            x += blocks * max(0.0, sent - t_fwd) / (3 * c.n_layer * t_fwd)
-            if c.recompute == 'none':
-                x += (1 - c.offload) * 2 / 3 * blocks / c.n_layer
-        return x
+        return x + (offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE) if c.offload > 0 else 0)
     return extra(c) - extra(base)
 
 

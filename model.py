@@ -200,7 +200,6 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.vocab_group = None  # parallel.py: the tensor-parallel group the vocabulary is split over
-        self.register_buffer('inv_freq', rope_frequencies(config).float(), persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith('wo.weight') or name.endswith('w2.weight'):
@@ -222,9 +221,10 @@ class Llama(nn.Module):
         B, S = idx.shape
         if positions is None:
             positions = torch.arange(S, device=idx.device)
-        # RoPE tables outside autocast: fp32 angles, never bf16
+        # RoPE tables outside autocast, from fp32 frequencies made here (HF's; a buffer would be rounded
+        # to bf16 by model.to(bfloat16), and at long context bf16 angles are wrong)
         with torch.autocast(idx.device.type, enabled=False):
-            cos, sin = rope_tables(self.inv_freq, positions)
+            cos, sin = rope_tables(rope_frequencies(self.config).float(), positions)
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin) if kv_caches is None else block(x, cos, sin, kv_caches[i])

@@ -129,6 +129,15 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
     return 1.0 if other == 0 else min(1.0, (budget - whole) / other)
 
 
+def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
+    """What offloading adds to a step, as a fraction of its compute (3 forwards per block): the copies that
+    don't hide behind a block's forward, and with 'none' the token-wise recompute of the other 1 - α."""
+    t_fwd, blocks = block_forward_seconds(config, batch, seq_len, flops_per_s), len(offloaded_blocks(config))
+    sent = block_host_bytes(config, batch, seq_len, torch.bfloat16) / bandwidth
+    redo = (1 - config.offload) * 2 / 3 * blocks / config.n_layer if config.recompute == 'none' else 0
+    return blocks * max(0.0, sent - t_fwd) / (3 * config.n_layer * t_fwd) + redo
+
+
 # ----------------------------------------------------------------------------- the policy, per block
 
 def apply(model):

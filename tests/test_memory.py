@@ -128,7 +128,7 @@ def test_measured_categories_are_a_hand_count(dtype):
     n, tensors = Llama(c).num_params(non_embedding=False), 9 + 3
     b = 2 if dtype == 'bfloat16' else 4
     assert m['total'] == sum(m[k] for k in memory.CATEGORIES)
-    assert m['params'] == b * n + c.head_dim // 2 * b  # + RoPE's inv_freq buffer (cast by .to(dtype))
+    assert m['params'] == b * n
     assert m['optimizer'] == (4 * n if b == 2 else 0) + 8 * n + 4 * tensors
     assert m['grads'] == 0
     V, T = c.vocab_size, 2 * 64

@@ -141,3 +141,17 @@ def test_kv_cache_decoding_matches_full_forward():
     for t in range(5, 12):
         out.append(m(idx[:, t:t + 1], positions=torch.tensor([t]), kv_caches=caches))
     assert rel_err(torch.cat(out, 1), full) < 1e-5
+
+
+def test_rope_angles_stay_fp32_in_a_bf16_model():
+    """model.to(bfloat16) once rounded RoPE's inverse frequencies to bf16 (a buffer): at position
+    100,000 the angles were off by radians. The tables a bf16 model uses are the fp32 model's."""
+    torch.manual_seed(0)
+    config = LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128, vocab_size=64)
+    tables = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = Llama(config).to(dtype=dtype)
+        model.layers[0].register_forward_pre_hook(lambda m, args: tables.append(args[1:3]))
+        model(torch.zeros(1, 8, dtype=torch.long), positions=torch.arange(100_000, 100_008))
+    (cos32, sin32), (cos16, sin16) = tables
+    assert cos16.dtype == torch.float32 and torch.equal(cos16, cos32) and torch.equal(sin16, sin32)

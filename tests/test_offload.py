@@ -191,7 +191,7 @@ def backward_peak(cfg, seq_len=256):
     offload.reset()  # a fresh host pool: the tracker tells host buffers from device memory as they are made
     model = same_model(cfg)
     idx, targets = batch(seq_len=seq_len)
-    tracker = memory.Tracker(list(model.parameters()), inputs=[idx, targets])
+    tracker = memory.Tracker(model, inputs=[idx, targets])
     with tracker:
         model(idx, targets)[1].backward()
     peak = tracker.breakdown()

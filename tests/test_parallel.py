@@ -361,7 +361,7 @@ def _offload_worker(rank, world, port, out_dir):
         torch.manual_seed(0)
         model = offload.apply(parallel.parallelize(Llama(config), parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)))
         x = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(1))
-        tracker = memory.Tracker(list(model.parameters()), inputs=[x])
+        tracker = memory.Tracker(model, inputs=[x])
         with tracker:
             model(x, x.roll(-1, 1))[1].backward()
         results['sp peak', alpha] = tracker.breakdown()['total']
