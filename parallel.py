@@ -14,15 +14,13 @@ N parameters, b bytes per element. What each dimension saves, per rank:
   c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
-  d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never
-      one flat copy of them all. zero=1 (Megatron's distributed optimizer) keeps the fp32 master rows +
-      Adam moments of 1/d of every tensor, 12·N/(t·d) bytes per rank (d = dp·cp), and all-gathers each
-      tensor's new rows after the step.
+  d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never one flat copy
+      of them all. zero=1 (Megatron's distributed optimizer) keeps the fp32 master rows + Adam moments of 1/d of every
+      tensor, 12·N/(t·d) bytes per rank (d = dp·cp), and all-gathers each tensor's new rows after the step.
 
-parallelize(model, mesh) shards the weights in place, hooks Megatron's f and g onto block.attention and
-block.feed_forward (which read their head counts from the weights' shapes), wraps Attention.attend for c
-and sets Llama.vocab_group (chunked.py's loss, vocabulary parallel): a fork that changes model.attention
-runs under t and Ulysses as is.
+parallelize(model, mesh) shards the weights in place, hooks Megatron's f, g onto block.attention and block.feed_forward
+(they read their head counts from the weights' shapes), wraps Attention.attend for c, sets Llama.vocab_group
+(chunked.py's vocabulary-parallel loss): a fork that changes model.attention runs under t and Ulysses as is.
 
 What moves per block, forward (backward), B·S·h elements each unless said; every collective is one of
 the five functions below (chunked.py's loss makes its own):
@@ -77,9 +75,9 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
     c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
     if tp < 1 or cp < 1 or world % (tp * cp):
         return f"world size {world} is not divisible by tp_size * cp_size = {tp} * {cp}"
-    uly, ring, k = cp > 1 and cp_impl == 'ulysses', cp > 1 and cp_impl == 'ring', K // tp or 1
-    # offload.py's token-wise recompute hands attention's saved output back: the ring's is merged from
-    # several kernel calls with shifts between them, nothing to hand back
+    uly, ring = cp > 1 and cp_impl == 'ulysses', cp > 1 and cp_impl == 'ring'
+    h, k, s = H // tp, K // tp or 1, S // cp  # heads, kv heads per tp rank; tokens per cp rank
+    # offload.py's token-wise recompute replays attention's saved output: the ring's is merged from several calls
     replay = ring and c.offload > 0 and (c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1)
     rules = [
         (H % tp, f"n_head={H} is not divisible by tp_size={tp}"),
@@ -88,24 +86,21 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
         (zero not in (0, 1), f"zero must be 0 or 1, got {zero!r}"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
-        (uly and H // tp % cp,
-         f"n_head / tp_size = {H // tp} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
+        (uly and h % cp, f"n_head / tp_size = {h} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
         (ring and S % (2 * cp), f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"),
         (ring, ring and flash_error(device_type, dtype, c.n_embd // H)),
         (replay, replay and f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring attention's "
          "output can't be replayed in a recompute (offload.py); use recompute='full'"
          + (", cp_impl='ulysses' or offload=1" if c.recompute == 'none' else " or cp_impl='ulysses'")),
-        (tp > 1 and S // cp % tp,
-         f"seq_len / cp_size = {S // cp} is not divisible by tp_size={tp} (sequence parallelism)"),
+        (tp > 1 and s % tp, f"seq_len / cp_size = {s} is not divisible by tp_size={tp} (sequence parallelism)"),
     ]
     return next((why for bad, why in rules if bad and why), None)
 
 
 def wait_for_every_rank(what, timeout=60):
-    """Under torchrun, return once every rank has reached this call (or after `timeout` s): torchrun kills
-    every rank when one exits, so a rank stopping with a message waits for the others' (the launcher's
-    TCP store: no process group needed)."""
+    """Under torchrun, return once every rank reaches this call (or after `timeout` s): torchrun kills all ranks when
+    one exits, so a rank stopping with a message waits for the others' (torchrun's TCP store: no process group)."""
     world, deadline = int(os.environ.get('WORLD_SIZE', 1)), time.monotonic() + timeout
     if world == 1 or 'MASTER_ADDR' not in os.environ:
         return
@@ -138,9 +133,8 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True)
     if not dist.is_initialized():
         return Mesh(cp_impl=cp_impl, sequence_parallel=sequence_parallel)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // (tp * cp)
-    m = Mesh(world, rank, dp, cp, tp, rank // (cp * tp), rank // tp % cp, rank % tp, cp_impl, sequence_parallel)
-    grid = torch.arange(world).view(dp, cp, tp)
+    grid = torch.arange(world).view(-1, cp, tp)  # [dp, cp, tp]
+    m = Mesh(world, rank, len(grid), cp, tp, rank // (cp * tp), rank // tp % cp, rank % tp, cp_impl, sequence_parallel)
 
     def groups(sets):  # new_group is collective: every rank builds every group, in order; keep ours
         made = [(dist.new_group(ranks) if len(ranks) > 1 else None, ranks) for ranks in sets.tolist()]
@@ -154,11 +148,10 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True)
 
 
 # ----------------------------------------------------------------------------- the collectives
-# Every byte that moves between ranks moves here (tests count the calls), contiguous with the split
-# dimension first: the collectives work on flat memory.
+# Every byte between ranks moves here (tests count the calls), contiguous with the split dimension first: flat memory.
 
-def all_reduce(x, group, op=dist.ReduceOp.SUM):
-    dist.all_reduce(x, op=op, group=group)
+def all_reduce(x, group):  # the sum, in place
+    dist.all_reduce(x, group=group)
     return x
 
 
@@ -183,8 +176,7 @@ def all_to_all(x, group):  # x [n, ...]: x[j] goes to rank j; out[j] is what ran
 
 
 def ring_shift(x, group):
-    """Start sending x to the next rank of the ring and receiving the previous one's; the returned
-    function waits (on NCCL the stream waits, not the host) and gives what arrived."""
+    """Send x to the next rank, get the previous one's; the returned function waits for it (NCCL: stream, not host)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     recv = torch.empty_like(x := x.contiguous())
     # one batch, so NCCL posts the send and the receive together (two separate calls deadlock a ring)
@@ -214,11 +206,8 @@ class _Pair(Function):
 
 
 def enter_tp(x, mesh):
-    """f, before the column-parallel matmuls: every tp rank needs all of x [B, S, h]. Under sp all-gather the
-    sequence (backward: reduce-scatter the partial dx); else x as is (backward: all-reduce)."""
+    """f, before the column-parallel matmuls: every tp rank needs all of x [B, S, h]; backward sums the partial dx."""
     g = mesh.tp_group
-    if mesh.tp == 1:
-        return x
     if mesh.sequence_parallel:  # contiguous once: with B > 1, wq, wk, wv (w1, w3) would each keep a copy
         return _Pair.apply(x, lambda x: all_gather(x, 1, g).contiguous(), lambda d: reduce_scatter(d, 1, g))
     return _Pair.apply(x, lambda x: x.view_as(x), lambda d: all_reduce(d.contiguous().clone(), g))
@@ -227,8 +216,6 @@ def enter_tp(x, mesh):
 def leave_tp(x, mesh):
     """g, after the row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
     g = mesh.tp_group
-    if mesh.tp == 1:
-        return x
     if mesh.sequence_parallel:
         return _Pair.apply(x, lambda x: reduce_scatter(x, 1, g), lambda d: all_gather(d, 1, g))
     return _Pair.apply(x, lambda x: all_reduce(x.contiguous().clone(), g), lambda d: d)
@@ -264,9 +251,8 @@ class VocabParallelEmbedding(nn.Module):
         self.mesh, self.weight = mesh, weight
 
     def forward(self, idx):
-        n = self.weight.shape[0]
-        local = idx - self.mesh.tp_rank * n
-        outside = (local < 0) | (local >= n)
+        local = idx - self.mesh.tp_rank * self.weight.shape[0]
+        outside = (local < 0) | (local >= self.weight.shape[0])
         e = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_tp(e, self.mesh)  # all-reduce, or reduce-scatter to our sequence shard (sp)
 
@@ -274,43 +260,37 @@ class VocabParallelEmbedding(nn.Module):
 # ----------------------------------------------------------------------------- attention over c
 
 def ulysses(attend, group, q, k, v):
-    """Attention.attend under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous sequence
-    shards -> y like q. One all-to-all turns sequence shards of every head into the whole sequence of
-    H/c heads (and K/c kv heads, the same groups SDPA's enable_gqa forms), `attend` runs there as it
-    would in one process, one all-to-all turns back."""
+    """Attention.attend under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous sequence shards -> y
+    like q. One all-to-all turns sequence shards of every head into the whole sequence of H/c heads (and K/c kv
+    heads, the groups SDPA's enable_gqa forms), `attend` runs there as in one process, one all-to-all turns back."""
     c, (B, H, Sc, hd) = dist.get_world_size(group), q.shape
     if k.shape[1] < c:  # fewer kv heads than ranks: each rank needs the kv head of its q heads
         k, v = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (k, v))
     K = k.shape[1]
     split = lambda t: t.view(B, c, t.shape[1] // c, Sc, hd)  # head groups, one per destination rank
-    qkv = torch.cat([split(q), split(k), split(v)], dim=2).movedim(1, 0)
-    qkv = _Pair.apply(qkv, lambda x: all_to_all(x, group), lambda d: all_to_all(d, group))
+    swap = lambda t: _Pair.apply(t, lambda x: all_to_all(x, group), lambda d: all_to_all(d, group))  # self-adjoint
+    qkv = swap(torch.cat([split(q), split(k), split(v)], dim=2).movedim(1, 0))
     qkv = qkv.movedim(0, 2).reshape(B, (H + 2 * K) // c, c * Sc, hd)  # [source = sequence shard] in order
     y = attend(*qkv.split([H // c, K // c, K // c], dim=1))
-    y = y.reshape(B, H // c, c, Sc, hd).movedim(2, 0)
-    y = _Pair.apply(y, lambda x: all_to_all(x, group), lambda d: all_to_all(d, group))
+    y = swap(y.reshape(B, H // c, c, Sc, hd).movedim(2, 0))
     return y.movedim(0, 1).reshape(B, H, Sc, hd)
 
 
 def flash_error(device_type, dtype, head_dim):
     """None, or why ring attention's fused flash kernel can't run here (check_layout asks up front)."""
     cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
-    return next((why for bad, why in [
-        (device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16),
-         f"{cuda} bfloat16 or float16, not {dtype} (use dtype='bfloat16' or cp_impl='ulysses')"),
-        (device_type == 'cuda' and (head_dim > 256 or head_dim % 8),
-         f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"),
-        (device_type not in ('cuda', 'cpu'),
-         f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"),
-    ] if bad), None)
+    if device_type not in ('cuda', 'cpu'):
+        return f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} (use cp_impl='ulysses')"
+    if device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16):
+        return f"{cuda} bfloat16 or float16, not {dtype} (use dtype='bfloat16' or cp_impl='ulysses')"
+    if device_type == 'cuda' and (head_dim > 256 or head_dim % 8):
+        return f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"
 
 
 def flash(q, k, v, causal, backward=None):
-    """(out, lse [B, H, S] fp32, what backward needs) of the fused flash kernel: SDPA hides the
-    log-sum-exp the ring merges with, so this is the project's one call of a private aten kernel, by
-    keyword. With backward = (dout, out, lse, saved): (dq, dk, dv). k, v have q's head count."""
-    why = flash_error(q.device.type, q.dtype, q.shape[-1])
-    if why:
+    """(out, lse [B, H, S] fp32, saved) of the fused flash kernel; with backward=(dout, out, lse, saved): (dq, dk, dv).
+    k, v have q's heads. SDPA hides the log-sum-exp the ring merges with: the one private aten kernel, by keyword."""
+    if why := flash_error(q.device.type, q.dtype, q.shape[-1]):
         raise ValueError(why)
     aten, kw = torch.ops.aten, dict(query=q, key=k, value=v, dropout_p=0.0, is_causal=causal)
     if backward is None and q.is_cuda:
@@ -324,38 +304,33 @@ def flash(q, k, v, causal, backward=None):
     return bwd(grad_out=dout, out=out, logsumexp=lse, **kw, **saved)[:3]
 
 
-def _ring_steps(kv, group):
-    """Rank r of P holds zigzag chunks r and 2P-1-r of 2P (n tokens each). At step s it holds the k, v of
-    rank (r - s) mod P and yields (its q rows, those kv rows, causal, kv): step 0 is causal over our own
-    chunks; an earlier rank's first chunk precedes all our tokens (its second follows them all); a later
-    rank's two chunks precede our second chunk and follow our first. The next k, v moves meanwhile."""
-    P, r, n = dist.get_world_size(group), dist.get_rank(group), kv.shape[3] // 2
-    every, first, second = slice(None), slice(0, n), slice(n, None)
+def _ring_steps(q, k, v, group):
+    """Rank r of P holds zigzag chunks r and 2P-1-r of 2P (n tokens each). At step s it holds the k, v of rank (r - s)
+    mod P and yields (its q rows, those kv rows, causal, k, v with q's heads): step 0 is causal over our own chunks; an
+    earlier rank's first chunk precedes all our tokens (its second follows them all); a later rank's two chunks precede
+    our second chunk and follow our first. The next k, v (kv heads, not repeats) move meanwhile."""
+    P, r, n, rep = dist.get_world_size(group), dist.get_rank(group), k.shape[2] // 2, q.shape[1] // k.shape[1]
+    every, first, second, kv = slice(None), slice(0, n), slice(n, None), torch.stack([k, v])
     for s in range(P):
         nxt = ring_shift(kv, group) if s < P - 1 else None
-        yield (every, every, True, kv) if s == 0 else (every, first, False, kv) if (r - s) % P < r else \
-            (second, every, False, kv)
+        rows, cols, causal = (every, every, True) if s == 0 else (every, first, False) if (r - s) % P < r else \
+            (second, every, False)
+        yield rows, cols, causal, *(t[:, :, cols].repeat_interleave(rep, dim=1).contiguous() for t in kv)
         kv = nxt() if nxt else kv
 
 
-def _as_heads(t, H):  # k or v [B, K, n, hd] with q's H heads: the flash kernel's layout
-    return t.repeat_interleave(H // t.shape[1], dim=1).contiguous()
-
-
 class RingAttention(Function):
-    """Attention.attend under ring attention (partial(RingAttention.apply, group)): q [B, H, 2n, hd], k, v
-    [B, K, 2n, hd] on zigzag shards -> y like q; causal softmax only. Each step's flash kernel gives (out,
-    lse) over one block of keys, merged by online softmax. Backward: with the final out and lse each block's
-    flash backward is its exact share; dk, dv travel the ring with their k, v back to their owner."""
+    """Attention.attend under ring attention (partial(RingAttention.apply, group)): q [B, H, 2n, hd], k, v [B, K, 2n,
+    hd] zigzag shards -> y like q, causal. Online softmax merges each step's flash (out, lse) over one block of keys;
+    backward: given the final out and lse, each block's flash backward is its exact share; dk, dv ride the ring home."""
 
     @staticmethod
     def forward(ctx, group, q, k, v):
-        H = q.shape[1]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         ctx.saved, ctx.group = [], group
-        for rows, cols, causal, kv in _ring_steps(torch.stack([k, v]), group):  # kv heads travel, not repeats
-            o, l, saved = flash(q[:, :, rows].contiguous(), *(_as_heads(t[:, :, cols], H) for t in kv), causal)
+        for rows, cols, causal, k_heads, v_heads in _ring_steps(q, k, v, group):
+            o, l, saved = flash(q[:, :, rows].contiguous(), k_heads, v_heads, causal)
             new = torch.logaddexp(lse[:, :, rows], l)
             out[:, :, rows] = out[:, :, rows] * (lse[:, :, rows] - new).exp().unsqueeze(-1) + \
                 o.float() * (l - new).exp().unsqueeze(-1)
@@ -367,14 +342,12 @@ class RingAttention(Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        H, K = q.shape[1], k.shape[1]
-        fold = lambda g: g.float().view(g.shape[0], K, H // K, *g.shape[2:]).sum(2)  # repeats -> kv heads
+        fold = lambda g: g.float().view(g.shape[0], k.shape[1], -1, *g.shape[2:]).sum(2)  # repeats -> kv heads
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
-        for (rows, cols, causal, kv), saved in zip(_ring_steps(torch.stack([k, v]), ctx.group), ctx.saved):
+        for (rows, cols, causal, k_heads, v_heads), saved in zip(_ring_steps(q, k, v, ctx.group), ctx.saved):
             part = lambda t: t[:, :, rows].contiguous()
-            dq_, dk, dv = flash(part(q), *(_as_heads(t[:, :, cols], H) for t in kv), causal,
-                                backward=(part(dout), part(out), part(lse), saved))
+            dq_, dk, dv = flash(part(q), k_heads, v_heads, causal, backward=(part(dout), part(out), part(lse), saved))
             dq[:, :, rows] += dq_.float()
             dkv[:, :, :, cols] += torch.stack([fold(dk), fold(dv)])
             dkv = ring_shift(dkv, ctx.group)()  # after P shifts each dk, dv is back with its owner
@@ -384,22 +357,19 @@ class RingAttention(Function):
 def shard_batch(x, y, mesh):
     """A global micro-batch (the same on every rank) -> this rank's (x, y[, positions]): our dp rank's
     rows, our cp rank's tokens (contiguous for Ulysses; zigzag chunks r and 2c-1-r of 2c for the ring)."""
-    n, (c, r) = x.shape[0] // mesh.dp, (mesh.cp, mesh.cp_rank)
+    n, c, r = x.shape[0] // mesh.dp, mesh.cp, mesh.cp_rank
     x, y = x[mesh.dp_rank * n:(mesh.dp_rank + 1) * n], y[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
     if c == 1:
         return x, y
-    S, k = x.shape[1], x.shape[1] // (2 * c)  # k: tokens per zigzag chunk
-    pos = torch.arange(r * S // c, (r + 1) * S // c) if mesh.cp_impl == 'ulysses' else \
-        torch.cat([torch.arange(r * k, (r + 1) * k), torch.arange((2 * c - 1 - r) * k, (2 * c - r) * k)])
-    pos = pos.to(x.device)
+    tokens = torch.arange(x.shape[1], device=x.device)
+    pos = tokens.view(c, -1)[r] if mesh.cp_impl == 'ulysses' else tokens.view(2 * c, -1)[[r, 2 * c - 1 - r]].flatten()
     return x[:, pos], y[:, pos], pos
 
 
 # ----------------------------------------------------------------------------- the model, parallel
 
 def parallelize(model, mesh):
-    """Shard a full model (every rank built the same one from the same seed) for this rank, in place,
-    and hook the collectives onto its own modules; parameter names stay the model's."""
+    """Shard a full model (every rank built the same one) in place, hook the collectives on; names stay the model's."""
     c = model.config
     if mesh.tp > 1:
         for name, p in list(model.named_parameters()):
@@ -420,19 +390,16 @@ def parallelize(model, mesh):
                 m.register_forward_hook(lambda m, args, y: leave_tp(y, mesh))
         model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))  # the LM head's input
         model.vocab_group = mesh.tp_group  # Llama.head: chunked.py's loss over our rows of the vocabulary
-    for block in model.layers:
-        attn = block.attention
-        if mesh.cp > 1 and mesh.cp_impl == 'ulysses':
-            attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group)
-        elif mesh.cp > 1:
-            attn.attend = functools.partial(RingAttention.apply, mesh.cp_group)
+    for attn in [block.attention for block in model.layers if mesh.cp > 1]:
+        attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group) if mesh.cp_impl == 'ulysses' else \
+            functools.partial(RingAttention.apply, mesh.cp_group)
     model.mesh = mesh
     return model
 
 
 # ----------------------------------------------------------------------------- gradients, clipping, optimizer
-# torch's ZeroRedundancyOptimizer gives whole tensors to ranks (uneven: the embedding alone can be one
-# rank's share) and can't own masters that exist only as shards: AdamW here owns ⌈rows/d⌉ rows of each.
+# torch's ZeroRedundancyOptimizer gives whole tensors to ranks (uneven: the embedding alone can be one rank's share)
+# and can't own masters that exist only as shards: AdamW here owns ⌈rows/d⌉ rows of each.
 
 BUCKET_BYTES = 25 * 2**20  # DDP's: at most one bucket is ever copied, never the whole model's gradients
 
@@ -469,9 +436,8 @@ def sync_grads(named_params, mesh, config):
 
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element once."""
-    sq = sum((torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
-              for n, p in named_params if not is_replica(n, mesh, config)),
-             torch.zeros((), device=named_params[0][1].device))
+    sq = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+             for n, p in named_params if not is_replica(n, mesh, config))
     norm = (all_reduce(sq, mesh.tp_group) if mesh.tp_group is not None else sq).sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for _, p in named_params:
@@ -479,18 +445,11 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     return norm
 
 
-def row_share(rows, d, j):
-    """(first row, count) of rank j of d: ⌈rows/d⌉ each, the last ones fewer (DTensor's Shard(0) split)."""
-    first = min(rows, j * math.ceil(rows / d))
-    return first, min(rows, first + math.ceil(rows / d)) - first
-
-
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter,
-    holding its fp32 .grad (the parameter itself in fp32). groups: torch's param groups, of masters.
-    zero=1 with dp·cp > 1: rows row_share(rows, d, j) of every tensor, updated here, then all-gathered
-    into the parameters of every rank; else every row. An fp32 parameter's rows are views (updated in
-    place); a bf16 one's are fp32 copies: the master weights."""
+    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter, holding its
+    fp32 .grad (the parameter itself in fp32). groups: torch's param groups, of masters. zero=1 with dp·cp > 1: rank j
+    of d updates its ⌈rows/d⌉ rows of every tensor, then all-gathers them into every rank's parameters; else every row.
+    An fp32 parameter's rows are views (updated in place); a bf16 one's are fp32 copies: the master weights."""
 
     def __init__(self, named_params, masters, groups, mesh, config, zero=0, **kw):
         self.group = mesh.dpcp_group if zero else None
@@ -499,7 +458,8 @@ class AdamW(torch.optim.AdamW):
         V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
         self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
                      else p.shape[0] for n, p in named_params]
-        self.shares = [row_share(r, d, j) for r in self.rows]
+        self.per_rank = [math.ceil(r / d) for r in self.rows]  # shares: our (first row, count), as DTensor's Shard(0)
+        self.shares = [(min(r, j * n), max(0, min(n, r - j * n))) for r, n in zip(self.rows, self.per_rank)]
         self.pieces = [p.detach().narrow(0, a, n).float() for p, (a, n) in zip(self.params, self.shares)]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
         super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
@@ -514,9 +474,8 @@ class AdamW(torch.optim.AdamW):
             if m.grad is not None:
                 x.grad = m.grad.narrow(0, a, n)
         super().step()
-        for p, x, rows in zip(self.params, self.pieces, self.rows):
-            if self.group is not None:  # every rank's rows, padded to the same count for the all-gather
-                n = math.ceil(rows / dist.get_world_size(self.group))
+        for p, x, rows, n in zip(self.params, self.pieces, self.rows, self.per_rank):
+            if self.group is not None:  # every rank's rows, padded to the same count n for the all-gather
                 x = all_gather(F.pad(x.to(p.dtype), (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])), 0, self.group)
             if self.group is not None or x.dtype != p.dtype:  # else x is a view of p's own rows
                 p[:rows].copy_(x[:rows])
