@@ -52,7 +52,7 @@ import torch
 import chunked
 import offload
 import parallel
-from model import num_params, flops_per_token
+from model import MEMORY_KNOBS, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient')
 GiB = 2 ** 30
@@ -203,23 +203,6 @@ class Tracker:
 
 # ----------------------------------------------------------------------------- the dry run
 
-def start_dry_run(world_size=1):
-    """Be rank 0 of a WORLD_SIZE (else world_size) job in a fake process group (collectives return at
-    once). Returns the CPU, whose bf16 autocast stands in for CUDA's (fake CUDA tensors abort in SDPA)."""
-    world_size = int(os.environ.setdefault('WORLD_SIZE', str(world_size)))
-    os.environ.setdefault('RANK', '0')
-    os.environ.setdefault('LOCAL_RANK', '0')
-    if world_size > 1 and not torch.distributed.is_initialized():
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        torch.distributed.init_process_group('fake', store=FakeStore(), rank=0, world_size=world_size)
-    return torch.device('cpu')
-
-
-def dry_run_ranks():
-    """(world, rank, local_rank) of a dry run: rank 0 of the fake process group's world."""
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1, 0, 0
-
-
 def to_fake(model, dtype):
     """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't make
     them in place): tied parameters stay tied, buffers keep their dtype."""
@@ -227,18 +210,15 @@ def to_fake(model, dtype):
     if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
         from torch._subclasses.fake_tensor import FakeTensorMode
         FakeTensorMode(allow_non_fake_inputs=True).__enter__()
-    made = {}
-
-    def fake(t, dt):
-        if id(t) not in made:
-            new = torch.empty(t.shape, dtype=dt, device='cpu')
-            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
-        return made[id(t)]
+    made = {}  # a tied parameter is made once
     for m in model.modules():
         for k, p in m.named_parameters(recurse=False):
-            setattr(m, k, fake(p, dtype if p.is_floating_point() else p.dtype))
+            if id(p) not in made:
+                new = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device='cpu')
+                made[id(p)] = torch.nn.Parameter(new, p.requires_grad)
+            setattr(m, k, made[id(p)])
         for k, buf in m.named_buffers(recurse=False):
-            setattr(m, k, fake(buf, buf.dtype))  # stays a buffer, persistent or not
+            setattr(m, k, torch.empty(buf.shape, dtype=buf.dtype, device='cpu'))  # stays a buffer
     return model
 
 
@@ -248,7 +228,7 @@ def fake_batch(batch_size, seq_len, vocab_size):
     return xy[:, :-1], xy[:, 1:]
 
 
-# ----------------------------------------------------------------------------- budget and verdict
+# ----------------------------------------------------------------------------- budget, verdict and table
 
 def device_bytes(device, budget_gb=0.0, dry_run=False):
     """memory_budget_gb if set; else 80 GiB (an H100's) for a dry run, the device's memory, or the RAM."""
@@ -283,9 +263,6 @@ def overhead_bytes(device_type, communicators=0):
 def fits(est, budget, overhead=0):
     return (est.total if isinstance(est, Estimate) else est) + overhead <= FIT_FRACTION * budget
 
-
-# ----------------------------------------------------------------------------- the table
-
 def gib(n, width=8):
     """Bytes in GiB, MiB or KiB, whichever reads best."""
     if n is None:
@@ -317,13 +294,11 @@ def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=F
 
 
 # ----------------------------------------------------------------------------- the planner
-#
 # What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
 # FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
 # nothing under 'full', which re-runs them anyway); loss_chunks nothing; offload offload.extra_time.
 # A stand-in for the machine: 40% of an H100's 989 TFLOP/s, PCIe at 25 GB/s each way.
 FLOPS, PCIE = 0.4 * 989e12, 25e9
-KNOBS = ('recompute', 'mlp_chunks', 'loss_chunks', 'offload')
 
 
 def cost(c, base, batch_size, seq_len):
@@ -360,7 +335,7 @@ def variants(c, batch_size, seq_len, host, layout):
 
 
 def knobs(c, base):
-    return {k: getattr(c, k) for k in KNOBS if getattr(c, k) != getattr(base, k)}
+    return {k: getattr(c, k) for k in MEMORY_KNOBS if getattr(c, k) != getattr(base, k)}
 
 
 def describe(changes):
@@ -432,10 +407,9 @@ class Report:
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
                            zero=cfg.get('zero', 0))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
-        groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)
+        groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)  # NCCL communicators
         self.overhead = overhead_bytes(self.layout['device_type'], groups)
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
-        self.path = os.path.join(cfg.get('out_dir', '.'), 'memory.json')
         if cfg.get('auto_memory'):
             self.auto_memory(model)
         self.est = estimate(self.config, self.B, self.S, **self.layout)
@@ -489,9 +463,10 @@ class Report:
                 'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
                 'tp_size': self.layout['tp_size'], 'cp_size': self.layout['cp_size'], 'seq_len': self.S}
         extra = {'peak_at': self.est.moment, 'fits': fits(self.est, self.budget, self.overhead), **extra}
-        with open(self.path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
+        path = os.path.join(self.cfg.get('out_dir', '.'), 'memory.json')
+        with open(path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
             json.dump({'ranks': [rank], **extra}, f, indent=1)
-        os.replace(self.path + '.tmp', self.path)
+        os.replace(path + '.tmp', path)
 
     @contextmanager
     def measure(self, model, masters, optimizer, compiled=False):
@@ -522,9 +497,3 @@ class Report:
                                 f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget, 0)})")
             print('\n'.join([extra['verdict']] + ([] if ok else self.suggest())))
         self.write(dry_run=self.dry, **extra)
-
-    def dry_run(self, step, model, masters, optimizer, batches):
-        """One step on fake tensors, measured as above: whether the run fits, by the dry run."""
-        with self.measure(model, masters, optimizer):
-            step(batches)
-        return fits(self.measured['total'], self.budget, self.overhead)

@@ -115,11 +115,15 @@ def wait_for_every_rank(what, timeout=60):
         pass
 
 
-def init_distributed(device_type):
-    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank)."""
+def init_distributed(device_type, fake=False):
+    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank).
+    fake (memory.py's dry run): be rank 0 of WORLD_SIZE ranks whose collectives return at once."""
     world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
-    if world == 1:
-        return 1, 0, 0
+    if world == 1 or fake:
+        if fake and world > 1:
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+            dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=world)
+        return world, 0, 0
     if device_type == 'cuda':
         torch.cuda.set_device(local_rank)
     # a rank blocked in a collective gives up after this; torchrun's agent normally kills it sooner
@@ -446,10 +450,11 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter, holding its
-    fp32 .grad (the parameter itself in fp32). groups: torch's param groups, of masters. zero=1 with dp·cp > 1: rank j
-    of d updates its ⌈rows/d⌉ rows of every tensor, then all-gathers them into every rank's parameters; else every row.
-    An fp32 parameter's rows are views (updated in place); a bf16 one's are fp32 copies: the master weights."""
+    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter,
+    holding its fp32 .grad (the parameter itself in fp32); groups: torch's param groups, of masters. zero=1
+    with dp·cp > 1: rank j of d updates its ⌈rows/d⌉ rows of every tensor, then all-gathers them into every
+    rank's parameters; else every row. An fp32 parameter's rows are views (updated in place); a bf16
+    one's are fp32 copies: the master weights."""
 
     def __init__(self, named_params, masters, groups, mesh, config, zero=0, **kw):
         self.group = mesh.dpcp_group if zero else None

@@ -284,8 +284,8 @@ def device_and_dtype():
     if dev == 'auto':
         dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
     dev = torch.device(dev)
-    if dry_run:  # memory.py: be rank 0 of the configured world (a fake process group); this CPU stands in for CUDA
-        dev = memory.start_dry_run(tp_size * cp_size)
+    if dry_run:  # memory.py: rank 0 of WORLD_SIZE (else tp x cp) ranks; this CPU (fake tensors) stands in for CUDA
+        dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), os.environ.get('WORLD_SIZE', str(tp_size * cp_size))
     ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
                'float32': torch.float32, 'bfloat16': torch.bfloat16}.get(dtype)
     if ptdtype is None:
@@ -369,7 +369,7 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     if init_from == 'scratch':
         check_layout(cfg, dev, ptdtype)
-    world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)
+    world, rank, local_rank = parallel.init_distributed(dev.type, fake=dry_run)
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
@@ -400,7 +400,8 @@ def main():
     if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
         batches = [parallel.shard_batch(*memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size),
                                         mesh) for _ in range(min(gradient_accumulation_steps, 2))]
-        return mem.dry_run(step, raw_model, masters, optimizer, batches)
+        with mem.measure(raw_model, masters, optimizer):  # the table and the verdict
+            return step(batches)
 
     peak = peak_flops(dev, ptdtype)
     device_flops = peak * world if peak else None  # MFU is per device: against all of them
