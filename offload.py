@@ -28,7 +28,8 @@ The cut (`_split`): all but the attention core works on each token alone, so the
 `block.attention.attend`: the first range's runs the second range's block, whose attend runs the core once
 on both ranges' q, k, v (under sequence parallelism each holds tp runs of S tokens: `_tokens` cuts each);
 the core's output is handed back to the first range's recompute, not attended again. Ring attention
-merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout).
+merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout). A weight's gradient
+is then the sum of the two ranges' parts: in bf16 rounded twice, within bf16's 2^-8 of the plain path's.
 
 A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
 blocks' copies in flight) and come back on another when the next block's backward begins (on a CPU

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -32,6 +31,7 @@ import parallel  # noqa: E402
 import train  # noqa: E402
 import model as model_py  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
+from test_chunked import CountMatmuls  # noqa: E402
 
 RTOL = 1e-5
 # 37 is divisible by neither 2 nor 4: the vocabulary is padded; chunked MLP and loss; GQA
@@ -132,16 +132,6 @@ def one_step(model, mesh, config, zero):
 def reference(overrides, zero):
     model = offload.apply(new_model(overrides))
     return one_step(model, parallel.Mesh(), model.config, zero)
-
-
-class CountMatmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
-        return func(*args, **(kwargs or {}))
 
 
 def eval_matmuls(model, mesh):
