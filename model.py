@@ -269,7 +269,7 @@ class Llama(nn.Module):
         def reading(path):  # a file from outside: whatever is wrong with it is one ValueError naming it
             try:
                 yield
-            except (OSError, KeyError, TypeError, AttributeError, ValueError, SafetensorError) as e:
+            except (OSError, KeyError, TypeError, AttributeError, ArithmeticError, ValueError, SafetensorError) as e:
                 raise ValueError(f"{path}: {'missing ' * isinstance(e, KeyError)}{getattr(e, 'strerror', 0) or e}") \
                     from None
 

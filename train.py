@@ -147,7 +147,7 @@ def read_dataset(world, rank):
         torch.distributed.barrier()
     if not os.path.exists(path):
         die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py (see README.md)")
-    try:  # get_batch draws windows of seq_len + 1 tokens from [0, len - 1); a dry run draws none
+    try:  # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
         return {**read_meta(data_dir, 0 if dry_run else seq_len + 2), 'dir': data_dir}
     except ValueError as e:
         die(e)
