@@ -5,10 +5,12 @@ applies, in order, each config file (a Python file, exec'd on its own) and each 
 Python literal if it parses as one, else the raw string). Each value must fit its default's type.
 Every mistake is one 'error: ...' line on stderr and exit status 2, never a traceback: a typo in a
 key must stop a run that would otherwise train for hours on the default, and a traceback buries the
-one line that says what was wrong.
+one line that says what was wrong. train.py stops on its own checks of the values (ranges, devices,
+data) through the same die().
 """
 import ast
 import difflib
+import os
 import sys
 import traceback
 from types import ModuleType
@@ -19,7 +21,14 @@ _BAD = object()  # fit()'s "does not fit": None can't say it, None is a legal va
 
 
 def die(msg):
-    print('error: ' + ' '.join(msg.splitlines()), file=sys.stderr)  # one line, whatever msg holds
+    """Stop on a user's mistake: one line, exit status 2. Under torchrun every rank meets the same mistake:
+    rank 0 alone says it, and each rank waits for the others first, since torchrun kills every rank as soon
+    as one exits, maybe before rank 0 has said anything."""
+    if os.environ.get('RANK', '0') == '0':
+        print('error: ' + ' '.join(str(msg).splitlines()), file=sys.stderr, flush=True)  # one line, whatever msg holds
+    if int(os.environ.get('WORLD_SIZE', 1)) > 1:
+        from parallel import wait_for_every_rank  # (torch: only a multi-rank job needs it, and has it imported)
+        wait_for_every_rank('died')
     sys.exit(2)
 
 
@@ -45,8 +54,7 @@ def override(g, defaults, key, value, raw, where=''):
     if new is _BAD:
         name, got = (key, value) if raw is None else ('--' + key, raw)
         die(f"{where}{name} expects {type(defaults[key]).__name__}, got {got!r}")
-    print(f"Overriding: {key} = {new!r}")
-    g[key] = new
+    g[key] = new  # silently: a run with a mistake prints its one line and nothing else
 
 
 def load(path, g, defaults):
@@ -65,7 +73,6 @@ def load(path, g, defaults):
     except Exception as e:
         lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
         die(f"{path}, line {lines[-1] if lines else '?'}: {type(e).__name__}: {e}")
-    print(f"Overriding config with {path}")
     for key, value in ns.items():
         if not key.startswith('_') and not isinstance(value, ModuleType):  # skip `import math`
             override(g, defaults, key, value, None, f"{path}: ")

@@ -25,6 +25,7 @@ transformers loads back to the same logits.
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,14 +58,20 @@ class LlamaConfig:
     offload: float = 0.0    # Memo's alpha: fraction of kept activations sent to host (offload.py)
 
     def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
-        if self.recompute not in ('none', 'full', 'selective'):
-            raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
-        if not 0.0 <= self.offload <= 1.0:
-            raise ValueError(f"offload is a fraction in [0, 1], got {self.offload}")
+        # every field's rule, as one line naming it: train.py stops on it before anything is allocated
+        for key, least in dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1, vocab_size=1,
+                               mlp_chunks=0, loss_chunks=0).items():
+            if not getattr(self, key) >= least:
+                raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}" + " (0: automatic)" * (least == 0))
+        for key, ok, allowed in [
+                ('rope_theta', self.rope_theta > 0, 'must be > 0'), ('norm_eps', self.norm_eps > 0, 'must be > 0'),
+                ('offload', 0 <= self.offload <= 1, 'must be in [0, 1]'),
+                ('recompute', self.recompute in ('none', 'full', 'selective'), "must be 'none', 'full' or 'selective'"),
+                ('n_embd', self.n_embd % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),
+                ('n_head', self.n_head % self.n_kv_head == 0, f"must be divisible by n_kv_head={self.n_kv_head}"),
+                ('n_embd', self.head_dim % 2 == 0, f"n_embd / n_head = {self.head_dim} must be even (RoPE)")]:
+            if not ok:
+                raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
 
     @property
     def head_dim(self):
@@ -255,34 +262,51 @@ class Llama(nn.Module):
         """Load a local HF Llama directory: config.json + model.safetensors, or shards with an index.
         Both config forms are read: `rope_theta`/`rope_scaling` and the newer `rope_parameters`.
         `overrides` set LlamaConfig fields such as the memory knobs."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
-        with open(os.path.join(hf_dir, 'config.json')) as f:
+
+        @contextmanager
+        def reading(path):  # a file from outside: whatever is wrong with it is one ValueError naming it
+            try:
+                yield
+            except (OSError, KeyError, TypeError, AttributeError, ArithmeticError, ValueError, SafetensorError) as e:
+                raise ValueError(f"{path}: {'missing ' * isinstance(e, KeyError)}{getattr(e, 'strerror', 0) or e}") \
+                    from None
+
+        path = os.path.join(hf_dir, 'config.json')
+        with reading(path), open(path) as f:
             hf = json.load(f)
-        rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
-        theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
-        kind = rope.pop('rope_type', rope.pop('type', 'default'))
-        rope = {'rope_type': kind, **rope}
-        n_head = hf['num_attention_heads']
-        if hf.get('head_dim', hf['hidden_size'] // n_head) * n_head != hf['hidden_size']:
-            raise ValueError(f"{hf_dir}: head_dim * num_attention_heads != hidden_size is not supported")
-        config = LlamaConfig(
-            n_layer=hf['num_hidden_layers'], n_head=n_head,
-            n_kv_head=hf.get('num_key_value_heads') or n_head, n_embd=hf['hidden_size'],
-            intermediate_size=hf['intermediate_size'], vocab_size=hf['vocab_size'],
-            rope_theta=float(theta), rope_scaling=rope if kind != 'default' else None,
-            norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
-            **overrides)
+            rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+            theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
+            kind = rope.pop('rope_type', rope.pop('type', 'default'))
+            rope = {'rope_type': kind, **rope}
+            n_head = hf['num_attention_heads']
+            if hf.get('head_dim', hf['hidden_size'] // n_head) * n_head != hf['hidden_size']:
+                raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+            config = LlamaConfig(
+                n_layer=hf['num_hidden_layers'], n_head=n_head,
+                n_kv_head=hf.get('num_key_value_heads') or n_head, n_embd=hf['hidden_size'],
+                intermediate_size=hf['intermediate_size'], vocab_size=hf['vocab_size'],
+                rope_theta=float(theta), rope_scaling=rope if kind != 'default' else None,
+                norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
+                **overrides)
+            rope_frequencies(config)  # a malformed rope_scaling stops here, named by its file
         index = os.path.join(hf_dir, 'model.safetensors.index.json')
+        files = ['model.safetensors']
         if os.path.exists(index):
-            with open(index) as f:
+            with reading(index), open(index) as f:
                 files = sorted(set(json.load(f)['weight_map'].values()))
-        else:
-            files = ['model.safetensors']
         hf_state = {}
         for name in files:
-            hf_state.update(load_file(os.path.join(hf_dir, name)))
+            with reading(os.path.join(hf_dir, name)):
+                hf_state.update(load_file(os.path.join(hf_dir, name)))
         model = cls(config)
-        state = {ours: hf_state.pop(theirs) for ours, theirs in _hf_names(config).items()}
+        params, state = dict(model.named_parameters()), {}
+        for ours, theirs in _hf_names(config).items():
+            state[ours] = hf_state.pop(theirs, None)
+            if state[ours] is None or state[ours].shape != params[ours].shape:
+                raise ValueError(f"{hf_dir}: {theirs} " + ('is missing' if state[ours] is None else
+                                 f"is {list(state[ours].shape)}, config.json makes it {list(params[ours].shape)}"))
         hf_state.pop('lm_head.weight', None)  # tied checkpoints may still carry a copy
         if hf_state:
             raise ValueError(f"{hf_dir}: unexpected weights {sorted(hf_state)[:5]}")

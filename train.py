@@ -23,11 +23,9 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
-from types import SimpleNamespace
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -35,6 +33,8 @@ from tqdm import tqdm
 
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
 import checkpoint
+from configurator import configure, die
+from data.tokenizer import read_meta
 import parallel
 import memory
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -97,39 +97,66 @@ memory_budget_gb = 0.0  # GiB per device the run must fit in (80% rule); 0: the 
 host_memory_budget_gb = 0.0  # GiB of host memory for offloaded activations; 0: what is available
 auto_memory = False  # let memory.py pick recompute / mlp_chunks / loss_chunks / offload: the cheapest that fits
 # -----------------------------------------------------------------------------
+# what each training key allows, checked before anything is read, allocated or written (the model's keys:
+# model.LlamaConfig; the rules between the layout keys: parallel.check_layout)
+_RULES = [
+    (('batch_size', 'seq_len', 'gradient_accumulation_steps', 'eval_interval', 'log_interval', 'eval_iters',
+      'tp_size', 'cp_size'), 'must be >= 1', lambda v: v >= 1),
+    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'vocab_size', 'learning_rate', 'min_lr', 'weight_decay',
+      'grad_clip', 'memory_budget_gb', 'host_memory_budget_gb'), 'must be >= 0', lambda v: 0 <= v < math.inf),
+    (('beta1', 'beta2'), 'must be in [0, 1)', lambda v: 0 <= v < 1),
+    (('dtype',), "must be 'auto', 'float32' or 'bfloat16' (float16 needs loss scaling)",
+     lambda v: v in ('auto', 'float32', 'bfloat16')),
+    (('device',), "must be 'auto', 'cpu' or a device this machine has ('cuda', 'cuda:1', 'mps')",
+     lambda v: dry_run or v == 'auto' or has_device(v)),  # a dry run stands in for the target's devices
+    (('init_from',), "must be 'scratch', 'resume' or a Hugging Face model directory",
+     lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
+    (('out_dir',), 'must be a directory we can write in, or create', lambda v: writable(v)),
+]
 
-def die(msg):
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    parallel.wait_for_every_rank('died')  # under torchrun the first rank to exit takes the others with it
-    sys.exit(2)
+
+def has_device(name):  # False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a type torch does not know
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        return False
+    count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()), 'cuda': torch.cuda.device_count()}
+    return (dev.index or 0) < count.get(dev.type, 0)
+
+
+def writable(path):  # checked without creating it: main creates out_dir once every check has passed
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
 # -----------------------------------------------------------------------------
 # data
 
-def load_dataset(name):
-    """meta.json of data/<name>, preparing the default corpus on first use."""
-    data_dir = os.path.join(_ROOT, 'data', name)
-    if not os.path.exists(os.path.join(data_dir, 'meta.json')):
-        if name != 'stdlib':
-            die(f"dataset {name!r} is not prepared: run python data/{name}/prepare.py (see README.md)")
-        import importlib.util
-        spec = importlib.util.spec_from_file_location('prepare', os.path.join(data_dir, 'prepare.py'))
-        prepare = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(prepare)
-        prepare.prepare(data_dir)
-    with open(os.path.join(data_dir, 'meta.json')) as f:
-        meta = json.load(f)
-    meta['dir'] = data_dir
-    return meta
+def read_dataset(world, rank):
+    """data/<dataset>/meta.json, checked with its .bin files; rank 0 prepares the default corpus on first use."""
+    if dry_run and vocab_size:  # a dry run reads no data: its vocabulary is all it needs
+        return {'vocab_size': vocab_size}
+    data_dir = os.path.join(_ROOT, 'data', dataset)
+    path = os.path.join(data_dir, 'meta.json')
+    if rank == 0 and dataset == 'stdlib' and not os.path.exists(path):
+        import runpy  # prepare.py is a script in a folder, not a module of a package
+        runpy.run_path(os.path.join(data_dir, 'prepare.py'))['prepare'](data_dir)
+    if world > 1:
+        torch.distributed.barrier()
+    if not os.path.exists(path):
+        die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py (see README.md)")
+    try:  # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
+        return {**read_meta(data_dir, 0 if dry_run else seq_len + 2), 'dir': data_dir}
+    except ValueError as e:
+        die(e)
 
 
 def get_batch(meta, split, n, generator, device):
     """n random windows of seq_len + 1 tokens: inputs and next-token targets."""
     # a fresh memmap per batch: numpy's memmap otherwise keeps every page it touched resident
     data = np.memmap(os.path.join(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
-    if len(data) <= seq_len + 1:
-        die(f"the {split} split of {meta['dir']} has {len(data)} tokens, fewer than seq_len + 2")
     ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
     xy = torch.from_numpy(np.stack([data[i:i + seq_len + 1].astype(np.int64) for i in ix]))
     if device.type == 'cuda':  # pinned host memory lets the copy overlap the previous step
@@ -251,28 +278,31 @@ def peak_memory(device):
 # -----------------------------------------------------------------------------
 # checkpoints (checkpoint.py)
 
-def model_from_config(meta, cfg):
-    """Build (or load) the model named by init_from; returns (model, checkpoint or None)."""
+def model_from_config(meta, cfg, dev, ptdtype):
+    """Build (or load) the model named by init_from, its config and layout checked before the model is
+    allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint or None)."""
     knobs = {k: cfg[k] for k in _KNOBS if k in cfg}  # how forward runs: free to change on resume
-    ckpt = None
-    if init_from == 'scratch':
-        args = {f.name: cfg[f.name] for f in fields(LlamaConfig) if f.name in cfg and f.name not in _KNOBS}
-        args['vocab_size'] = vocab_size or meta['vocab_size']
-        model = Llama(LlamaConfig(**args, **knobs))
-    elif init_from == 'resume':
-        path = checkpoint.latest(out_dir)  # the newest committed one, saved under any layout
-        if path is None:
-            die(f"--init_from=resume but there is no checkpoint in {out_dir}")
-        ckpt = {**checkpoint.meta(path), 'path': path}  # the weights load after sharding (main)
-        model = Llama(LlamaConfig(**ckpt['model_args'], **knobs))
-    elif os.path.isdir(init_from):
-        model = Llama.from_pretrained(init_from, **knobs)
-    else:
-        die(f"init_from must be 'scratch', 'resume' or a Hugging Face model directory, got {init_from!r}")
-    if meta['vocab_size'] > model.config.vocab_size:
-        die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta['tokenizer']}), more than "
-            f"the model's {model.config.vocab_size}: prepare it with the model's tokenizer")
-    return model, ckpt
+    model = ckpt = None
+    try:  # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not our bug
+        if init_from == 'scratch':
+            args = {f.name: cfg[f.name] for f in fields(LlamaConfig) if f.name in cfg and f.name not in _KNOBS}
+            config = LlamaConfig(**{**args, 'vocab_size': vocab_size or meta['vocab_size']}, **knobs)
+        elif init_from == 'resume':
+            path = checkpoint.latest(out_dir)  # the newest committed one, saved under any layout
+            if path is None:
+                die(f"--init_from=resume but there is no checkpoint in {out_dir}")
+            ckpt = {**checkpoint.meta(path), 'path': path}  # the weights load after sharding (main)
+            config = LlamaConfig(**ckpt['model_args'], **knobs)
+        else:
+            model = Llama.from_pretrained(init_from, **knobs)
+            config = model.config
+    except ValueError as e:
+        die(e)
+    check_layout(config, dev, ptdtype)
+    if meta['vocab_size'] > config.vocab_size:
+        die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta.get('tokenizer')}), more than "
+            f"the model's {config.vocab_size}: prepare it with the model's tokenizer")
+    return model or Llama(config), ckpt
 
 
 # -----------------------------------------------------------------------------
@@ -287,9 +317,7 @@ def device_and_dtype():
     if dry_run:  # memory.py: rank 0 of WORLD_SIZE (else tp x cp) ranks; this CPU (fake tensors) stands in for CUDA
         dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), os.environ.get('WORLD_SIZE', str(tp_size * cp_size))
     ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
-               'float32': torch.float32, 'bfloat16': torch.bfloat16}.get(dtype)
-    if ptdtype is None:
-        die(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r} (float16 needs loss scaling)")
+               'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
     if dev.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -299,19 +327,10 @@ def device_and_dtype():
 
 def check_layout(config, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
-    why = parallel.check_layout(SimpleNamespace(**config), int(os.environ.get('WORLD_SIZE', 1)), tp_size,
+    why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size,
                                 cp_size, cp_impl, seq_len, zero, dev.type, ptdtype)
     if why:
         die(why)
-
-
-def read_dataset(world, rank):
-    """meta.json of the dataset: rank 0 prepares a missing one, the others wait at a barrier, then read it."""
-    if rank == 0:
-        meta = {'vocab_size': vocab_size} if dry_run and vocab_size else load_dataset(dataset)
-    if world > 1:
-        torch.distributed.barrier()
-    return meta if rank == 0 else load_dataset(dataset)
 
 
 def train_step(model, batches, autocast, mesh, named_masters, optimizer):
@@ -361,26 +380,28 @@ def catch_signals():
 # -----------------------------------------------------------------------------
 
 def main():
-    from configurator import configure
     configure(globals())
     cfg = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+    for keys, allowed, ok in _RULES:
+        for key in (k for k in keys if not ok(cfg[k])):
+            die(f"{key}={cfg[key]!r}: {allowed}")
     dev, ptdtype, autocast = device_and_dtype()
     torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
-    os.makedirs(out_dir, exist_ok=True)
-    if init_from == 'scratch':
-        check_layout(cfg, dev, ptdtype)
     world, rank, local_rank = parallel.init_distributed(dev.type, fake=dry_run)
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
-        model, ckpt = model_from_config(meta, cfg)
-    check_layout(asdict(model.config), dev, ptdtype)  # a Hugging Face directory or checkpoint brings its own shape
+        model, ckpt = model_from_config(meta, cfg, dev, ptdtype)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head)
+    try:  # the last check, and the first thing written: a run stopped by any check before leaves no out_dir
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        die(f"out_dir={out_dir!r}: cannot create it: {e.strerror}")
     # the memory report, before anything is on the device: stops here if the run can't fit (80% rule) or
     # offload's host memory can't hold it; auto_memory=True first sets the cheapest knobs that fit
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
-    check_layout(asdict(model.config), dev, ptdtype)  # the knobs as auto_memory left them
+    check_layout(model.config, dev, ptdtype)  # the knobs as auto_memory left them
     n_params, (mfu_flops, hfu_flops) = model.num_params(), flops_per_token(model.config, seq_len)
     names = [n for n, _ in model.named_parameters()]
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank

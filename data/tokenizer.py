@@ -92,3 +92,27 @@ def write_meta(out_dir, meta):
         json.dump(meta, f, indent=2, ensure_ascii=False)
         f.write("\n")
     commit(tmp, path)
+
+
+def read_meta(data_dir, min_tokens=0):
+    """meta.json of a prepared dataset, checked against its .bin files (cut short by a full disk or a copy,
+    or taken from another dataset): anything wrong is one ValueError naming the file."""
+    path = os.path.join(data_dir, "meta.json")
+    try:
+        with open(path) as f:
+            meta = dict(json.load(f))
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    vocab = meta.get("vocab_size")
+    if meta.get("dtype") not in ("uint16", "uint32") or type(vocab) is not int or vocab < 1:
+        raise ValueError(f"{path}: needs vocab_size (an int >= 1) and dtype ('uint16' or 'uint32')")
+    item = np.dtype(meta["dtype"]).itemsize
+    for split in ("train", "val"):
+        name, said = os.path.join(data_dir, f"{split}.bin"), meta.get(f"{split}_tokens")
+        size = os.path.getsize(name) if os.path.isfile(name) else -1
+        for bad, why in ((size < 0, "missing"), (size % item, f"{size} bytes, not whole {meta['dtype']} tokens"),
+                         (said is not None and size // item != said, f"{size // item} tokens, meta.json says {said}"),
+                         (size // item < min_tokens, f"{size // item} tokens, fewer than the {min_tokens} needed")):
+            if bad:
+                raise ValueError(f"{name}: {why}")
+    return meta

@@ -527,11 +527,11 @@ def test_resume_under_tp_cp_equals_an_uninterrupted_run_and_exports(tmp_path):
     # offload.py can't replay ring attention in a token-wise recompute
     (['--cp_size=2', '--cp_impl=ring', '--offload=0.5'], "offload=0.5 with recompute='none' and cp_impl='ring'"),
 ])
-def test_an_impossible_layout_is_one_line_on_every_rank(tmp_path, layout, reason):
+def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     p = torchrun(2, *TINY, *layout, '--max_iters=1', f'--out_dir={tmp_path}', check=False, timeout=120)
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if line.startswith('error:')]
-    assert len(lines) == 2 and reason in lines[0], p.stderr[-2000:]
+    assert len(lines) == 1 and reason in lines[0], p.stderr[-2000:]  # rank 0's: every rank stops on it
 
 
 

@@ -1,0 +1,206 @@
+"""Bad input of every kind a user controls (--key=value, config files, data directories, Hugging Face
+directories): one line naming the key or the file, a nonzero exit, no traceback, and out_dir byte for
+byte as it was (a missing one not created). Each case is its own `python train.py` process, as a user
+would run it; a few run at once, since importing torch costs seconds."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import Llama, LlamaConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ['config/train_tiny.py', '--device=cpu', '--max_iters=2', '--batch_size=2', '--seq_len=32', '--compile=False']
+NO_DEVICE = 'cuda' if not torch.cuda.is_available() else f'cuda:{torch.cuda.device_count()}'
+
+# (case, arguments after BASE ({d}: a folder of spoiled inputs made below), what the line must name)
+CASES = [
+    # the issue's 34: 19 gave a traceback, 12 were accepted, 3 were already one line
+    ('batch_size=0', ['--batch_size=0'], 'batch_size'),
+    ('seq_len=0', ['--seq_len=0'], 'seq_len'),
+    ('seq_len=-1', ['--seq_len=-1'], 'seq_len'),
+    ('learning_rate=-1', ['--learning_rate=-1'], 'learning_rate'),
+    ('offload=1.5', ['--offload=1.5'], 'offload=1.5: must be in [0, 1]'),
+    ('offload=-0.1', ['--offload=-0.1'], 'offload'),
+    ('n_head=3', ['--n_head=3'], 'n_head=3'),
+    ('n_kv_head=3', ['--n_kv_head=3'], 'n_kv_head=3'),
+    ('n_embd=20', ['--n_embd=20'], 'n_embd=20'),
+    ('recompute=bogus', ['--recompute=bogus'], 'recompute'),
+    ('device=cuda', [f'--device={NO_DEVICE}'], 'device'),
+    ('device=bogus', ['--device=bogus'], 'device'),
+    ('out_dir=/proc/x', ['--out_dir=/proc/x'], 'out_dir'),
+    ('eval_interval=0', ['--eval_interval=0'], 'eval_interval'),
+    ('log_interval=0', ['--log_interval=0'], 'log_interval'),
+    ('gradient_accumulation_steps=0', ['--gradient_accumulation_steps=0'], 'gradient_accumulation_steps'),
+    ('beta1=2.0', ['--beta1=2.0'], 'beta1'),
+    ('beta2=1.5', ['--beta2=1.5'], 'beta2'),
+    ('eval_iters=-1', ['--eval_iters=-1'], 'eval_iters'),
+    ('n_layer=0', ['--n_layer=0'], 'n_layer'),
+    ('max_iters=-1', ['--max_iters=-1'], 'max_iters'),
+    ('grad_clip=-1', ['--grad_clip=-1'], 'grad_clip'),
+    ('weight_decay=-1', ['--weight_decay=-1'], 'weight_decay'),
+    ('mlp_chunks=-1', ['--mlp_chunks=-1'], 'mlp_chunks'),
+    ('loss_chunks=-3', ['--loss_chunks=-3'], 'loss_chunks'),
+    ('intermediate_size=0', ['--intermediate_size=0'], 'intermediate_size'),
+    ('rope_theta=0', ['--rope_theta=0'], 'rope_theta'),
+    ('min_lr=-1', ['--min_lr=-1'], 'min_lr'),
+    ('warmup_iters=-5', ['--warmup_iters=-5'], 'warmup_iters'),
+    ('norm_eps=-1', ['--norm_eps=-1'], 'norm_eps'),
+    ('host_memory_budget_gb=-1', ['--host_memory_budget_gb=-1'], 'host_memory_budget_gb'),
+    ('unknown key', ['--batch_sise=2'], 'batch_sise'),
+    ('wrong type', ['--batch_size=two'], 'batch_size'),
+    ('dtype=float16', ['--dtype=float16'], 'dtype'),
+    # a rule between keys (the others: test_parallel.py), init_from and out_dir (the config file: test_configurator.py)
+    ('tp_size=2 on one process', ['--tp_size=2'], 'tp_size'),
+    ('init_from not a directory', ['--init_from={d}/no_such_model'], 'init_from'),
+    ('resume without a checkpoint', ['--init_from=resume'], 'init_from=resume'),
+    ('out_dir under a file', ['--out_dir={d}/a_file/out'], 'out_dir'),
+    # data directories (--dataset takes a path)
+    ('dataset not prepared', ['--dataset={d}/no_meta'], 'no_meta'),
+    ('meta.json not JSON', ['--dataset={d}/bad_json'], 'meta.json'),
+    ('meta.json without dtype', ['--dataset={d}/no_dtype'], 'meta.json'),
+    ('train.bin truncated mid-token', ['--dataset={d}/odd_bytes'], 'train.bin'),
+    ('train.bin shorter than meta.json', ['--dataset={d}/short_of_meta'], 'train.bin'),
+    ('val.bin missing', ['--dataset={d}/no_val'], 'val.bin'),
+    ('data shorter than a sequence', ['--dataset={d}/one_sequence'], 'train.bin'),
+    # Hugging Face directories
+    ('HF config.json not JSON', ['--init_from={d}/hf_bad_json'], 'config.json'),
+    ('HF config.json without a key', ['--init_from={d}/hf_no_key'], 'hidden_size'),
+    ('HF heads that do not divide', ['--init_from={d}/hf_heads'], 'n_kv_head=3'),
+    ('HF shard missing', ['--init_from={d}/hf_no_shard'], 'model-00002-of-00002.safetensors'),
+    ('HF tensor of the wrong shape', ['--init_from={d}/hf_shape'], 'up_proj'),
+    ('HF safetensors cut short', ['--init_from={d}/hf_cut'], 'model.safetensors'),
+]
+
+
+def dataset(path, n_train=1000, n_val=1000, **meta):
+    os.makedirs(path)
+    (np.arange(n_train) % 256).astype(np.uint16).tofile(os.path.join(path, 'train.bin'))
+    (np.arange(n_val) % 256).astype(np.uint16).tofile(os.path.join(path, 'val.bin'))
+    meta = {'tokenizer': 'bytes', 'vocab_size': 256, 'dtype': 'uint16', 'train_tokens': n_train,
+            'val_tokens': n_val, **meta}
+    with open(os.path.join(path, 'meta.json'), 'w') as f:
+        json.dump({k: v for k, v in meta.items() if v is not None}, f)
+
+
+def hf_dir(path, ok, edit=lambda hf: None):
+    shutil.copytree(ok, path)
+    with open(os.path.join(path, 'config.json')) as f:
+        hf = json.load(f)
+    edit(hf)
+    with open(os.path.join(path, 'config.json'), 'w') as f:
+        json.dump(hf, f)
+
+
+def spoiled_inputs(d):
+    """Every bad file the cases name, under d."""
+    open(os.path.join(d, 'a_file'), 'w').close()
+    dataset(os.path.join(d, 'no_meta'))
+    os.remove(os.path.join(d, 'no_meta', 'meta.json'))
+    dataset(os.path.join(d, 'bad_json'))
+    with open(os.path.join(d, 'bad_json', 'meta.json'), 'w') as f:
+        f.write('{"vocab_size": 256,')
+    dataset(os.path.join(d, 'no_dtype'), dtype=None)
+    dataset(os.path.join(d, 'odd_bytes'))
+    with open(os.path.join(d, 'odd_bytes', 'train.bin'), 'ab') as f:
+        f.write(b'\0')  # a copy cut off mid-token
+    dataset(os.path.join(d, 'short_of_meta'), train_tokens=2000)
+    dataset(os.path.join(d, 'no_val'))
+    os.remove(os.path.join(d, 'no_val', 'val.bin'))
+    dataset(os.path.join(d, 'one_sequence'), n_train=33)  # seq_len + 1 tokens: no window to draw at random
+    ok = os.path.join(d, 'hf_ok')
+    torch.manual_seed(0)
+    Llama(LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256)
+          ).save_pretrained(ok)
+    hf_dir(os.path.join(d, 'hf_bad_json'), ok)
+    with open(os.path.join(d, 'hf_bad_json', 'config.json'), 'w') as f:
+        f.write('{"hidden_size": 32')
+    hf_dir(os.path.join(d, 'hf_no_key'), ok, lambda hf: hf.pop('hidden_size'))
+    hf_dir(os.path.join(d, 'hf_heads'), ok, lambda hf: hf.update(num_key_value_heads=3))
+    hf_dir(os.path.join(d, 'hf_no_shard'), ok)
+    state = load_file(os.path.join(ok, 'model.safetensors'))
+    os.rename(os.path.join(d, 'hf_no_shard', 'model.safetensors'),
+              os.path.join(d, 'hf_no_shard', 'model-00001-of-00002.safetensors'))
+    with open(os.path.join(d, 'hf_no_shard', 'model.safetensors.index.json'), 'w') as f:
+        json.dump({'weight_map': {name: f'model-0000{1 + i % 2}-of-00002.safetensors'
+                                  for i, name in enumerate(state)}}, f)
+    hf_dir(os.path.join(d, 'hf_shape'), ok)
+    state['model.layers.0.mlp.up_proj.weight'] = torch.zeros(63, 32)
+    save_file(state, os.path.join(d, 'hf_shape', 'model.safetensors'))
+    hf_dir(os.path.join(d, 'hf_cut'), ok)
+    with open(os.path.join(d, 'hf_cut', 'model.safetensors'), 'r+b') as f:
+        f.truncate(100)
+
+
+def snapshot(path):
+    """Every file and folder under path with its bytes; None if path does not exist."""
+    if not os.path.lexists(path):
+        return None
+    tree = {}
+    for folder, dirs, files in os.walk(path):
+        for name in dirs + files:
+            p = os.path.join(folder, name)
+            tree[os.path.relpath(p, path)] = open(p, 'rb').read() if os.path.isfile(p) else 'dir'
+    return tree
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+    """{case: (process, out_dir, its snapshot before)}: every case's train.py, a few at a time."""
+    d = str(tmp_path_factory.mktemp('inputs'))
+    spoiled_inputs(d)
+    runs = []
+    for i, (case, args, _) in enumerate(CASES):
+        out_dir = os.path.join(d, 'out', str(i))
+        if i % 2:  # half of them into an out_dir that holds something already
+            os.makedirs(out_dir)
+            with open(os.path.join(out_dir, 'notes.txt'), 'w') as f:
+                f.write('mine\n')
+        args = [a.format(d=d) for a in args]
+        if not any(a.startswith('--out_dir=') for a in args):
+            args.append(f'--out_dir={out_dir}')
+        out_dir = next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):]
+        runs.append((case, [sys.executable, 'train.py', *BASE, *args], out_dir, snapshot(out_dir)))
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    run = lambda cmd: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        done = pool.map(run, [cmd for _, cmd, _, _ in runs])
+        return {case: (p, out_dir, before) for (case, _, out_dir, before), p in zip(runs, done)}
+
+
+@pytest.mark.parametrize('case,names', [(c, n) for c, _, n in CASES], ids=[c for c, _, _ in CASES])
+def test_bad_input_is_one_line_and_leaves_out_dir_alone(results, case, names):
+    p, out_dir, before = results[case]
+    output = p.stdout + p.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert p.returncode != 0, output[-3000:]
+    assert 'Traceback' not in output, output[-3000:]
+    assert len(lines) == 1 and lines[0].startswith('error: ') and names in lines[0], output[-3000:]
+    assert snapshot(out_dir) == before
+
+
+def test_there_are_at_least_40_cases():
+    assert len({c for c, _, _ in CASES}) == len(CASES) >= 40
+
+
+@pytest.mark.parametrize('args,names', [
+    (['--batch_sise=2'], 'batch_sise'),  # the configurator, before any process group
+    (['--tp_size=2', '--intermediate_size=383'], 'intermediate_size=383'),  # the layout, in the process group
+], ids=['unknown key', 'layout'])
+def test_under_torchrun_the_line_is_printed_once(tmp_path, args, names):
+    out_dir = tmp_path / 'out'
+    p = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                        'train.py', *BASE, *args, f'--out_dir={out_dir}'], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    output = p.stdout + p.stderr
+    assert p.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith('error: ')]
+    assert len(errors) == 1 and names in errors[0], output[-3000:]
+    assert not out_dir.exists()
