@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import asdict, fields
 from types import SimpleNamespace
@@ -51,6 +52,7 @@ log_interval = 10
 eval_iters = 20
 always_save_checkpoint = True  # every eval writes a checkpoint (atomically), not only the best
 init_from = 'scratch'  # 'scratch' | 'resume' | path to a Hugging Face model directory
+overwrite = False  # True: a new run may start in an out_dir holding a checkpoint (kept until the new one is saved)
 # data
 dataset = 'stdlib'  # data/<dataset>/{train,val}.bin; 'stdlib' is prepared on first use
 gradient_accumulation_steps = 1
@@ -76,6 +78,7 @@ tp_size = 1
 cp_size = 1
 cp_impl = 'ulysses'  # 'ulysses' | 'ring'
 zero = 0  # 1: each of the dp x cp ranks keeps the AdamW moments of its share of the parameters
+timeout_s = 300  # a collective waiting this long for a rank that died or hangs ends the job (README.md)
 # AdamW with linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
 max_iters = 1000
@@ -191,7 +194,7 @@ def make_optimizer(model, masters, device_type, mesh=None):
     groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
     # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a CPU
     # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width 128: 0.9 vs 5.9 ms)
-    fused = device_type in ('cuda', 'cpu', 'mps')
+    fused = device_type in ('cuda', 'cpu', 'mps')  # (and only fused AdamW skips a step as train_step asks)
     return parallel.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
                           zero=zero, lr=learning_rate, betas=(beta1, beta2), fused=fused)
 
@@ -255,6 +258,9 @@ def model_from_config(meta, cfg):
     """Build (or load) the model named by init_from; returns (model, checkpoint or None)."""
     knobs = {k: cfg[k] for k in _KNOBS if k in cfg}  # how forward runs: free to change on resume
     ckpt = None
+    if init_from != 'resume' and not (overwrite or dry_run) and checkpoint.latest(out_dir):
+        die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True starts a new run "
+            f"(the old checkpoint stays until the new run saves one)")
     if init_from == 'scratch':
         args = {f.name: cfg[f.name] for f in fields(LlamaConfig) if f.name in cfg and f.name not in _KNOBS}
         args['vocab_size'] = vocab_size or meta['vocab_size']
@@ -264,6 +270,11 @@ def model_from_config(meta, cfg):
         if path is None:
             die(f"--init_from=resume but there is no checkpoint in {out_dir}")
         ckpt = {**checkpoint.meta(path), 'path': path}  # the weights load after sharding (main)
+        was = ckpt['config']  # what the checkpoint was made with: its weights fit that architecture only
+        differ = [k for k in ckpt['model_args'] if k in cfg and k in was and cfg[k] != was[k]]
+        if differ:
+            die(f"--init_from=resume with {', '.join(f'{k}={cfg[k]!r}' for k in differ)}, but {path} was made "
+                f"with {', '.join(f'{k}={was[k]!r}' for k in differ)}: resume with its config or use another out_dir")
         model = Llama(LlamaConfig(**ckpt['model_args'], **knobs))
     elif os.path.isdir(init_from):
         model = Llama.from_pretrained(init_from, **knobs)
@@ -315,18 +326,31 @@ def read_dataset(world, rank):
 
 
 def train_step(model, batches, autocast, mesh, named_masters, optimizer):
-    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step."""
+    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step. A step whose loss or
+    gradient norm is not finite changes nothing (as AMP's GradScaler skips one: on the device, no host sync)."""
     loss = forward_backward(model, batches, autocast, mesh)
-    config = model.config
+    max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
     if mesh.world > 1:
-        parallel.sync_grads(named_masters, mesh, config)
-        if grad_clip > 0:  # the norm over every shard of every parameter
-            parallel.clip_grad_norm_(named_masters, grad_clip, mesh, config)
-    elif grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], grad_clip)
+        parallel.sync_grads(named_masters, mesh, model.config)
+        norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
+    else:
+        norm = torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], max_norm)
+    # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay and step count too
+    optimizer.found_inf = (~(loss.isfinite() & norm.isfinite())).float()
+    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * optimizer.found_inf  # in a row: check_finite
     optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+_MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skipped, as GradScaler does
+
+def check_finite(optimizer, iter_num, lr):
+    """Stop without saving after _MAX_SKIPS skipped steps in a row: the last checkpoint holds the last good weights."""
+    n = int(optimizer.skipped)
+    if n >= _MAX_SKIPS:
+        die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, lr {lr:g}); stopped "
+            f"without saving: resume the last checkpoint in {out_dir} with a lower --learning_rate")
 
 
 @torch.no_grad()
@@ -369,14 +393,14 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     if init_from == 'scratch':
         check_layout(cfg, dev, ptdtype)
-    world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type)
+    world, rank, local_rank = memory.dry_run_ranks() if dry_run else parallel.init_distributed(dev.type, timeout_s)
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
         model, ckpt = model_from_config(meta, cfg)
     check_layout(asdict(model.config), dev, ptdtype)  # a Hugging Face directory or checkpoint brings its own shape
-    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head)
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s)
     # the memory report, before anything is on the device: stops here if the run can't fit (80% rule) or
     # offload's host memory can't hold it; auto_memory=True first sets the cheapest knobs that fit
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
@@ -410,7 +434,7 @@ def main():
               f"{dev} {str(ptdtype).removeprefix('torch.')}" + (f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} "
                                                               f"({cp_impl}) x tp {mesh.tp}" if world > 1 else ''))
     signals, stop = catch_signals(), False  # signals this rank received; stop: what every rank agreed on
-    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w') if rank == 0 else None
+    log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # appended: never lose a row
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
     t0, tokens_since = time.perf_counter(), 0
     reset_peak_memory(dev)
@@ -443,6 +467,7 @@ def main():
                'hfu': device_flops and tps * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
         write_log(log, bar, row, val_loss, mem)
+        check_finite(optimizer, iter_num, lr)
         t0, tokens_since = time.perf_counter(), 0
         reset_peak_memory(dev)
         # a signal may reach the ranks in different steps: they agree on log steps only (an all-reduce
@@ -473,7 +498,25 @@ def write_log(log, bar, row, val_loss, mem):
         print(f"iter {row['iter']}: {bar.postfix}", flush=True)
 
 
+def collective_failed(e):
+    """One line for a collective that raised: a rank died, or hung past timeout_s (gloo raises then; NCCL's
+    watchdog aborts the process itself). Exit at once: a rank that hangs would never meet us in die()."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames[-1].filename.endswith('distributed_c10d.py'):  # not a collective: a bug of ours, its traceback
+        raise e
+    ours = ' < '.join([f.name for f in frames[::-1] if f.filename.startswith(_ROOT) and f.name[0] != '<'][:3])
+    why = str(e).strip().split('] ', 1)[-1].replace('. ', '\n').partition('\n')[0]  # gloo's, without its source line
+    print(f"error: rank {os.environ.get('RANK', 0)}: {frames[-1].name} (from {ours}) failed: {why} "
+          f"(timeout_s={timeout_s}: a rank died or stopped responding)", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except checkpoint.Error as e:  # a crafted or damaged checkpoint, a full disk: the user's, so one line
+        die(e)
+    except RuntimeError as e:  # what gloo raises; NCCL's DistBackendError is one too
+        collective_failed(e)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
