@@ -20,6 +20,7 @@ pieces: tp shards saved as plain tensors would keep one rank's and load back wro
 placements a checkpoint reshards: tp 2 loads on tp 1 or 4, zero=1 over dp 2 in one process, and the
 optimizer's state is keyed by parameter name in every layout. Loading unpickles no code: DCP reads
 tensors with weights_only, and its metadata goes through an unpickler that admits data classes only.
+A file that fails to read or write (a crafted pickle, a damaged file, a full disk) raises Error, one line.
 
     python checkpoint.py export OUT_DIR HF_DIR     # a Hugging Face directory from any checkpoint
 """
@@ -34,6 +35,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -87,6 +89,26 @@ def state_dict(model, optimizer, mesh, data_gen=None):
     return sd
 
 
+class Error(Exception):
+    """A checkpoint that can't be read or written (a crafted or damaged file, a full disk): one line, no traceback."""
+
+
+def _one_line(what):
+    """fn(path, ...) raising Error(what, the first line of why) where a file or the disk fails it. DCP wraps
+    each rank's exception, with its traceback in the text, in a CheckpointException (a BaseException)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapped(path, *args, **kw):
+            try:
+                return fn(path, *args, **kw)
+            except (CheckpointException, pickle.UnpicklingError, OSError, ValueError) as e:
+                e = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+                why = str(e).strip().replace('. ', '\n').partition('\n')[0]  # its first sentence: torch's run on
+                raise Error(f"{what.format(path=path)}: {type(e).__name__}: {why}") from None
+        return wrapped
+    return decorate
+
+
 # ----------------------------------------------------------------------------- save
 
 def _barrier():
@@ -101,6 +123,7 @@ def _fsync_write(path, text):
         os.fsync(f.fileno())
 
 
+@_one_line("cannot write a checkpoint in {path} (the previous one is kept)")
 def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
     """Every rank calls it. scalars (iter_num, best_val_loss, config) go to meta.json."""
     root = os.path.join(out_dir, 'ckpt')
@@ -129,23 +152,39 @@ def latest(out_dir):
                  if os.path.exists(os.path.join(p, 'COMMITTED'))), None)
 
 
+@_one_line("cannot read {path}")
+def resume(out_dir, cfg):
+    """The newest committed checkpoint's meta.json (with its 'path') for a run configured as cfg. Its
+    weights fit the architecture it was made with only: a key of it that cfg changes is refused."""
+    path = latest(out_dir)
+    if path is None:
+        raise Error(f"--init_from=resume but there is no checkpoint in {out_dir}")
+    m = {**meta(path), 'path': path}
+    was = m['config']
+    differ = [k for k in m['model_args'] if k in cfg and k in was and cfg[k] != was[k]]
+    if differ:
+        raise Error(f"--init_from=resume with {', '.join(f'{k}={cfg[k]!r}' for k in differ)}, but {path} was made "
+                    f"with {', '.join(f'{k}={was[k]!r}' for k in differ)}: resume with its config or another out_dir")
+    return m
+
+
 def meta(path):
     with open(os.path.join(path, 'meta.json')) as f:
         return json.load(f)
 
 
 class _DataOnly(pickle.Unpickler):
-    """DCP's metadata is a pickle of its own data classes: admit those, torch's dtypes and sizes, no code."""
+    """DCP's metadata is a pickle of its own data classes: admit those our saves write, torch's dtypes and sizes,
+    no code. Not BytesStorageMetadata: DCP reads such an entry's bytes with torch.load(weights_only=False)."""
+    ADMITTED = {('torch.distributed.checkpoint.metadata', n) for n in ('Metadata', 'MetadataIndex', 'StorageMeta',
+                'TensorProperties', 'TensorStorageMetadata', 'ChunkStorageMetadata', '_MEM_FORMAT_ENCODING')} | {
+        ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('collections', 'OrderedDict'), ('torch', 'Size'),
+        ('pathlib', 'PosixPath'), ('torch.serialization', '_get_layout')}  # torch.layout pickles as this lookup
 
-    def find_class(self, module, name):
-        obj = super().find_class(module, name)
-        if module.startswith('torch.distributed.checkpoint') and isinstance(obj, type):
-            return obj
-        # torch.layout pickles as a call of torch.serialization's name -> layout lookup (weights_only's too)
-        if (module, name) in (('collections', 'OrderedDict'), ('torch', 'Size'), ('pathlib', 'PosixPath'),
-                              ('torch.serialization', '_get_layout')) or isinstance(obj, torch.dtype):
-            return obj
-        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}: refused")
+    def find_class(self, module, name):  # checked before the import: importing a module can run code
+        if (module, name) in self.ADMITTED or module == 'torch' and isinstance(getattr(torch, name, 0), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}: refused (it could run code)")
 
 
 class _Reader(dcp.FileSystemReader):
@@ -157,6 +196,7 @@ class _Reader(dcp.FileSystemReader):
         return md
 
 
+@_one_line("cannot load {path}")
 def load(path, model, optimizer, mesh, data_gen=None):
     """Load a checkpoint of any layout into this rank's weights, masters, moments and RNGs, in place; its meta.json."""
     saved = _Reader(path).read_metadata().state_dict_metadata
@@ -174,6 +214,7 @@ def load(path, model, optimizer, mesh, data_gen=None):
     return meta(path)
 
 
+@_one_line("cannot load {path}")
 def load_model(path, **knobs):
     """The full model of a checkpoint of any layout, in this one process (sample.py, export)."""
     m = meta(path)

@@ -6,7 +6,7 @@ Python literal if it parses as one, else the raw string). Each value must fit it
 Every mistake is one 'error: ...' line on stderr and exit status 2, never a traceback: a typo in a
 key must stop a run that would otherwise train for hours on the default, and a traceback buries the
 one line that says what was wrong. train.py stops on its own checks of the values (ranges, devices,
-data) through the same die().
+data) through the same die(), and on a collective that fails (a rank died or hung) through collective_failed().
 """
 import ast
 import difflib
@@ -30,6 +30,39 @@ def die(msg):
         from parallel import wait_for_every_rank  # (torch: only a multi-rank job needs it, and has it imported)
         wait_for_every_rank('died')
     sys.exit(2)
+
+
+def collective_failed(e, timeout_s):
+    """One line for a collective that raised: a rank died, or hung past timeout_s (gloo raises then; NCCL's
+    watchdog aborts the process itself). Exit at once: a rank that hangs would never meet us in a barrier."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames[-1].filename.endswith('distributed_c10d.py'):  # not a collective: a bug of ours, its traceback
+        raise e
+    here = os.path.dirname(os.path.abspath(__file__))  # the frames of our files, the innermost three
+    ours = ' < '.join([f.name for f in frames[::-1] if f.filename.startswith(here) and f.name[0] != '<'][:3])
+    why = str(e).strip().split('] ', 1)[-1].replace('. ', '\n').partition('\n')[0]  # gloo's, without its source line
+    print(f"error: rank {os.environ.get('RANK', 0)}: {frames[-1].name} (from {ours}) failed: {why} "
+          f"(timeout_s={timeout_s}: a rank died or stopped responding)", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def has_device(name):
+    """False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a device type torch does not know."""
+    import torch  # (here only: the configurator itself needs no torch)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        return False
+    count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()), 'cuda': torch.cuda.device_count()}
+    return (dev.index or 0) < count.get(dev.type, 0)
+
+
+def writable(path):
+    """Whether path is, or could be made, a directory we can write in; checked without creating it."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
 def fit(value, default, raw=None):

@@ -418,8 +418,7 @@ class Report:
             print(table(self.est, self.budget, self.overhead, title=f"memory estimate per rank, {where}, "
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
-            self.write()
-        if self.est.host:  # offload.host_bytes: this rank's offloaded blocks
+        if self.config.offload > 0:  # est.host: offload.host_bytes, this rank's offloaded blocks
             line = (f"offload={self.config.offload}: {self.est.host / GiB:.2f} GiB of host memory per rank "
                     f"({len(offload.offloaded_blocks(self.config))} blocks)")
             budget = cfg.get('host_memory_budget_gb', 0)
@@ -431,6 +430,7 @@ class Report:
         if not self.dry and not fits(self.est, self.budget, self.overhead):
             self.stop([f"error: does not fit: {gib(self.est.total, 0)} per rank + {gib(self.overhead, 0)} overhead "
                        f"> 80% of {gib(self.budget, 0)}, peak at {self.est.moment}"] + self.suggest())
+        rank == 0 and self.write()  # only now: a run stopped by a check writes nothing
 
     def auto_memory(self, model):
         # rank 0 plans and every rank takes its knobs: no rank's own free memory can make it differ

@@ -115,7 +115,7 @@ def wait_for_every_rank(what, timeout=60):
         pass
 
 
-def init_distributed(device_type, fake=False):
+def init_distributed(device_type, fake=False, timeout_s=300):
     """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank).
     fake (memory.py's dry run): be rank 0 of WORLD_SIZE ranks whose collectives return at once."""
     world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
@@ -126,13 +126,12 @@ def init_distributed(device_type, fake=False):
         return world, 0, 0
     if device_type == 'cuda':
         torch.cuda.set_device(local_rank)
-    # a rank blocked in a collective gives up after this; torchrun's agent normally kills it sooner
-    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo',
-                            timeout=timedelta(seconds=int(os.environ.get('NANOLONG_PG_TIMEOUT', 300))))
+    # a rank blocked in a collective gives up after timeout_s (a rank died or hangs); torchrun's agent may end it sooner
+    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=timedelta(seconds=timeout_s))
     return world, dist.get_rank(), local_rank
 
 
-def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True):
+def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None):
     """The d × c × t mesh of the current process group. Every rank creates every group, in order."""
     if not dist.is_initialized():
         return Mesh(cp_impl=cp_impl, sequence_parallel=sequence_parallel)
@@ -140,8 +139,10 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True)
     grid = torch.arange(world).view(-1, cp, tp)  # [dp, cp, tp]
     m = Mesh(world, rank, len(grid), cp, tp, rank // (cp * tp), rank // tp % cp, rank % tp, cp_impl, sequence_parallel)
 
+    timeout = timeout_s and timedelta(seconds=timeout_s)  # a group's own default is 30 minutes, not the world's
+
     def groups(sets):  # new_group is collective: every rank builds every group, in order; keep ours
-        made = [(dist.new_group(ranks) if len(ranks) > 1 else None, ranks) for ranks in sets.tolist()]
+        made = [(dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None, ranks) for ranks in sets.tolist()]
         return next(g for g, ranks in made if rank in ranks)
     m.tp_group = groups(grid.reshape(-1, tp))
     m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))

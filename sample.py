@@ -96,4 +96,7 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except checkpoint.Error as e:  # a crafted or damaged checkpoint: one line, no traceback
+        sys.exit(f"error: {e}")

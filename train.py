@@ -23,6 +23,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import fields
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
 import checkpoint
-from configurator import configure, die
+from configurator import collective_failed, configure, die, has_device, writable
 from data.tokenizer import read_meta
 import parallel
 import memory
@@ -51,6 +52,7 @@ log_interval = 10
 eval_iters = 20
 always_save_checkpoint = True  # every eval writes a checkpoint (atomically), not only the best
 init_from = 'scratch'  # 'scratch' | 'resume' | path to a Hugging Face model directory
+overwrite = False  # True: a new run may start in an out_dir holding a checkpoint (kept until the new one is saved)
 # data
 dataset = 'stdlib'  # data/<dataset>/{train,val}.bin; 'stdlib' is prepared on first use
 gradient_accumulation_steps = 1
@@ -76,6 +78,7 @@ tp_size = 1
 cp_size = 1
 cp_impl = 'ulysses'  # 'ulysses' | 'ring'
 zero = 0  # 1: each of the dp x cp ranks keeps the AdamW moments of its share of the parameters
+timeout_s = 300  # a collective waiting this long for a rank that died or hangs ends the job (README.md)
 # AdamW with linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
 max_iters = 1000
@@ -114,21 +117,6 @@ _RULES = [
     (('out_dir',), 'must be a directory we can write in, or create', lambda v: writable(v)),
 ]
 
-
-def has_device(name):  # False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a type torch does not know
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        return False
-    count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()), 'cuda': torch.cuda.device_count()}
-    return (dev.index or 0) < count.get(dev.type, 0)
-
-
-def writable(path):  # checked without creating it: main creates out_dir once every check has passed
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
 # -----------------------------------------------------------------------------
@@ -218,7 +206,7 @@ def make_optimizer(model, masters, device_type, mesh=None):
     groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
     # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a CPU
     # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width 128: 0.9 vs 5.9 ms)
-    fused = device_type in ('cuda', 'cpu', 'mps')
+    fused = device_type in ('cuda', 'cpu', 'mps')  # (and only fused AdamW skips a step as train_step asks)
     return parallel.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
                           zero=zero, lr=learning_rate, betas=(beta1, beta2), fused=fused)
 
@@ -253,26 +241,17 @@ def peak_flops(device, dtype):
 def reset_peak_memory(device):
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
-    else:  # resets VmHWM of this process (Linux); elsewhere the high-water mark is since start
-        try:
-            with open('/proc/self/clear_refs', 'w') as f:
-                f.write('5')
-        except OSError:
-            pass
+    elif os.access('/proc/self/clear_refs', os.W_OK):  # resets VmHWM (Linux); elsewhere the peak is since start
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
 
 
 def peak_memory(device):
-    """Bytes: the allocator's peak on CUDA, the process's peak resident set on a CPU."""
+    """Bytes: the allocator's peak on CUDA, the process's peak resident set (VmHWM, Linux) elsewhere, or 0."""
     if device.type == 'cuda':
         return torch.cuda.max_memory_allocated(device)
-    try:
-        with open('/proc/self/status') as f:
-            for line in f:
-                if line.startswith('VmHWM:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    status = open('/proc/self/status').read().splitlines() if os.path.exists('/proc/self/status') else []
+    return next((int(line.split()[1]) * 1024 for line in status if line.startswith('VmHWM:')), 0)
 
 
 # -----------------------------------------------------------------------------
@@ -283,15 +262,15 @@ def model_from_config(meta, cfg, dev, ptdtype):
     allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint or None)."""
     knobs = {k: cfg[k] for k in _KNOBS if k in cfg}  # how forward runs: free to change on resume
     model = ckpt = None
+    if init_from != 'resume' and not (overwrite or dry_run) and checkpoint.latest(out_dir):
+        die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True starts a new run "
+            f"(the old checkpoint stays until the new run saves one)")
     try:  # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not our bug
         if init_from == 'scratch':
             args = {f.name: cfg[f.name] for f in fields(LlamaConfig) if f.name in cfg and f.name not in _KNOBS}
             config = LlamaConfig(**{**args, 'vocab_size': vocab_size or meta['vocab_size']}, **knobs)
         elif init_from == 'resume':
-            path = checkpoint.latest(out_dir)  # the newest committed one, saved under any layout
-            if path is None:
-                die(f"--init_from=resume but there is no checkpoint in {out_dir}")
-            ckpt = {**checkpoint.meta(path), 'path': path}  # the weights load after sharding (main)
+            ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
             config = LlamaConfig(**ckpt['model_args'], **knobs)
         else:
             model = Llama.from_pretrained(init_from, **knobs)
@@ -334,18 +313,31 @@ def check_layout(config, dev, ptdtype):
 
 
 def train_step(model, batches, autocast, mesh, named_masters, optimizer):
-    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step."""
+    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step. A step whose loss or
+    gradient norm is not finite changes nothing (as AMP's GradScaler skips one: on the device, no host sync)."""
     loss = forward_backward(model, batches, autocast, mesh)
-    config = model.config
+    max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
     if mesh.world > 1:
-        parallel.sync_grads(named_masters, mesh, config)
-        if grad_clip > 0:  # the norm over every shard of every parameter
-            parallel.clip_grad_norm_(named_masters, grad_clip, mesh, config)
-    elif grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], grad_clip)
+        parallel.sync_grads(named_masters, mesh, model.config)
+        norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
+    else:
+        norm = torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], max_norm)
+    # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay and step count too
+    optimizer.found_inf = (~(loss.isfinite() & norm.isfinite())).float()
+    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * optimizer.found_inf  # in a row: check_finite
     optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+_MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skipped, as GradScaler does
+
+def check_finite(optimizer, iter_num, lr):
+    """Stop without saving after _MAX_SKIPS skipped steps in a row: the last checkpoint holds the last good weights."""
+    n = int(optimizer.skipped)
+    if n >= _MAX_SKIPS:
+        die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, lr {lr:g}); stopped "
+            f"without saving: resume the last checkpoint in {out_dir} with a lower --learning_rate")
 
 
 @torch.no_grad()
@@ -387,13 +379,13 @@ def main():
             die(f"{key}={cfg[key]!r}: {allowed}")
     dev, ptdtype, autocast = device_and_dtype()
     torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
-    world, rank, local_rank = parallel.init_distributed(dev.type, fake=dry_run)
+    world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s)
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
         model, ckpt = model_from_config(meta, cfg, dev, ptdtype)
-    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head)
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s)
     try:  # the last check, and the first thing written: a run stopped by any check before leaves no out_dir
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -432,7 +424,7 @@ def main():
               f"{dev} {str(ptdtype).removeprefix('torch.')}" + (f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} "
                                                               f"({cp_impl}) x tp {mesh.tp}" if world > 1 else ''))
     signals, stop = catch_signals(), False  # signals this rank received; stop: what every rank agreed on
-    log = open(os.path.join(out_dir, 'log.jsonl'), 'a' if init_from == 'resume' else 'w') if rank == 0 else None
+    log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # appended: never lose a row
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
     t0, tokens_since = time.perf_counter(), 0
     reset_peak_memory(dev)
@@ -465,6 +457,7 @@ def main():
                'hfu': device_flops and tps * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
         write_log(log, bar, row, val_loss, mem)
+        check_finite(optimizer, iter_num, lr)
         t0, tokens_since = time.perf_counter(), 0
         reset_peak_memory(dev)
         # a signal may reach the ranks in different steps: they agree on log steps only (an all-reduce
@@ -496,6 +489,11 @@ def write_log(log, bar, row, val_loss, mem):
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except checkpoint.Error as e:  # a crafted or damaged checkpoint, a full disk: the user's, so one line
+        die(e)
+    except RuntimeError as e:  # what gloo raises; NCCL's DistBackendError is one too
+        collective_failed(e, timeout_s)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

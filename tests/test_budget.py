@@ -15,7 +15,7 @@ ALL = CORE + [os.path.join(ROOT, 'bench.py')] + glob.glob(os.path.join(ROOT, 'da
     glob.glob(os.path.join(ROOT, 'config', '*.py')) + glob.glob(os.path.join(ROOT, 'bench', '*.py'))
 
 
-TOTAL_LINES = 3000  # the core (top-level *.py but bench.py), all of it
+TOTAL_LINES = 3300  # the core (top-level *.py but bench.py), all of it: 3,000 at the redesign, + 300 for features
 FILE_LINES = 500
 
 

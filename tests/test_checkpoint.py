@@ -1,14 +1,17 @@
 """checkpoint.py: a checkpoint saved under one layout loads under another (tp 2 -> tp 1, tp 4; one process
 -> tp 2; zero=1 shards of masters and moments -> one process) and the next two steps' losses are the
 saving run's, which checks the weights (first loss) and AdamW's masters and moments (second). The same
-layout reproduces them bit for bit. A directory without its commit marker is never loaded; metadata
-that names code is refused.
+layout reproduces them bit for bit. A directory without its commit marker is never loaded; a checkpoint
+crafted to run code (its metadata, its tensors' bytes, DCP's bytes entries) is refused, in one line under
+train.py and sample.py, and the code does not run.
 
 Layouts run in spawned processes on gloo (CPU), one spawn of 2 ranks and one of 4; single-process
 saves and loads run in the test's own process."""
 import os
+import io
 import pickle
 import socket
+import subprocess
 import sys
 from contextlib import nullcontext
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -137,14 +141,62 @@ def test_an_uncommitted_checkpoint_is_never_loaded(tmp_path):
 
 
 class Evil:
+    """A pickle that runs a shell command when loaded: touches the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
     def __reduce__(self):
-        return (os.system, ('true',))
+        return (os.system, (f'touch {self.marker}',))
 
 
-def test_metadata_that_names_code_is_refused(tmp_path):
-    act(1, 'save', (1, 0, F32), str(tmp_path))
-    path = checkpoint.latest(str(tmp_path))
+def craft(path, kind, marker):
+    """Make the checkpoint at path run a command when loaded, three ways."""
+    if kind == 'metadata':  # DCP's .metadata is a pickle: the command in place of it
+        with open(os.path.join(path, '.metadata'), 'wb') as f:
+            pickle.dump(Evil(marker), f)
+        return
+    md = checkpoint._Reader(path).read_metadata()
+    blob = io.BytesIO()
+    torch.save(Evil(marker), blob)
+    with open(os.path.join(path, '__0_0.distcp'), 'wb') as f:
+        f.write(blob.getvalue())
+    info = type(next(iter(md.storage_data.values())))('__0_0.distcp', 0, len(blob.getvalue()))
+    if kind == 'data':  # every tensor's bytes a torch.save of the command
+        md.storage_data = {k: info for k in md.storage_data}
+    else:  # 'bytes': DCP's own data classes saying a weight is bytes, which DCP would torch.load(weights_only=False)
+        key = next(k for k in md.state_dict_metadata if k.startswith('model.'))
+        md.state_dict_metadata[key], md.storage_data[MetadataIndex(key)] = BytesStorageMetadata(), info
+    md.storage_meta = None
     with open(os.path.join(path, '.metadata'), 'wb') as f:
-        pickle.dump(Evil(), f)
-    with pytest.raises(pickle.UnpicklingError, match='refused'):
-        checkpoint.load_model(path)
+        pickle.dump(md, f)
+
+
+@pytest.mark.parametrize('kind', ['metadata', 'data', 'bytes'])
+def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(tmp_path, kind):
+    act(1, 'save', (1, 0, F32), str(tmp_path))
+    path, marker = checkpoint.latest(str(tmp_path)), tmp_path / 'ran'
+    craft(path, kind, marker)
+    run = build(1, 1, 0, F32, seed=0)
+    for load in (lambda: checkpoint.load_model(path), lambda: checkpoint.load(path, run[0], run[2], run[3])):
+        with pytest.raises(checkpoint.Error, match='Unpickling'):
+            load()
+    assert not marker.exists()
+
+
+def test_train_and_sample_refuse_a_crafted_checkpoint_in_one_line(tmp_path):
+    out, marker = str(tmp_path / 'out'), tmp_path / 'ran'
+    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=256))
+    params = list(model.parameters())
+    opt = parallel.AdamW(list(model.named_parameters()), params, [{'params': params}], parallel.Mesh(), model.config)
+    checkpoint.save(out, model, opt, parallel.Mesh(), torch.Generator(), iter_num=1, best_val_loss=9.0,
+                    config={'dataset': 'stdlib'})
+    craft(checkpoint.latest(out), 'metadata', marker)
+    torch.save(Evil(marker), os.path.join(out, 'ckpt.pt'))  # nanoGPT's name: nothing here reads it
+    for cmd in (['train.py', '--init_from=resume', '--device=cpu', '--max_iters=2'], ['sample.py', '--device=cpu']):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, cmd[0]), *cmd[1:], f'--out_dir={out}'], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith('error: cannot load') and 'UnpicklingError' in last, p.stderr[-3000:]
+        assert not marker.exists()

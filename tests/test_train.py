@@ -1,6 +1,7 @@
 """train.py: exact resume, crash-safe checkpoints, gradient accumulation, signals, a falling val loss."""
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint
+import parallel
 import train
 from model import Llama, LlamaConfig
 
@@ -266,3 +268,193 @@ def test_under_torchrun_the_stop_check_runs_on_log_steps_only(tmp_path):
     rows = read_log(out)
     assert [r['iter'] for r in rows] == [0, 3, 6]  # 7 steps, 3 of them logged
     assert [int((tmp_path / f'reduces{r}').read_text()) for r in (0, 1)] == [3, 3]
+
+
+# ----------------------------------------------------------------------------- when things go wrong
+
+def files(path):
+    """{relative path: bytes} of every file under path: to show a refused run wrote nothing."""
+    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), 'rb').read()
+            for d, _, fs in os.walk(path) for f in fs}
+
+
+def last_error(p):
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    return p.stderr.strip().splitlines()[-1]
+
+
+def test_resume_refuses_another_architecture_and_a_new_run_refuses_to_overwrite(tmp_path):
+    out = str(tmp_path / 'out')
+    run_train(*SMALL, '--max_iters=2', f'--out_dir={out}')
+    before = files(out)
+    line = last_error(run_train(*SMALL, '--max_iters=4', f'--out_dir={out}', '--init_from=resume', '--n_layer=3',
+                                '--n_embd=64', check=False))
+    assert line.startswith('error: --init_from=resume with n_layer=3, n_embd=64, but ') and \
+        'made with n_layer=2, n_embd=32' in line
+    line = last_error(run_train(*SMALL, '--max_iters=4', f'--out_dir={out}', check=False))
+    assert line.startswith(f'error: {out} holds a checkpoint') and '--overwrite=True' in line
+    assert files(out) == before
+    run_train(*SMALL, '--max_iters=2', f'--out_dir={out}', '--overwrite=True')
+    assert [r['iter'] for r in read_log(out)] == [0, 1, 0, 1]  # the log is appended to, never truncated
+
+
+def test_a_non_finite_step_changes_nothing_and_a_few_in_a_row_stop_the_run(monkeypatch, capsys):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    masters = train.make_master_weights(model)
+    opt = train.make_optimizer(model, masters, 'cpu')
+    x = torch.randint(0, 50, (2, 16))
+    bad, real = set(), train.forward_backward
+
+    def forward_backward(model, *args):
+        loss = real(model, *args)
+        if len(steps) in bad:  # one gradient goes non-finite, as an overflow in backward would make it
+            next(model.parameters()).grad[0, 0] = float('inf')
+        return loss
+    monkeypatch.setattr(train, 'forward_backward', forward_backward)
+    named, steps = list(zip([n for n, _ in model.named_parameters()], masters)), []
+
+    def step():
+        state = [t.clone() for p in opt.pieces for t in (p, *opt.state[p].values())]
+        train.train_step(model, [(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), named, opt)
+        steps.append(not all(torch.equal(a, b) for a, b in
+                             zip(state, [t for p in opt.pieces for t in (p, *opt.state[p].values())])))
+        return int(opt.skipped)
+    bad.update({1, 3, 4, 5})
+    assert [step() for _ in range(5)] == [0, 1, 0, 1, 2]  # steps skipped in a row
+    train.check_finite(opt, 5, 1e-3)  # 2 in a row: a spike, not yet a divergence
+    assert step() == 3
+    assert steps == [True, False, True, False, False, False]  # weights, moments and step count untouched
+    with pytest.raises(SystemExit):
+        train.check_finite(opt, 6, 1e-3)
+    assert capsys.readouterr().err.startswith('error: iter 3: the loss or gradient norm is not finite')
+
+
+def test_a_diverging_run_stops_at_the_step_and_keeps_the_good_checkpoint(tmp_path):
+    out = str(tmp_path / 'out')
+    run_train(*SMALL, '--max_iters=4', '--eval_interval=2', f'--out_dir={out}')
+    path = checkpoint.latest(out)
+    before = files(out + '/ckpt')
+    p = run_train(*SMALL, '--max_iters=100', '--eval_interval=100', f'--out_dir={out}', '--init_from=resume',
+                  '--learning_rate=1e4', '--warmup_iters=0', check=False)
+    line = last_error(p)
+    assert line.startswith('error: iter ') and 'not finite (3 steps in a row' in line, line
+    first = int(line.split()[2].rstrip(':'))
+    rows = read_log(out)
+    assert 4 <= first and rows[-1]['iter'] == first + 2  # stopped at the third skipped step: no later step ran
+    assert files(out + '/ckpt') == before  # nothing saved since: the good checkpoint, byte for byte
+    model, _ = checkpoint.load_model(path)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+SLOW_SECOND_SAVE = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed.checkpoint as dcp
+import train
+finish, saves = dcp.FileSystemWriter.finish, []
+def slow_finish(self, *args, **kw):  # the second save's files are written, its commit marker is not
+    finish(self, *args, **kw)
+    saves.append(1)
+    if len(saves) == 2:
+        print('writing', flush=True)
+        time.sleep(600)
+dcp.FileSystemWriter.finish = slow_finish
+sys.argv = ['train.py'] + {args!r}
+train.main()
+"""
+
+
+def test_kill_9_mid_step_and_mid_checkpoint_then_resume_gives_the_uninterrupted_losses(tmp_path):
+    """Every row logged by a run killed twice and resumed twice is the uninterrupted run's row of that step:
+    a kill costs the steps since the last complete checkpoint, nothing else."""
+    out, run = str(tmp_path / 'killed'), [*SMALL, '--eval_interval=3']
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *run, '--max_iters=100000',
+                          f'--out_dir={out}'], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (os.path.exists(os.path.join(out, 'log.jsonl')) and len(read_log(out)) >= 5):
+        time.sleep(0.05)
+    p.kill()  # SIGKILL, mid-step
+    p.wait()
+    resumed_at = checkpoint.meta(checkpoint.latest(out))['iter_num']
+    script = tmp_path / 'slow.py'
+    script.write_text(SLOW_SECOND_SAVE.format(root=ROOT, args=[*run, '--max_iters=100000', f'--out_dir={out}',
+                                                               '--init_from=resume']))
+    p = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    assert 'writing\n' in p.stdout  # reads up to the line that says the second save is being written
+    p.kill()  # SIGKILL, mid-checkpoint: its files written, not committed
+    p.wait()
+    assert checkpoint.meta(checkpoint.latest(out))['iter_num'] == resumed_at  # the one before it
+    end = resumed_at + 4
+    run_train(*run, f'--max_iters={end}', f'--out_dir={out}', '--init_from=resume')
+    straight = str(tmp_path / 'straight')
+    run_train(*run, f'--max_iters={end}', f'--out_dir={straight}')
+    ref = {r['iter']: r['loss'] for r in read_log(straight)}
+    rows = [r for r in read_log(out) if r['iter'] < end]
+    assert {r['iter'] for r in rows} == set(range(end)) and len(rows) > end  # some steps ran twice
+    assert all(r['loss'] == ref[r['iter']] for r in rows)  # bit for bit
+    a, b = (checkpoint.load_model(checkpoint.latest(d))[0] for d in (out, straight))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(tmp_path):
+    out = str(tmp_path / 'out')
+    run_train(*SMALL, '--max_iters=3', '--eval_interval=2', f'--out_dir={out}')
+    path, before = checkpoint.latest(out), files(out + '/ckpt')
+
+    def small_disk():  # files stop growing at 100 kB (the checkpoint's tensors are 0.5 MB): write() fails
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    p = run_train(*SMALL, '--max_iters=6', '--eval_interval=2', f'--out_dir={out}', '--init_from=resume',
+                  check=False, preexec_fn=small_disk)
+    line = last_error(p)
+    assert line.startswith(f'error: cannot write a checkpoint in {out} (the previous one is kept)') and \
+        'File too large' in line
+    assert checkpoint.latest(out) == path and {k: v for k, v in files(out + '/ckpt').items() if k in before} == before
+    assert checkpoint.meta(path)['iter_num'] == 3
+
+
+def workers(pid):
+    """{RANK: pid} of torchrun's worker processes."""
+    found = {}
+    for d in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{d}/stat') as f:
+                parent = int(f.read().rpartition(')')[2].split()[1])
+            with open(f'/proc/{d}/environ', 'rb') as f:
+                env = dict(v.split(b'=', 1) for v in f.read().split(b'\0') if b'=' in v)
+        except OSError:  # gone, or not ours to read
+            continue
+        if parent == pid and b'RANK' in env:
+            found[int(env[b'RANK'])] = int(d)
+    return found
+
+
+@pytest.mark.parametrize('how', ['killed', 'stopped'])
+def test_under_torchrun_a_rank_killed_or_stopped_ends_the_job(tmp_path, how):
+    """kill -9: the other rank's collective fails at once and torchrun ends it. SIGSTOP: the other rank's
+    collective gives up after timeout_s, says which, and torchrun ends the stopped one (after its 30 s grace)."""
+    out = str(tmp_path / 'out')
+    p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          os.path.join(ROOT, 'train.py'), *SMALL, '--tp_size=2', '--max_iters=100000',
+                          '--eval_interval=100000', '--timeout_s=10', f'--out_dir={out}'], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    while not (os.path.exists(os.path.join(out, 'log.jsonl')) and len(read_log(out)) >= 3):
+        assert p.poll() is None, p.stderr.read()[-3000:]
+        time.sleep(0.1)
+    rank1 = workers(p.pid)[1]
+    os.kill(rank1, signal.SIGKILL if how == 'killed' else signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        _, stderr = p.communicate(timeout=60)
+    finally:  # a job that did not end: end it, the stopped rank first
+        if p.poll() is None:
+            os.kill(rank1, signal.SIGKILL)
+            p.kill()
+    assert time.time() - t0 < 60 and p.returncode != 0
+    assert '[rank0]: Traceback' not in stderr, stderr[-3000:]  # (torchrun's own traceback follows: not ours)
+    errors = [line for line in stderr.splitlines() if line.startswith('error: rank 0: ')]
+    if how == 'stopped':  # killed: torchrun's SIGTERM may reach rank 0 before the broken connection does
+        assert len(errors) == 1 and ' (from ' in errors[0] and 'Timed out waiting 10000ms' in errors[0], stderr
+        assert '(timeout_s=10: a rank died or stopped responding)' in errors[0]
