@@ -419,7 +419,7 @@ class Report:
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
             self.write()
-        if self.est.host:  # offload.host_bytes: this rank's offloaded blocks
+        if self.config.offload > 0:  # est.host: offload.host_bytes, this rank's offloaded blocks
             line = (f"offload={self.config.offload}: {self.est.host / GiB:.2f} GiB of host memory per rank "
                     f"({len(offload.offloaded_blocks(self.config))} blocks)")
             budget = cfg.get('host_memory_budget_gb', 0)
