@@ -222,10 +222,11 @@ def to_fake(model, dtype):
     return model
 
 
-def fake_batch(batch_size, seq_len, vocab_size):
-    """A batch as train.py's get_batch returns it: inputs and targets, views of one (B, S+1) tensor."""
+def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
+    """A batch as train.py's get_batch returns it (inputs and targets, views of one (B, S+1) tensor); with doc_mask
+    per-row positions and one document per row: documents attended one by one save what the whole window's would."""
     xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
-    return xy[:, :-1], xy[:, 1:]
+    return xy[:, :-1], xy[:, 1:], *[torch.arange(seq_len).expand(batch_size, -1)] * doc_mask
 
 
 # ----------------------------------------------------------------------------- budget, verdict and table

@@ -104,9 +104,11 @@ def rope_frequencies(config):
 
 
 def rope_tables(inv_freq, positions):
-    """cos and sin [S, head_dim] for integer positions [S]; fp64 math, fp32 result. The sin table
-    carries rotate-half's sign (-sin for the first half) so applying it needs no negation."""
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    """cos and sin [S, head_dim] for integer positions [S] ([B, 1, S, head_dim] for [B, S]: one row per
+    sequence, broadcast over heads); fp64 math, fp32 result. The sin table carries rotate-half's sign (-sin
+    for the first half) so applying it needs no negation."""
+    positions = positions if positions.dim() == 1 else positions[:, None]
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos(), angles.sin()
     # rotate-half layout (HF's): channel i pairs with i + d/2
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
@@ -134,12 +136,27 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def attention(q, k, v, is_causal=True):
-    """The attention core: softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd] with K | H
-    (grouped-query: kv heads are never repeated in memory). A fork that adds an attention variant (a
-    sliding window, a document mask) changes this function; parallel.py's Ulysses calls it unchanged
-    on the whole sequence for a share of the heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+def attention(q, k, v, docs=None):
+    """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd] with
+    K | H (grouped-query: kv heads are never repeated in memory). With `docs` (doc_mask: the start of every
+    document in the flattened B·S tokens, a CPU int64 tensor, flash-attn's cu_seqlens) each document attends
+    only to itself. A fork that adds a variant (a sliding window) changes this function; parallel.py's
+    Ulysses calls it unchanged on the whole sequence for a share of the heads."""
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return per_document(q, k, v, docs)
+
+
+@torch.compiler.disable  # a loop whose length changes with every batch: eager inside a compiled model
+def per_document(q, k, v, docs):
+    """One causal SDPA call per document: exact on every device and kernel (flash on CUDA: no mask tensor),
+    and no S x S mask; each call saves for backward what one whole-window call would save of its tokens.
+    (FlexAttention's document mask is one fused kernel on CUDA but has no CPU backward in torch 2.13.)"""
+    B, S, cuts = q.shape[0], q.shape[2], docs.tolist() + [q.shape[0] * q.shape[2]]
+    doc = lambda t, a, b: t[a // S, None, :, a % S:a % S + b - a]  # tokens a..b-1 of the flattened batch, one row's
+    y = [F.scaled_dot_product_attention(doc(q, a, b), doc(k, a, b), doc(v, a, b), is_causal=True, enable_gqa=True)
+         for a, b in zip(cuts, cuts[1:])]
+    return (y[0] if len(y) == 1 else torch.cat(y, dim=2)).unflatten(2, (B, S)).squeeze(0).transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -152,7 +169,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, kv_cache=None):
+    def forward(self, x, cos, sin, docs=None, kv_cache=None):
         B, S, _ = x.shape
         # heads from the weights' shapes: under tensor parallelism this rank holds a share of them
         q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)
@@ -160,10 +177,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
-            y = self.attend(q, k, v)
+            y = self.attend(q, k, v, docs)
         else:  # sampling: append to the cache; one new token sees every key
             k, v = kv_cache.update(k, v)
-            y = attention(q, k, v, is_causal=S > 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -188,8 +205,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.feed_forward = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv_cache)
+    def forward(self, x, cos, sin, docs=None, kv_cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, docs, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -221,10 +238,10 @@ class Llama(nn.Module):
         With tied embeddings the shared matrix still counts once, as the LM head."""
         return num_params(self.config, non_embedding)
 
-    def forward(self, idx, targets=None, positions=None, kv_caches=None):
+    def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None):
         """idx [B, S] -> logits [B, S, V]; with targets -> (logits or None, mean loss over targets != -100).
-        `positions` [S] are the absolute positions of idx's tokens (a shard of a longer sequence, or
-        the tokens after a kv cache); they default to 0..S-1."""
+        `positions` [S] or [B, S] are the positions of idx's tokens (a shard of a longer sequence, the tokens
+        after a kv cache, each token's place in its document); they default to 0..S-1. `docs`: see attention()."""
         B, S = idx.shape
         if positions is None:
             positions = torch.arange(S, device=idx.device)
@@ -234,7 +251,7 @@ class Llama(nn.Module):
             cos, sin = rope_tables(rope_frequencies(self.config).float(), positions)
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin) if kv_caches is None else block(x, cos, sin, kv_caches[i])
+            x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[i])
         x = self.norm(x)  # rebound: in bf16 the last block's output is not kept alive through the head
         return self.head(x, targets)
 

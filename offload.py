@@ -153,16 +153,16 @@ def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: checkpoint 
     return CheckpointPolicy.MUST_SAVE if 'scaled_dot_product' in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
+def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None):
     c, saved = model.config, None
     if kv_cache is not None or not torch.is_grad_enabled():
-        return inner(x, cos, sin, kv_cache)
+        return inner(x, cos, sin, docs, kv_cache)
     if c.offload > 0 and i < c.n_layer - KEEP_LAST:
-        y, saved = _offload(block, inner, x, cos, sin, c.recompute, c.offload, i)
+        y, saved = _offload(block, inner, x, cos, sin, docs, c.recompute, c.offload, i)
     elif c.recompute == 'none':
-        y = inner(x, cos, sin)
+        y = inner(x, cos, sin, docs)
     else:
-        y = checkpoint(inner, x, cos, sin, use_reentrant=False, **({} if c.recompute == 'full' else dict(
+        y = checkpoint(inner, x, cos, sin, docs, use_reentrant=False, **({} if c.recompute == 'full' else dict(
             context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))))
     if c.offload > 0:  # when block i's backward begins, block i-1 starts coming back (the first kept
         dev = _device(x)  # block brings back the last offloaded one)
@@ -174,15 +174,15 @@ def _block_forward(model, i, block, inner, x, cos, sin, kv_cache=None):
 
 
 @torch.compiler.disable  # saved-tensor hooks, side streams, a swapped attention: eager under compile too
-def _offload(block, inner, x, cos, sin, mode, alpha, i):
+def _offload(block, inner, x, cos, sin, docs, mode, alpha, i):
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]  # shared by every block: stay
     saved = Offloaded(_device(x), i, keep)
     with saved_tensors_hooks(saved.pack, _unpack):
         if mode == 'full':  # torch's checkpoint saves its input only, through our hooks
-            y = checkpoint(inner, x, cos, sin, use_reentrant=False)
+            y = checkpoint(inner, x, cos, sin, docs, use_reentrant=False)
         else:
             n = math.floor(alpha * x.shape[1]) if mode == 'none' else 0
-            y = _split(block.attention, inner, x, cos, sin, x.shape[1] - n, saved)
+            y = _split(block.attention, inner, x, cos, sin, docs, x.shape[1] - n, saved)
     saved.send()
     return y, saved
 
@@ -192,7 +192,7 @@ def _tokens(t, S, lo, hi):
     return t if (lo, hi) == (0, S) else t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
 
 
-def _split(attention, inner, x, cos, sin, s0, saved):
+def _split(attention, inner, x, cos, sin, docs, s0, saved):
     """The header's cut: tokens [0, s0) under checkpoint, [s0, S) to host (s0 = S: 'selective'; 0: α = 1)."""
     S, real = x.shape[1], attention.attend
     state = {'late x': x[:, s0:]} if s0 < S else {}  # (an empty view would keep x alive)
@@ -204,34 +204,35 @@ def _split(attention, inner, x, cos, sin, s0, saved):
         finally:
             attention.attend = outer
 
-    def core(q, k, v):  # every token's q, k, v: attention once, what it saves to host whole
+    def core(q, k, v, docs):  # every token's q, k, v: attention once, what it saves to host whole
         if 'early' in state:  # each run: the early range's tokens, then the late one's
             runs = state['early'][0].shape[-2] // s0
             q, k, v = (torch.cat([e.unflatten(-2, (runs, -1)), t.unflatten(-2, (runs, -1))], -2).flatten(-3, -2)
                        for e, t in zip(state.pop('early'), (q, k, v)))
-        a = real(q, k, v)
+        a = real(q, k, v, docs)
         if s0:  # the early range's recompute gets it back instead of attending again
             state['replay'] = saved.pack(a)
         state['a'], state['grad'] = a, a.requires_grad
         return a
 
-    attend_late = lambda q, k, v: _tokens(core(q, k, v), S, s0, S)
+    attend_late = lambda q, k, v, docs: _tokens(core(q, k, v, docs), S, s0, S)
 
-    def attend_early(q, k, v):
+    def attend_early(q, k, v, docs):
         if 'replay' in state and 'a' not in state:  # backward: the early range's recompute
             # requiring grad as in forward, so that the ops after it save what they saved then
             return _tokens(_unpack(state['replay']), S, 0, s0).detach().requires_grad_(state['grad'])
         with saved_tensors_hooks(saved.pack, _unpack):
             if s0 < S:  # the late range's block, whose attention runs the core
                 state['early'] = (q, k, v)
-                state['late y'] = run(attend_late, state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S))
+                state['late y'] = run(attend_late, state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S),
+                                      docs)
             else:
-                core(q, k, v)
+                core(q, k, v, docs)
         return _tokens(state.pop('a'), S, 0, s0)
 
     if s0 == 0:
-        return run(attend_late, state.pop('late x'), cos, sin)
-    early = lambda x0: run(attend_early, x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0))
+        return run(attend_late, state.pop('late x'), cos, sin, docs)
+    early = lambda x0: run(attend_early, x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0), docs)
     y = checkpoint(early, x[:, :s0], use_reentrant=False)
     return y if s0 == S else torch.cat([y, state.pop('late y')], 1)
 

@@ -69,7 +69,7 @@ class Mesh:
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
-                 dtype=torch.float32):
+                 dtype=torch.float32, doc_mask=False):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules."""
     c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
@@ -90,6 +90,8 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
         (ring and S % (2 * cp), f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"),
         (ring, ring and flash_error(device_type, dtype, c.n_embd // H)),
+        (ring and doc_mask, "doc_mask=True with cp_impl='ring': a document crosses the ring's zigzag chunks, and "
+         "each step would need its own mask; use cp_impl='ulysses' (it sees whole documents)"),
         (replay, replay and f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring attention's "
          "output can't be replayed in a recompute (offload.py); use recompute='full'"
          + (", cp_impl='ulysses' or offload=1" if c.recompute == 'none' else " or cp_impl='ulysses'")),
@@ -264,7 +266,7 @@ class VocabParallelEmbedding(nn.Module):
 
 # ----------------------------------------------------------------------------- attention over c
 
-def ulysses(attend, group, q, k, v):
+def ulysses(attend, group, q, k, v, docs=None):
     """Attention.attend under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous sequence shards -> y
     like q. One all-to-all turns sequence shards of every head into the whole sequence of H/c heads (and K/c kv
     heads, the groups SDPA's enable_gqa forms), `attend` runs there as in one process, one all-to-all turns back."""
@@ -276,7 +278,7 @@ def ulysses(attend, group, q, k, v):
     swap = lambda t: _Pair.apply(t, lambda x: all_to_all(x, group), lambda d: all_to_all(d, group))  # self-adjoint
     qkv = swap(torch.cat([split(q), split(k), split(v)], dim=2).movedim(1, 0))
     qkv = qkv.movedim(0, 2).reshape(B, (H + 2 * K) // c, c * Sc, hd)  # [source = sequence shard] in order
-    y = attend(*qkv.split([H // c, K // c, K // c], dim=1))
+    y = attend(*qkv.split([H // c, K // c, K // c], dim=1), docs)  # docs: of the whole sequence, as in one process
     y = swap(y.reshape(B, H // c, c, Sc, hd).movedim(2, 0))
     return y.movedim(0, 1).reshape(B, H, Sc, hd)
 
@@ -359,16 +361,19 @@ class RingAttention(Function):
         return None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-def shard_batch(x, y, mesh):
-    """A global micro-batch (the same on every rank) -> this rank's (x, y[, positions]): our dp rank's
-    rows, our cp rank's tokens (contiguous for Ulysses; zigzag chunks r and 2c-1-r of 2c for the ring)."""
-    n, c, r = x.shape[0] // mesh.dp, mesh.cp, mesh.cp_rank
-    x, y = x[mesh.dp_rank * n:(mesh.dp_rank + 1) * n], y[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
+def shard_batch(mesh, x, y, positions=None, docs=None):
+    """A global micro-batch (the same on every rank) -> this rank's (x, y, positions, docs): our dp rank's rows,
+    our cp rank's tokens (contiguous for Ulysses; zigzag chunks r and 2c-1-r of 2c for the ring) and their
+    positions; docs (document starts in the flattened rows, model.attention) of our rows' whole sequences."""
+    n, c, r, S = x.shape[0] // mesh.dp, mesh.cp, mesh.cp_rank, x.shape[1]
+    rows = slice(mesh.dp_rank * n, (mesh.dp_rank + 1) * n)
+    x, y, positions = x[rows], y[rows], positions if positions is None else positions[rows]
+    docs = docs if docs is None else docs[(docs >= rows.start * S) & (docs < rows.stop * S)] - rows.start * S
     if c == 1:
-        return x, y
-    tokens = torch.arange(x.shape[1], device=x.device)
+        return x, y, positions, docs
+    tokens = torch.arange(S, device=x.device)
     pos = tokens.view(c, -1)[r] if mesh.cp_impl == 'ulysses' else tokens.view(2 * c, -1)[[r, 2 * c - 1 - r]].flatten()
-    return x[:, pos], y[:, pos], pos
+    return x[:, pos], y[:, pos], pos if positions is None else positions[:, pos], docs
 
 
 # ----------------------------------------------------------------------------- the model, parallel
@@ -397,7 +402,7 @@ def parallelize(model, mesh):
         model.vocab_group = mesh.tp_group  # Llama.head: chunked.py's loss over our rows of the vocabulary
     for attn in [block.attention for block in model.layers if mesh.cp > 1]:
         attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group) if mesh.cp_impl == 'ulysses' else \
-            functools.partial(RingAttention.apply, mesh.cp_group)
+            lambda q, k, v, docs: RingAttention.apply(mesh.cp_group, q, k, v)  # docs: refused by check_layout
     model.mesh = mesh
     return model
 

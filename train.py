@@ -55,6 +55,7 @@ init_from = 'scratch'  # 'scratch' | 'resume' | path to a Hugging Face model dir
 overwrite = False  # True: a new run may start in an out_dir holding a checkpoint (kept until the new one is saved)
 # data
 dataset = 'stdlib'  # data/<dataset>/{train,val}.bin; 'stdlib' is prepared on first use
+doc_mask = False  # True: each token attends within its document only, positions restart at each (*.docs.npy)
 gradient_accumulation_steps = 1
 batch_size = 16  # sequences per micro-step (per data-parallel rank)
 seq_len = 256
@@ -136,22 +137,38 @@ def read_dataset(world, rank):
     if not os.path.exists(path):
         die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py (see README.md)")
     try:  # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
-        return {**read_meta(data_dir, 0 if dry_run else seq_len + 2), 'dir': data_dir}
+        meta = {**read_meta(data_dir, 0 if dry_run else seq_len + 2), 'dir': data_dir}
     except ValueError as e:
         die(e)
+    if doc_mask and not meta.get('docs'):
+        die(f"doc_mask=True: dataset {dataset!r} has no document boundaries (train.docs.npy): prepare it with "
+            f"data/hf/prepare.py, or set doc_mask=False")
+    lengths = np.diff(np.load(f'{data_dir}/train.docs.npy'), append=meta['train_tokens']) if doc_mask else []
+    if rank == 0 and (n := np.sum(lengths > seq_len)):  # said once: get_batch cuts them as it cuts the token stream
+        print(f"note: {n} training documents are longer than seq_len={seq_len}: a window cuts them, each piece "
+              f"from position 0")
+    return meta
 
 
 def get_batch(meta, split, n, generator, device):
-    """n random windows of seq_len + 1 tokens: inputs and next-token targets."""
+    """n random windows of seq_len + 1 tokens: inputs and next-token targets; with doc_mask also each input's
+    position in its document (a document cut by the window starts at 0 there, as if alone) and the documents'
+    starts in the flattened inputs (model.attention; on the host), a target that begins a document ignored."""
     # a fresh memmap per batch: numpy's memmap otherwise keeps every page it touched resident
     data = np.memmap(os.path.join(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
     ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
-    xy = torch.from_numpy(np.stack([data[i:i + seq_len + 1].astype(np.int64) for i in ix]))
-    if device.type == 'cuda':  # pinned host memory lets the copy overlap the previous step
-        xy = xy.pin_memory().to(device, non_blocking=True)
-    else:
-        xy = xy.to(device)
-    return xy[:, :-1], xy[:, 1:]
+    xyp = [data[i:i + seq_len + 1].astype(np.int64) for i in ix]
+    if doc_mask:  # each token's place in its document, as if the window's first document began at the window
+        starts = np.load(os.path.join(meta['dir'], f'{split}.docs.npy'), mmap_mode='r')
+        for t in (np.arange(i, i + seq_len + 1) for i in ix):
+            xyp.append(t - np.maximum(starts[np.searchsorted(starts, t, 'right') - 1], t[0]))
+    xyp = torch.from_numpy(np.stack(xyp))
+    # pinned host memory lets the copy overlap the previous step
+    xy, pos = (xyp.pin_memory() if device.type == 'cuda' else xyp).to(device, non_blocking=True).tensor_split([n])
+    if not doc_mask:
+        return xy[:, :-1], xy[:, 1:]
+    y = xy[:, 1:].masked_fill(pos[:, 1:] == 0, -100)  # the next document's first token: not this one's to predict
+    return xy[:, :-1], y, pos[:, :-1], torch.nonzero(xyp[n:, :-1].flatten() == 0).flatten()
 
 
 # -----------------------------------------------------------------------------
@@ -160,18 +177,18 @@ def get_batch(meta, split, n, generator, device):
 def forward_backward(model, micro_batches, autocast, mesh=None):
     """Backward of the mean loss over every real target token of the step (not a mean of per-micro-step
     means: micro-steps with more ignored targets must weigh less). Returns that loss, detached.
-    Under parallelism a micro-batch is this rank's (x, y, positions) and the count is the whole step's,
+    Under parallelism a micro-batch is this rank's (x, y, positions, docs) and the count is the whole step's,
     over every dp × cp rank: the gradients summed over them are then the single-process ones."""
     count = sum((y != -100).sum() for _, y, *_ in micro_batches)
     if mesh is not None and mesh.dpcp_group is not None:
         count = parallel.all_reduce(count, mesh.dpcp_group)
     count = count.clamp(min=1)
     total = 0.0
-    for x, y, *positions in micro_batches:
+    for x, y, *rest in micro_batches:  # rest: positions, docs
         with autocast:
             # the mean over this micro-step's real targets; the logits of the plain path are
             # dropped here, or they would live through backward (memory.py counts on it)
-            loss = model(x, y, *positions)[1]
+            loss = model(x, y, *rest)[1]
         weight = (y != -100).sum() / count
         (loss * weight).backward()
         total = total + loss.detach() * weight
@@ -238,18 +255,14 @@ def peak_flops(device, dtype):
     return None
 
 
-def reset_peak_memory(device):
+def peak_memory(device, reset=False):
+    """Bytes: the allocator's peak on CUDA, the process's peak resident set (VmHWM, Linux) elsewhere, or 0.
+    reset=True starts a new peak (VmHWM through /proc/self/clear_refs; elsewhere the peak is since start)."""
     if device.type == 'cuda':
-        torch.cuda.reset_peak_memory_stats(device)
-    elif os.access('/proc/self/clear_refs', os.W_OK):  # resets VmHWM (Linux); elsewhere the peak is since start
+        return torch.cuda.reset_peak_memory_stats(device) if reset else torch.cuda.max_memory_allocated(device)
+    if reset and os.access('/proc/self/clear_refs', os.W_OK):
         with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')
-
-
-def peak_memory(device):
-    """Bytes: the allocator's peak on CUDA, the process's peak resident set (VmHWM, Linux) elsewhere, or 0."""
-    if device.type == 'cuda':
-        return torch.cuda.max_memory_allocated(device)
+            return f.write('5')
     status = open('/proc/self/status').read().splitlines() if os.path.exists('/proc/self/status') else []
     return next((int(line.split()[1]) * 1024 for line in status if line.startswith('VmHWM:')), 0)
 
@@ -297,9 +310,7 @@ def device_and_dtype():
         dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), os.environ.get('WORLD_SIZE', str(tp_size * cp_size))
     ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
                'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
-    if dev.type == 'cuda':
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on CUDA only
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
     return dev, ptdtype, autocast
 
@@ -307,7 +318,7 @@ def device_and_dtype():
 def check_layout(config, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
     why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size,
-                                cp_size, cp_impl, seq_len, zero, dev.type, ptdtype)
+                                cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask)
     if why:
         die(why)
 
@@ -347,25 +358,21 @@ def evaluate(model, meta, mesh, autocast, dev):
     gen = torch.Generator().manual_seed(seed + 1)
     losses = []
     for _ in range(eval_iters):
-        x, y, *positions = parallel.shard_batch(*get_batch(meta, 'val', batch_size * mesh.dp, gen, dev), mesh)
-        with autocast:
-            losses.append(model(x, y, *positions)[1].float())
+        x, y, *rest = parallel.shard_batch(mesh, *get_batch(meta, 'val', batch_size * mesh.dp, gen, dev))
+        with autocast:  # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
+            losses.append(torch.stack([model(x, y, *rest)[1].float() * (y != -100).sum(), (y != -100).sum()]))
     model.train()
-    loss = torch.stack(losses).mean()
-    if mesh.dpcp_group is not None:  # val has no ignored targets: every rank's mean weighs the same
-        loss = parallel.all_reduce(loss, mesh.dpcp_group) / (mesh.dp * mesh.cp)
-    return loss.item()
+    loss = sum(losses)
+    if mesh.dpcp_group is not None:
+        loss = parallel.all_reduce(loss, mesh.dpcp_group)
+    return (loss[0] / loss[1]).item()
 
 
 def catch_signals():
     """SIGINT / SIGTERM: the loop finishes its step, saves and exits 0; a second signal interrupts at once."""
     stop = []
-
-    def on_signal(signum, frame):
-        stop.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: stop.append(signum) or signal.signal(signum, signal.SIG_DFL))
     return stop
 
 
@@ -411,8 +418,8 @@ def main():
     save = lambda it: checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=it,
                                       best_val_loss=best_val_loss, config=cfg)
     if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
-        batches = [parallel.shard_batch(*memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size),
-                                        mesh) for _ in range(min(gradient_accumulation_steps, 2))]
+        fake = lambda: memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size, doc_mask)
+        batches = [parallel.shard_batch(mesh, *fake()) for _ in range(min(gradient_accumulation_steps, 2))]
         with mem.measure(raw_model, masters, optimizer):  # the table and the verdict
             return step(batches)
 
@@ -427,7 +434,7 @@ def main():
     log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # appended: never lose a row
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
     t0, tokens_since = time.perf_counter(), 0
-    reset_peak_memory(dev)
+    peak_memory(dev, reset=True)
     while iter_num < max_iters and not stop:
         val_loss = None
         if iter_num % eval_interval == 0 or iter_num == max_iters - 1:
@@ -441,7 +448,7 @@ def main():
         for group in optimizer.param_groups:
             group['lr'] = lr
         # every rank samples the same global batch; shard_batch keeps our dp rank's rows, our cp rank's tokens
-        batches = [parallel.shard_batch(*get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev), mesh)
+        batches = [parallel.shard_batch(mesh, *get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev))
                    for _ in range(gradient_accumulation_steps)]
         sent = bytes_to_host()
         with mem.measure(raw_model, masters, optimizer, compiled=compile):  # the first step only
@@ -459,7 +466,7 @@ def main():
         write_log(log, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, tokens_since = time.perf_counter(), 0
-        reset_peak_memory(dev)
+        peak_memory(dev, reset=True)
         # a signal may reach the ranks in different steps: they agree on log steps only (an all-reduce
         # and a host sync every step would stall the GPUs), and stop together at the first after it
         stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item() if world > 1 else signals)

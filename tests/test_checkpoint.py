@@ -59,7 +59,7 @@ def steps(run, first, n):
     for i in range(first, first + n):
         g = torch.Generator().manual_seed(i)
         x, y = (torch.randint(0, CONFIG['vocab_size'], (B, S), generator=g) for _ in range(2))
-        loss = train.forward_backward(model, [parallel.shard_batch(x, y, mesh)], autocast, mesh)
+        loss = train.forward_backward(model, [parallel.shard_batch(mesh, x, y)], autocast, mesh)
         parallel.sync_grads(named, mesh, model.config)
         parallel.clip_grad_norm_(named, 1.0, mesh, model.config)
         opt.step()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
+from conftest import packed_batch
 from model import Llama, LlamaConfig
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -155,3 +156,33 @@ def test_rope_angles_stay_fp32_in_a_bf16_model():
         model(torch.zeros(1, 8, dtype=torch.long), positions=torch.arange(100_000, 100_008))
     (cos32, sin32), (cos16, sin16) = tables
     assert cos16.dtype == torch.float32 and torch.equal(cos16, cos32) and torch.equal(sin16, sin32)
+
+
+# ----------------------------------------------------------------------------- doc_mask
+
+DOC_LENS = [[5, 11], [16], [3, 3, 10]]  # each row of a packed batch cut into documents (doc_mask)
+
+
+def test_doc_mask_equals_each_document_alone():
+    """Packed documents with doc_mask: the loss and every gradient of each document run alone (its own
+    positions from 0, its own attention), weighted by its real targets (fp32, 1e-5)."""
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=97))
+    x, y, pos, docs = packed_batch(DOC_LENS)
+    loss = m(x, y, pos, docs)[1]
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    ref, count = 0.0, (y != -100).sum()
+    for b, row in enumerate(DOC_LENS):
+        for a, n in zip([0, *torch.tensor(row).cumsum(0).tolist()], row):
+            yd = y[b:b + 1, a:a + n]
+            part = m(x[b:b + 1, a:a + n], yd)[1] * (yd != -100).sum() / count
+            part.backward()
+            ref = ref + part.detach()
+    assert abs(loss.item() - ref.item()) <= 1e-5 * ref.item()
+    for n, p in m.named_parameters():
+        assert rel_err(grads[n], p.grad) <= 1e-5, n
+    m.zero_grad()
+    m(x, y)[1].backward()  # without the mask: other gradients
+    assert rel_err(m.layers[0].attention.wq.weight.grad, grads['layers.0.attention.wq.weight']) > 0.05

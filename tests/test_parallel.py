@@ -57,12 +57,16 @@ LAYOUTS = {
     # a fork's attention variant (model.attention swapped for a sliding window) under tp and Ulysses as it is
     'tp_window':     (2, 2, 1, 'ulysses', True, 0, dict(window=5)),
     'cp_window':     (2, 1, 2, 'ulysses', True, 0, dict(window=5, recompute='selective')),
+    # packed documents (doc_mask): attention within each, as in one process (which equals each alone: test_model)
+    'tp_docs':       (2, 2, 1, 'ulysses', True, 0, dict(docs=True, recompute='selective')),
+    'cp_docs':       (2, 1, 2, 'ulysses', True, 0, dict(docs=True, recompute='full')),
 }
+DOC_LENS = [[5, 11], [16], [3, 3, 10], [9, 7]]  # the documents of global_batch's rows, for 'docs' layouts
 LR = 0.1
 
 
 def model_config(overrides):
-    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k != 'window'}})
+    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('window', 'docs')}})
 
 
 def sliding_window(q, k, v, is_causal=True, window=None):
@@ -110,11 +114,15 @@ def gather_full(named_tensors, mesh, config, grads=False):
     return out
 
 
-def one_step(model, mesh, config, zero):
-    """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens), grad sync, clipping
-    at a norm it reaches, then SGD (AdamW for zero=1). Returns (loss, grad norm, grads, new weights)."""
+def one_step(model, mesh, config, zero, docs=False):
+    """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens; with docs, packed documents),
+    grad sync, clipping at a norm it reaches, then SGD (AdamW for zero=1). Returns (loss, grad norm, grads, new
+    weights)."""
+    from conftest import packed_batch
     x, y = global_batch(config.vocab_size)
-    micro = [parallel.shard_batch(x[i::2], y[i::2], mesh) for i in range(2)]  # 2 micro-steps of 2 rows
+    micro = [(x[i::2], y[i::2]) if not docs else packed_batch(DOC_LENS[i::2], config.vocab_size, seed=i)
+             for i in range(2)]  # 2 micro-steps of 2 rows
+    micro = [parallel.shard_batch(mesh, *m) for m in micro]
     loss = train.forward_backward(model, micro, nullcontext(), mesh)
     named = list(model.named_parameters())
     parallel.sync_grads(named, mesh, config)
@@ -131,13 +139,13 @@ def one_step(model, mesh, config, zero):
 
 def reference(overrides, zero):
     model = offload.apply(new_model(overrides))
-    return one_step(model, parallel.Mesh(), model.config, zero)
+    return one_step(model, parallel.Mesh(), model.config, zero, 'docs' in overrides)
 
 
 def eval_matmuls(model, mesh):
     """Matmuls of an eval forward (no_grad) on this rank's share of the batch: the LM head's loss does the
     logits only (3 chunks, 3 matmuls), with or without tensor parallelism."""
-    x, y, *pos = parallel.shard_batch(*global_batch(model.config.vocab_size), mesh)
+    x, y, *pos = parallel.shard_batch(mesh, *global_batch(model.config.vocab_size))
     with torch.no_grad(), CountMatmuls() as count:
         model(x, y, *pos)
     return count.n
@@ -173,7 +181,7 @@ def per_block_counts(mesh, overrides):
     def run(n_layer):
         model = offload.apply(parallel.parallelize(new_model({**overrides, 'n_layer': n_layer}), mesh))
         x, y = global_batch(model.config.vocab_size)
-        x, y, *pos = parallel.shard_batch(x, y, mesh)
+        x, y, *pos = parallel.shard_batch(mesh, x, y)
         return count_collectives(lambda: model(x, y, *pos)[1].backward())
     one, two = run(1), run(2)
     return {k: two.get(k, 0) - one.get(k, 0) for k in two if two.get(k, 0) != one.get(k, 0)}
@@ -220,7 +228,7 @@ def _worker(rank, world, port, names, out_dir):
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
         model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
         matmuls = eval_matmuls(model, mesh)
-        result = one_step(model, mesh, config, zero)
+        result = one_step(model, mesh, config, zero, 'docs' in overrides)
         sync = record_sync_buffers(lambda: one_step(model, mesh, config, zero), model)
         counts = per_block_counts(mesh, {k: v for k, v in overrides.items() if k != 'recompute'})
         counts_recompute = per_block_counts(mesh, {**overrides, 'recompute': 'full'})
@@ -265,8 +273,8 @@ def test_one_step_equals_single_process(results, name):
             torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3 * LR)
         else:
             assert rel(weights[n], ref_weights[n]) <= RTOL, n
-    if 'window' in overrides:  # the variant ran: not the causal model's gradients
-        causal = reference({k: v for k, v in overrides.items() if k != 'window'}, zero)[2]
+    if 'window' in overrides or 'docs' in overrides:  # the variant ran: not the causal model's gradients
+        causal = reference({k: v for k, v in overrides.items() if k not in ('window', 'docs')}, zero)[2]
         assert rel(grads['layers.0.attention.wq.weight'], causal['layers.0.attention.wq.weight']) > 0.05
 
 
@@ -294,6 +302,8 @@ EXPECTED_PER_BLOCK = {
     'tp4_vocab5': {'all_gather': 4, 'reduce_scatter': 4},
     'tp_window': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_window': {'all_to_all': 4},
+    'tp_docs': {'all_gather': 4, 'reduce_scatter': 4},
+    'cp_docs': {'all_to_all': 4},
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
 # every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped

@@ -458,3 +458,51 @@ def test_under_torchrun_a_rank_killed_or_stopped_ends_the_job(tmp_path, how):
     if how == 'stopped':  # killed: torchrun's SIGTERM may reach rank 0 before the broken connection does
         assert len(errors) == 1 and ' (from ' in errors[0] and 'Timed out waiting 10000ms' in errors[0], stderr
         assert '(timeout_s=10: a rank died or stopped responding)' in errors[0]
+
+
+def doc_dataset(path, starts, n=400, vocab=50):
+    """A prepared dataset whose documents begin at `starts` in both splits (data/tokenizer.py's format)."""
+    os.makedirs(path, exist_ok=True)
+    for split in ('train', 'val'):
+        (np.arange(n) % vocab).astype(np.uint16).tofile(os.path.join(path, f'{split}.bin'))
+        np.save(os.path.join(path, f'{split}.docs.npy'), np.array(starts, dtype=np.int64))
+    with open(os.path.join(path, 'meta.json'), 'w') as f:
+        json.dump(dict(tokenizer='bytes', vocab_size=vocab, dtype='uint16', train_tokens=n, val_tokens=n,
+                       docs=True), f)
+    return str(path)
+
+
+def test_get_batch_with_doc_mask(tmp_path, monkeypatch):
+    """Each window's positions restart at every document (a document cut by the window's start begins at 0),
+    a target that is the next document's first token is ignored, docs are the starts in the flat rows."""
+    starts = [0, 7, 30, 31, 90, 200]
+    monkeypatch.setattr(train, 'seq_len', 20)
+    monkeypatch.setattr(train, 'doc_mask', True)
+    meta = {'dir': doc_dataset(tmp_path, starts), 'dtype': 'uint16'}
+    x, y, pos, docs = train.get_batch(meta, 'train', 64, torch.Generator().manual_seed(0), torch.device('cpu'))
+    ix = torch.randint(400 - 20 - 1, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    for row, i in enumerate(ix):
+        t = np.arange(i, i + 21)
+        first = np.array([max(max(s for s in starts if s <= j), i) for j in t])
+        assert pos[row].tolist() == (t - first)[:-1].tolist()
+        begins = (t - first)[1:] == 0
+        assert (y[row][torch.from_numpy(begins)] == -100).all()
+        assert y[row][torch.from_numpy(~begins)].tolist() == (t[1:][~begins] % 50).tolist()
+        assert x[row].tolist() == (t[:-1] % 50).tolist()
+    assert docs.tolist() == torch.nonzero(pos.flatten() == 0).flatten().tolist()
+    assert any((pos[r] == 0).sum() > 1 for r in range(64))  # some windows hold several documents
+
+
+def test_doc_mask_trains_and_refuses_what_it_cannot_do(tmp_path):
+    data = doc_dataset(tmp_path / 'data', [0, 7, 30, 31, 90, 200, 333])
+    p = run_train(*SMALL, '--doc_mask=True', f'--dataset={data}', '--max_iters=3', '--eval_interval=2',
+                  f'--out_dir={tmp_path / "out"}')
+    assert 'note: 4 training documents are longer than seq_len=32' in p.stdout
+    assert all(np.isfinite(r['loss']) for r in read_log(tmp_path / 'out'))
+    os.remove(os.path.join(data, 'train.docs.npy'))
+    with open(os.path.join(data, 'meta.json')) as f:
+        meta = json.load(f)
+    with open(os.path.join(data, 'meta.json'), 'w') as f:
+        json.dump({**meta, 'docs': False}, f)
+    p = run_train(*SMALL, '--doc_mask=True', f'--dataset={data}', f'--out_dir={tmp_path / "out2"}', check=False)
+    assert p.returncode == 2 and p.stderr.strip().startswith('error: doc_mask=True: dataset') and 'Traceback' not in p.stderr
