@@ -20,6 +20,7 @@ b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
                the gathered input of the column-parallel matmuls (b·h per token of all t ranks, twice).
                With α > 0 the first L - KEEP_LAST blocks keep on the device only what offload.py doesn't
                send (offload.block_bytes); the rest is host memory, reported apart, never in the total.
+               Plus RoPE's fp32 cos and sin: 8·hd bytes per position (per token of B·S with doc_mask).
   transient    the largest of a few moments, each a working set per token × T plus weight-sized terms:
                  LM head    plain: the fp32 log-softmax kept (4V) and its gradients (8V) per token;
                             chunked.py's (loss_chunks > 1, or tp): dh (b·h·T) and the fp32 dW (4·V·h)
@@ -80,7 +81,7 @@ class Estimate:
 
 
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
-             tp_size=1, cp_size=1, dp=1, zero=0):
+             tp_size=1, cp_size=1, dp=1, zero=0, doc_mask=False):
     """Per-rank peak bytes of one training step of model.Llama(config): the header's formula."""
     c, t, L = config, tp_size, config.n_layer
     b, dt = (2, torch.bfloat16) if dtype in ('bfloat16', torch.bfloat16) else (4, torch.float32)
@@ -110,7 +111,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     host = offload.host_bytes(c, batch_size, S // t, dt, cp_size)
     P = host / n_off if n_off else 0  # one offloaded block's bytes in host memory
     stays = offload.block_bytes(c, batch_size, S // t, dt, cp_size)[1] / T  # an offloaded block's, on the device
-    acts = ((L - n_off) * k + n_off * stays) * T
+    acts = ((L - n_off) * k + n_off * stays) * T + 8 * c.head_dim * (T if doc_mask else S)
 
     # the LM head and loss; gradients exist at its forward only from the second micro-step on
     g_acc = grads_all if grad_accum > 1 else 0
@@ -406,7 +407,7 @@ class Report:
         self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
                            device_type='cuda' if self.dry else device.type,
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
-                           zero=cfg.get('zero', 0))
+                           zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
         groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)  # NCCL communicators
         self.overhead = overhead_bytes(self.layout['device_type'], groups)
@@ -483,8 +484,7 @@ class Report:
         self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tracker.breakdown()
         extra = {'cuda': {'peak_allocated': torch.cuda.max_memory_allocated(self.device),
                           'peak_reserved': torch.cuda.max_memory_reserved(self.device)}} if cuda else {}
-        if cuda:
-            self.measured['total'] = self.measured['total'] or extra['cuda']['peak_allocated']
+        self.measured['total'] = self.measured['total'] or extra.get('cuda', {}).get('peak_allocated')
         print(table(self.est, self.budget, self.overhead, self.measured, dry=self.dry,
                     title="dry run: one step on fake tensors (CPU kernels standing in for CUDA's):" if self.dry
                     else "memory after the first step (measured: tensors alive at the step's peak):"))
