@@ -143,8 +143,8 @@ def read_dataset(world, rank):
     if doc_mask and not meta.get('docs'):
         die(f"doc_mask=True: dataset {dataset!r} has no document boundaries (train.docs.npy): prepare it with "
             f"data/hf/prepare.py, or set doc_mask=False")
-    lengths = np.diff(np.load(f'{data_dir}/train.docs.npy'), append=meta['train_tokens']) if doc_mask else []
-    if rank == 0 and (n := np.sum(lengths > seq_len)):  # said once: get_batch cuts them as it cuts the token stream
+    n = doc_mask and np.sum(np.diff(np.load(f'{data_dir}/train.docs.npy'), append=meta['train_tokens']) > seq_len)
+    if rank == 0 and n:  # said once: get_batch cuts them as it cuts the token stream
         print(f"note: {n} training documents are longer than seq_len={seq_len}: a window cuts them, each piece "
               f"from position 0")
     return meta
