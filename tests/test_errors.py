@@ -70,6 +70,9 @@ CASES = [
     ('train.bin shorter than meta.json', ['--dataset={d}/short_of_meta'], 'train.bin'),
     ('val.bin missing', ['--dataset={d}/no_val'], 'val.bin'),
     ('data shorter than a sequence', ['--dataset={d}/one_sequence'], 'train.bin'),
+    ('doc_mask without document boundaries', ['--doc_mask=True', '--dataset={d}/no_docs'], 'doc_mask=True'),
+    ('doc_mask with ring attention', ['--dry_run=True', '--vocab_size=256', '--cp_size=2', '--cp_impl=ring',
+                                      '--doc_mask=True'], "doc_mask=True with cp_impl='ring'"),
     # Hugging Face directories
     ('HF config.json not JSON', ['--init_from={d}/hf_bad_json'], 'config.json'),
     ('HF config.json without a key', ['--init_from={d}/hf_no_key'], 'hidden_size'),
@@ -115,6 +118,7 @@ def spoiled_inputs(d):
     dataset(os.path.join(d, 'no_val'))
     os.remove(os.path.join(d, 'no_val', 'val.bin'))
     dataset(os.path.join(d, 'one_sequence'), n_train=33)  # seq_len + 1 tokens: no window to draw at random
+    dataset(os.path.join(d, 'no_docs'))
     ok = os.path.join(d, 'hf_ok')
     torch.manual_seed(0)
     Llama(LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256)
