@@ -155,13 +155,13 @@ def latest(out_dir):
 @_one_line("cannot read {path}")
 def resume(out_dir, cfg):
     """The newest committed checkpoint's meta.json (with its 'path') for a run configured as cfg. Its
-    weights fit the architecture it was made with only: a key of it that cfg changes is refused."""
+    weights fit the architecture it was made with only: a key of it that cfg changes (None: not given) is refused."""
     path = latest(out_dir)
     if path is None:
         raise Error(f"--init_from=resume but there is no checkpoint in {out_dir}")
     m = {**meta(path), 'path': path}
     was = m['config']
-    differ = [k for k in m['model_args'] if k in cfg and k in was and cfg[k] != was[k]]
+    differ = [k for k in m['model_args'] if cfg.get(k) is not None and k in was and cfg[k] != was[k]]
     if differ:
         raise Error(f"--init_from=resume with {', '.join(f'{k}={cfg[k]!r}' for k in differ)}, but {path} was made "
                     f"with {', '.join(f'{k}={was[k]!r}' for k in differ)}: resume with its config or another out_dir")

@@ -3,9 +3,9 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
 
     token embedding -> n_layer x [ x + attention(RMSNorm(x)),  x + SwiGLU(RMSNorm(x)) ] -> RMSNorm -> LM head
 
-- RMSNorm in fp32 with the config's eps, RoPE with `rope_theta` and the optional `llama3` (or
-  `linear`) frequency scaling, angles computed in fp64 and kept in fp32 (in bf16 the positions of a
-  long sequence are wrong), applied in the rotate-half convention HF checkpoints are stored in.
+- RMSNorm in fp32 with the config's eps, RoPE with `rope_theta` and an optional `rope_scaling` (`linear`,
+  `llama3`, `yarn`: transformers' formulas, a checkpoint's context extended), angles computed in fp64 and kept
+  in fp32 (in bf16 the positions of a long sequence are wrong), in the rotate-half convention of HF checkpoints.
 - grouped-query attention through F.scaled_dot_product_attention (flash on a GPU) with
   `enable_gqa=True`: the kv heads are never repeated in memory.
 - no biases anywhere; optional tied embeddings.
@@ -26,7 +26,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -48,7 +48,7 @@ class LlamaConfig:
     intermediate_size: int = 384
     vocab_size: int = 256
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "yarn", "factor": 4.0, ...}: ROPE_SCALINGS
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     # memory knobs: how forward runs, not what it computes
@@ -64,7 +64,9 @@ class LlamaConfig:
             if not getattr(self, key) >= least:
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}" + " (0: automatic)" * (least == 0))
         for key, ok, allowed in [
-                ('rope_theta', self.rope_theta > 0, 'must be > 0'), ('norm_eps', self.norm_eps > 0, 'must be > 0'),
+                ('rope_theta', type(self.rope_theta) in (int, float) and self.rope_theta > 0, 'must be a number > 0'),
+                ('rope_scaling', rope_scaling_ok(self.rope_scaling), ROPE_SCALING_RULE),
+                ('norm_eps', self.norm_eps > 0, 'must be > 0'),
                 ('offload', 0 <= self.offload <= 1, 'must be in [0, 1]'),
                 ('recompute', self.recompute in ('none', 'full', 'selective'), "must be 'none', 'full' or 'selective'"),
                 ('n_embd', self.n_embd % self.n_head == 0, f"must be divisible by n_head={self.n_head}"),
@@ -81,35 +83,70 @@ class LlamaConfig:
 # -----------------------------------------------------------------------------
 # RoPE
 
+# rope_scaling's types, as transformers names and computes them: each one's required fields, then its optional ones
+ROPE_SCALINGS = {'default': ((), ()), 'linear': (('factor',), ()),
+                 'llama3': (('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'), ()),
+                 'yarn': (('factor', 'original_max_position_embeddings'),
+                          ('attention_factor', 'beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim', 'truncate'))}
+ROPE_SCALING_RULE = "must be None or a dict of 'rope_type' and its fields ([optional]): " + '; '.join(' '.join((
+    kind, *need, *(f'[{f}]' for f in may))) for kind, (need, may) in ROPE_SCALINGS.items()) + " (numbers > 0, or " \
+    "None if optional; original_max_position_embeddings an int, truncate a bool)"
+
+
+def rope_scaling_ok(s):
+    """None, or one of ROPE_SCALINGS with its required fields, typed as transformers reads them; no unknown field."""
+    kind = s.get('rope_type') if isinstance(s, dict) else None
+    if not isinstance(kind, str) or kind not in ROPE_SCALINGS:
+        return s is None
+    need, may = ROPE_SCALINGS[kind]
+    given = {k: v for k, v in s.items() if k != 'rope_type'}
+    return set(need) <= set(given) <= set(need + may) and all(
+        isinstance(v, bool) if k == 'truncate' else v is None and k in may or type(v) in (int, float) and v > 0
+        and (type(v) is int or k != 'original_max_position_embeddings') for k, v in given.items())
+
+
 def rope_frequencies(config):
-    """Inverse frequencies theta^(-2i/d), in fp64, with HF's rope scalings applied."""
+    """(inverse frequencies theta^(-2i/d) in fp64 with the rope scaling applied, the factor cos and sin are
+    multiplied by: YaRN's attention factor, 1 otherwise), as transformers' _compute_*_parameters return them."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     scaling = config.rope_scaling or {}
-    kind = scaling.get('rope_type', scaling.get('type', 'default'))
-    if kind == 'default':
-        return inv_freq
-    if kind == 'linear':
-        return inv_freq / scaling['factor']
+    kind, factor = scaling.get('rope_type', 'default'), scaling.get('factor')
+    if kind == 'linear':  # position interpolation: position p is rotated as p / factor
+        return inv_freq / factor, 1.0
     if kind == 'llama3':
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between
-        factor, lo, hi = scaling['factor'], scaling['low_freq_factor'], scaling['high_freq_factor']
+        lo, hi = scaling['low_freq_factor'], scaling['high_freq_factor']
         old_len = scaling['original_max_position_embeddings']
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - lo) / (hi - lo)
         scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
         medium = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)
-        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+        return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
+    if kind == 'yarn':
+        # YaRN: divide by `factor` the dimensions turning fewer than beta_slow times in the original context, keep
+        # those turning more than beta_fast times, ramp in between; cos and sin scaled by 0.1·ln(factor) + 1 (mscale)
+        old_len = scaling['original_max_position_embeddings']
+        dim = lambda turns: d * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+        lo, hi = dim(scaling.get('beta_fast') or 32), dim(scaling.get('beta_slow') or 1)
+        if scaling.get('truncate', True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - lo) / ((hi - lo) or 0.001)).clamp(0, 1)
+        mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        m, m_all = scaling.get('mscale'), scaling.get('mscale_all_dim')
+        attention_factor = scaling.get('attention_factor') or (mscale(m) / mscale(m_all) if m and m_all else mscale(1))
+        return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention_factor
+    return inv_freq, 1.0
 
 
-def rope_tables(inv_freq, positions):
-    """cos and sin [S, head_dim] for integer positions [S] ([B, 1, S, head_dim] for [B, S]: one row per
-    sequence, broadcast over heads); fp64 math, fp32 result. The sin table carries rotate-half's sign (-sin
-    for the first half) so applying it needs no negation."""
+def rope_tables(inv_freq, positions, scale=1.0):
+    """cos and sin [S, head_dim] for integer positions [S] ([B, 1, S, head_dim] for [B, S]: a row per sequence,
+    broadcast over heads), times scale (YaRN's attention factor); fp64 math, fp32 result. The sin table carries
+    rotate-half's sign (-sin for the first half) so applying it needs no negation."""
     positions = positions if positions.dim() == 1 else positions[:, None]
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos() * scale, angles.sin() * scale
     # rotate-half layout (HF's): channel i pairs with i + d/2
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
@@ -247,8 +284,9 @@ class Llama(nn.Module):
             positions = torch.arange(S, device=idx.device)
         # RoPE tables outside autocast, from fp32 frequencies made here (HF's; a buffer would be rounded
         # to bf16 by model.to(bfloat16), and at long context bf16 angles are wrong)
+        inv_freq, scale = rope_frequencies(self.config)
         with torch.autocast(idx.device.type, enabled=False):
-            cos, sin = rope_tables(rope_frequencies(self.config).float(), positions)
+            cos, sin = rope_tables(inv_freq.float(), positions, scale)
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[i])
@@ -278,7 +316,7 @@ class Llama(nn.Module):
     def from_pretrained(cls, hf_dir, **overrides):
         """Load a local HF Llama directory: config.json + model.safetensors, or shards with an index.
         Both config forms are read: `rope_theta`/`rope_scaling` and the newer `rope_parameters`.
-        `overrides` set LlamaConfig fields such as the memory knobs."""
+        `overrides` set LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling extends its context."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -295,8 +333,7 @@ class Llama(nn.Module):
             hf = json.load(f)
             rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
             theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
-            kind = rope.pop('rope_type', rope.pop('type', 'default'))
-            rope = {'rope_type': kind, **rope}
+            rope = {'rope_type': rope.pop('type', 'default'), **rope}  # (the older form's 'type')
             n_head = hf['num_attention_heads']
             if hf.get('head_dim', hf['hidden_size'] // n_head) * n_head != hf['hidden_size']:
                 raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
@@ -304,10 +341,9 @@ class Llama(nn.Module):
                 n_layer=hf['num_hidden_layers'], n_head=n_head,
                 n_kv_head=hf.get('num_key_value_heads') or n_head, n_embd=hf['hidden_size'],
                 intermediate_size=hf['intermediate_size'], vocab_size=hf['vocab_size'],
-                rope_theta=float(theta), rope_scaling=rope if kind != 'default' else None,
-                norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False),
-                **overrides)
-            rope_frequencies(config)  # a malformed rope_scaling stops here, named by its file
+                rope_theta=float(theta), rope_scaling=rope if rope['rope_type'] != 'default' else None,
+                norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False))
+        config = replace(config, **overrides)  # checked again: a bad override is the user's, not the file's
         index = os.path.join(hf_dir, 'model.safetensors.index.json')
         files = ['model.safetensors']
         if os.path.exists(index):
@@ -334,7 +370,7 @@ class Llama(nn.Module):
         """Write config.json + model.safetensors in HF's Llama format (the older rope_scaling form,
         which every transformers version reads)."""
         from safetensors.torch import save_file
-        c = self.config
+        c, s = self.config, self.config.rope_scaling or {}
         os.makedirs(out_dir, exist_ok=True)
         params = dict(self.named_parameters())
         state = {theirs: params[ours].detach().cpu().contiguous()
@@ -344,11 +380,10 @@ class Llama(nn.Module):
                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
                   num_key_value_heads=c.n_kv_head, hidden_size=c.n_embd, head_dim=c.head_dim,
                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling and {
-                      k: v for k, v in c.rope_scaling.items() if k != 'rope_theta'}, rms_norm_eps=c.norm_eps,
+                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, rms_norm_eps=c.norm_eps,
                   tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False,
-                  max_position_embeddings=max(8192, 2 * (c.rope_scaling or {}).get(
-                      'original_max_position_embeddings', 0)),
+                  # the context scaled to: transformers checks that YaRN's factor is this over the original's
+                  max_position_embeddings=int(s.get('factor', 1) * s.get('original_max_position_embeddings', 8192)),
                   torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
         with open(os.path.join(out_dir, 'config.json'), 'w') as f:
             json.dump(hf, f, indent=2)

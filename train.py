@@ -66,7 +66,8 @@ n_kv_head = 4
 n_embd = 128
 intermediate_size = 384
 vocab_size = 0
-rope_theta = 10000.0
+rope_theta = None  # None: 10000.0 from scratch, a Hugging Face model's own; a larger one extends its context
+rope_scaling = None  # None: none from scratch, the model's own; {'rope_type': 'yarn', 'factor': 4.0, ...}: model.py
 norm_eps = 1e-5
 tie_embeddings = False
 # memory knobs (chunked.py; offload.py)
@@ -117,7 +118,6 @@ _RULES = [
      lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
     (('out_dir',), 'must be a directory we can write in, or create', lambda v: writable(v)),
 ]
-
 
 
 # -----------------------------------------------------------------------------
@@ -274,19 +274,19 @@ def model_from_config(meta, cfg, dev, ptdtype):
     """Build (or load) the model named by init_from, its config and layout checked before the model is
     allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint or None)."""
     knobs = {k: cfg[k] for k in _KNOBS if k in cfg}  # how forward runs: free to change on resume
+    given = {f.name: cfg[f.name] for f in fields(LlamaConfig) if cfg.get(f.name) is not None}  # None: not given
     model = ckpt = None
     if init_from != 'resume' and not (overwrite or dry_run) and checkpoint.latest(out_dir):
         die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True starts a new run "
             f"(the old checkpoint stays until the new run saves one)")
     try:  # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not our bug
         if init_from == 'scratch':
-            args = {f.name: cfg[f.name] for f in fields(LlamaConfig) if f.name in cfg and f.name not in _KNOBS}
-            config = LlamaConfig(**{**args, 'vocab_size': vocab_size or meta['vocab_size']}, **knobs)
+            config = LlamaConfig(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
         elif init_from == 'resume':
             ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
             config = LlamaConfig(**ckpt['model_args'], **knobs)
-        else:
-            model = Llama.from_pretrained(init_from, **knobs)
+        else:  # its architecture, but a rope_theta or rope_scaling given: a new one extends the model's context
+            model = Llama.from_pretrained(init_from, **{k: v for k, v in given.items() if k in knobs or 'rope' in k})
             config = model.config
     except ValueError as e:
         die(e)
@@ -380,7 +380,7 @@ def catch_signals():
 
 def main():
     configure(globals())
-    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+    cfg = {k: v for k, v in globals().items() if k[0] != '_' and isinstance(v, (int, float, str, dict, type(None)))}
     for keys, allowed, ok in _RULES:
         for key in (k for k in keys if not ok(cfg[k])):
             die(f"{key}={cfg[key]!r}: {allowed}")

@@ -50,6 +50,8 @@ CASES = [
     ('loss_chunks=-3', ['--loss_chunks=-3'], 'loss_chunks'),
     ('intermediate_size=0', ['--intermediate_size=0'], 'intermediate_size'),
     ('rope_theta=0', ['--rope_theta=0'], 'rope_theta'),
+    ('rope_scaling of an unknown type', ["--rope_scaling={{'rope_type': 'ntk', 'factor': 2.0}}"],  # ({{: format's)
+     "rope_scaling={'rope_type': 'ntk', 'factor': 2.0}: must be None or a dict of 'rope_type' and its fields"),
     ('min_lr=-1', ['--min_lr=-1'], 'min_lr'),
     ('warmup_iters=-5', ['--warmup_iters=-5'], 'warmup_iters'),
     ('norm_eps=-1', ['--norm_eps=-1'], 'norm_eps'),
@@ -79,6 +81,9 @@ CASES = [
     ('HF heads that do not divide', ['--init_from={d}/hf_heads'], 'n_kv_head=3'),
     ('HF shard missing', ['--init_from={d}/hf_no_shard'], 'model-00002-of-00002.safetensors'),
     ('HF tensor of the wrong shape', ['--init_from={d}/hf_shape'], 'up_proj'),
+    ('HF rope_scaling of an unknown type', ['--init_from={d}/hf_rope'], 'config.json: rope_scaling='),
+    ('HF extended with a rope_scaling missing a field',  # the user's mistake, not config.json's
+     ['--init_from={d}/hf_ok', "--rope_scaling={{'rope_type': 'yarn'}}"], "error: rope_scaling={'rope_type': 'yarn'}"),
     ('HF safetensors cut short', ['--init_from={d}/hf_cut'], 'model.safetensors'),
 ]
 
@@ -128,6 +133,7 @@ def spoiled_inputs(d):
         f.write('{"hidden_size": 32')
     hf_dir(os.path.join(d, 'hf_no_key'), ok, lambda hf: hf.pop('hidden_size'))
     hf_dir(os.path.join(d, 'hf_heads'), ok, lambda hf: hf.update(num_key_value_heads=3))
+    hf_dir(os.path.join(d, 'hf_rope'), ok, lambda hf: hf.update(rope_scaling={'rope_type': 'longrope', 'factor': 2.0}))
     hf_dir(os.path.join(d, 'hf_no_shard'), ok)
     state = load_file(os.path.join(ok, 'model.safetensors'))
     os.rename(os.path.join(d, 'hf_no_shard', 'model.safetensors'),

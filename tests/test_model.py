@@ -19,12 +19,12 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def hf_model(n_kv_head=2, tie=False, rope_scaling=None, vocab=211, seed=0):
+def hf_model(n_kv_head=2, tie=False, rope_scaling=None, vocab=211, seed=0, theta=500000.0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=n_kv_head,
         num_hidden_layers=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=256,
-        rope_theta=500000.0, tie_word_embeddings=tie,
+        rope_theta=theta, tie_word_embeddings=tie,
         rope_scaling=dict(rope_scaling) if rope_scaling else None,  # a copy: transformers edits it
         attn_implementation='eager')
     m = transformers.LlamaForCausalLM(cfg).float().eval()
@@ -106,6 +106,72 @@ def test_save_pretrained_round_trip_through_transformers(tmp_path, tie, rope):
         assert rel_err(ours(idx), hf(idx).logits) < 1e-5
     again = Llama.from_pretrained(tmp_path)
     assert torch.equal(again(idx), ours(idx))
+
+
+# a checkpoint's context extended: S = 100 tokens, past the original 32 of every scaling
+EXTENSIONS = {
+    'rope_theta': (2e6, None),
+    'linear': (10000.0, {'rope_type': 'linear', 'factor': 4.0}),
+    'llama3': (500000.0, {**LLAMA3_ROPE, 'original_max_position_embeddings': 32}),
+    'yarn': (10000.0, {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32}),
+    'yarn mscale': (10000.0, {'rope_type': 'yarn', 'factor': 8.0, 'original_max_position_embeddings': 32,
+                              'beta_fast': 16, 'beta_slow': 2, 'mscale': 0.8, 'mscale_all_dim': 0.5,
+                              'truncate': False}),
+    'yarn attention_factor': (10000.0, {'rope_type': 'yarn', 'factor': 2.0, 'original_max_position_embeddings': 32,
+                                        'attention_factor': 1.3}),
+}
+
+
+@pytest.mark.parametrize('name', EXTENSIONS)
+def test_rope_extensions_match_transformers_loaded_extended_and_exported(tmp_path, name):
+    theta, rope = EXTENSIONS[name]
+    hf = hf_model(rope_scaling=rope, theta=theta)
+    hf.save_pretrained(tmp_path / 'hf')
+    base = hf_model(theta=10000.0)  # the same weights (the same seed), the original RoPE
+    assert torch.equal(base.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    base.save_pretrained(tmp_path / 'base')
+    idx = torch.randint(0, 211, (2, 100))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert rel_err(base(idx).logits, ref) > 1e-4  # the extension changes the logits 10x the tolerance and more
+        loaded = Llama.from_pretrained(tmp_path / 'hf')  # a checkpoint transformers extended
+        assert (loaded.config.rope_theta, loaded.config.rope_scaling) == (theta, rope)
+        assert rel_err(loaded(idx), ref) < 1e-5
+        extended = Llama.from_pretrained(tmp_path / 'base', rope_theta=theta, rope_scaling=rope)  # ours extends it
+        assert rel_err(extended(idx), ref) < 1e-5
+        extended.save_pretrained(tmp_path / 'export')
+        exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / 'export', attn_implementation='eager')
+        assert rel_err(exported.float()(idx).logits, ref) < 1e-5
+        assert torch.equal(Llama.from_pretrained(tmp_path / 'export')(idx), extended(idx))
+    config = json.loads((tmp_path / 'export' / 'config.json').read_text())
+    assert config['rope_theta'] == theta and config['rope_scaling'] == rope
+    if rope and rope['rope_type'] == 'yarn':  # transformers checks YaRN's factor against this ratio
+        assert config['max_position_embeddings'] == rope['factor'] * rope['original_max_position_embeddings']
+
+
+@pytest.mark.parametrize('rope', [
+    {'rope_type': 'dynamic', 'factor': 2.0}, {'factor': 2.0}, 'yarn', ['yarn'], {'rope_type': ['yarn']},
+    {'rope_type': 'linear'}, {'rope_type': 'linear', 'factor': '2'}, {'rope_type': 'linear', 'factor': True},
+    {'rope_type': 'yarn', 'factor': 4.0},
+    {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32.0},
+    {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32, 'beta_fats': 8},
+    {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32, 'truncate': 'no'},
+    {**LLAMA3_ROPE, 'low_freq_factor': None}, {**LLAMA3_ROPE, 'factor': -8.0}])
+def test_a_bad_rope_scaling_is_one_line_that_says_what_is_allowed(rope):
+    with pytest.raises(ValueError) as e:
+        LlamaConfig(rope_scaling=rope)
+    line = str(e.value)
+    assert line.startswith(f'rope_scaling={rope!r}: must be None or') and '\n' not in line
+    assert 'linear factor;' in line and 'yarn factor original_max_position_embeddings [attention_factor]' in line
+
+
+def test_rope_theta_is_a_number_and_rope_scaling_takes_optional_fields():
+    for theta in (None, 'big', 0, -1.0):  # (train.py's rope_theta is None, "not given", and takes any literal)
+        with pytest.raises(ValueError, match=f'^rope_theta={theta!r}: must be a number > 0$'):
+            LlamaConfig(rope_theta=theta)
+    for ok in (None, {'rope_type': 'default'}, LLAMA3_ROPE, {'rope_type': 'yarn', 'factor': 4,
+               'original_max_position_embeddings': 32, 'beta_fast': None, 'truncate': False}):
+        LlamaConfig(rope_scaling=ok)
 
 
 def test_loss_ignores_targets_and_all_ignored_is_zero():

@@ -151,7 +151,7 @@ def kept_after_forward(cfg, dtype, mlp_chunks):
     it has returned, but its output: what the block keeps for backward, measured."""
     torch.manual_seed(0)
     block = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype)).layers[0]  # wrapped
-    cos, sin = rope_tables(rope_frequencies(cfg), torch.arange(S))
+    cos, sin = rope_tables(rope_frequencies(cfg)[0], torch.arange(S))
     x0 = torch.randn(B, S, cfg.n_embd, dtype=dtype, requires_grad=True)
     created = _Created()
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), created:

@@ -223,6 +223,38 @@ def test_init_from_a_hugging_face_directory_fine_tunes_it(tmp_path):
     assert args['vocab_size'] == 300 and args['n_layer'] == 1
 
 
+def test_a_hugging_face_model_extended_by_rope_scaling_trains_resumes_and_exports_to_transformers(tmp_path):
+    """--rope_scaling replaces the checkpoint's (its rope_theta stays); resume keeps it and refuses another (an
+    architecture change); the export loads in transformers, with the scaling, to the same logits."""
+    import transformers
+    torch.manual_seed(0)
+    Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=300,
+                      rope_theta=500000.0)).save_pretrained(tmp_path / 'hf')
+    yarn = {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 16}  # seq_len is 32
+    out, hf = str(tmp_path / 'out'), str(tmp_path / 'export')
+    run_train(*SMALL, f'--init_from={tmp_path / "hf"}', f'--rope_scaling={yarn}', '--max_iters=2', f'--out_dir={out}')
+    args = checkpoint.meta(checkpoint.latest(out))['model_args']
+    assert args['rope_scaling'] == yarn and args['rope_theta'] == 500000.0
+    other = {**yarn, 'factor': 8.0}
+    line = last_error(run_train(*SMALL, '--init_from=resume', f'--rope_scaling={other}', '--max_iters=3',
+                                f'--out_dir={out}', check=False))
+    assert line.startswith(f'error: --init_from=resume with rope_scaling={other}, but ') and repr(yarn) in line
+    run_train(*SMALL, '--init_from=resume', '--max_iters=3', f'--out_dir={out}')  # not given: the checkpoint's
+    assert checkpoint.meta(checkpoint.latest(out))['iter_num'] == 3
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'checkpoint.py'), 'export', out, hf], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    with open(os.path.join(hf, 'config.json')) as f:
+        assert json.load(f)['rope_scaling'] == yarn
+    theirs = transformers.LlamaForCausalLM.from_pretrained(hf, attn_implementation='eager').float()
+    assert theirs.config.rope_parameters == {**yarn, 'rope_theta': 500000.0}
+    ours = checkpoint.load_model(checkpoint.latest(out))[0]
+    idx = torch.randint(0, 300, (2, 64))
+    with torch.no_grad():
+        ref = theirs(idx).logits
+        assert ((ours(idx) - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_train_tiny_learns_and_samples(tmp_path):
     out = str(tmp_path / 'tiny')
     run_train(os.path.join(ROOT, 'config', 'train_tiny.py'), '--max_iters=150', '--eval_interval=50',
