@@ -165,10 +165,8 @@ def get_batch(meta, split, n, generator, device):
     xyp = torch.from_numpy(np.stack(xyp))
     # pinned host memory lets the copy overlap the previous step
     xy, pos = (xyp.pin_memory() if device.type == 'cuda' else xyp).to(device, non_blocking=True).tensor_split([n])
-    if not doc_mask:
-        return xy[:, :-1], xy[:, 1:]
-    y = xy[:, 1:].masked_fill(pos[:, 1:] == 0, -100)  # the next document's first token: not this one's to predict
-    return xy[:, :-1], y, pos[:, :-1], torch.nonzero(xyp[n:, :-1].flatten() == 0).flatten()
+    y = xy[:, 1:].masked_fill(pos[:, 1:] == 0, -100) if doc_mask else xy[:, 1:]  # a document's first: not predicted
+    return (xy[:, :-1], y) + ((pos[:, :-1], (xyp[n:, :-1].flatten() == 0).nonzero()[:, 0]) if doc_mask else ())
 
 
 # -----------------------------------------------------------------------------
@@ -198,11 +196,9 @@ def forward_backward(model, micro_batches, autocast, mesh=None):
 
 
 def make_master_weights(model):
-    """The tensors whose .grad holds each parameter's fp32 gradient. For an fp32 model, its parameters.
-    For a bf16 model, fp32 holders of the parameters' shapes that own no memory (a stride-0 view of one
-    zero: the fp32 master weights themselves live in the optimizer, sharded with zero=1); a hook folds
-    each bf16 gradient into the holder's fp32 .grad the moment autograd has finished it, so gradient
-    accumulation runs in fp32 and no bf16 gradient outlives its parameter's backward."""
+    """The tensors whose .grad holds each parameter's fp32 gradient: an fp32 model's parameters, or for bf16
+    memory-less fp32 holders (stride-0 views of one zero; the masters live in the optimizer) into whose .grad a
+    hook folds each bf16 gradient as autograd finishes it: accumulation in fp32, no bf16 gradient outlives it."""
     params = list(model.parameters())
     if all(p.dtype == torch.float32 for p in params):
         return params
@@ -302,10 +298,8 @@ def model_from_config(meta, cfg, dev, ptdtype):
 
 def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
-    dev = device
-    if dev == 'auto':
-        dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    dev = torch.device(dev)
+    dev = torch.device(device if device != 'auto' else 'cuda' if torch.cuda.is_available() else
+                       'mps' if torch.backends.mps.is_available() else 'cpu')
     if dry_run:  # memory.py: rank 0 of WORLD_SIZE (else tp x cp) ranks; this CPU (fake tensors) stands in for CUDA
         dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), os.environ.get('WORLD_SIZE', str(tp_size * cp_size))
     ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
