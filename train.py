@@ -35,7 +35,7 @@ from tqdm import tqdm
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
 import checkpoint
 from configurator import collective_failed, configure, die, has_device, writable
-from data.tokenizer import read_meta
+from data.tokenizer import check_tokenizer, read_meta
 import parallel
 import memory
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -273,6 +273,7 @@ def model_from_config(meta, cfg, dev, ptdtype):
             ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
             config = LlamaConfig(**ckpt['model_args'], **knobs)
         else:
+            check_tokenizer(meta, init_from)  # before the weights load: another tokenizer's ids are nonsense to it
             model = Llama.from_pretrained(init_from, **knobs)
             config = model.config
     except ValueError as e:
