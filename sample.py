@@ -4,9 +4,10 @@ Generate text from a trained checkpoint (or a Hugging Face directory) with a KV 
     python sample.py --out_dir=out-tiny --start="def " --num_samples=2 --max_new_tokens=300
     python sample.py --init_from=path/to/hf_llama --dataset=mydata --start=FILE:prompt.txt
 
-The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json);
-the whole prompt runs through the model once (prefill), then one token at a time reads the cached keys
-and values instead of recomputing the prefix: O(S) work per new token instead of O(S²).
+The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json; without
+--dataset, a Hugging Face directory's tokenizer.json); the whole prompt runs through the model once
+(prefill), then one token at a time reads the cached keys and values instead of recomputing the prefix:
+O(S) work per new token instead of O(S²).
 """
 
 import json
@@ -75,11 +76,14 @@ def main():
         name = name or ckpt['config']['dataset']
     else:
         model = Llama.from_pretrained(init_from)
-    if not name:
+    if name:  # data made by a Hugging Face tokenizer keeps a copy of its tokenizer.json beside meta.json
+        data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name)
+        with open(os.path.join(data_dir, 'meta.json')) as f:
+            encode, decode = get_tokenizer({**json.load(f), 'dir': data_dir})
+    elif os.path.isfile(os.path.join(init_from, 'tokenizer.json')):
+        encode, decode = get_tokenizer({'tokenizer': 'hf', 'dir': init_from})
+    else:
         sys.exit("error: --dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
-    meta_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name, 'meta.json')
-    with open(meta_path) as f:
-        encode, decode = get_tokenizer(json.load(f))
     model.to(dev).eval()
 
     prompt = start

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
 import checkpoint
 from configurator import collective_failed, configure, die, has_device, writable
-from data.tokenizer import read_meta
+from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
 import memory
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -140,13 +140,12 @@ def read_dataset(world, rank):
         meta = {**read_meta(data_dir, 0 if dry_run else seq_len + 2), 'dir': data_dir}
     except ValueError as e:
         die(e)
-    if doc_mask and not meta.get('docs'):
-        die(f"doc_mask=True: dataset {dataset!r} has no document boundaries (train.docs.npy): prepare it with "
-            f"data/hf/prepare.py, or set doc_mask=False")
-    n = doc_mask and np.sum(np.diff(np.load(f'{data_dir}/train.docs.npy'), append=meta['train_tokens']) > seq_len)
-    if rank == 0 and n:  # said once: get_batch cuts them as it cuts the token stream
+    if doc_mask and (starts := read_docs(meta, 'train')) is None:
+        die(f"doc_mask=True: dataset {dataset!r} has no document boundaries (train.docs.npy): prepare it again "
+            f"with its data/*/prepare.py, or set doc_mask=False")
+    if doc_mask and rank == 0 and (n := np.sum(np.diff(starts, append=meta['train_tokens']) > seq_len)):
         print(f"note: {n} training documents are longer than seq_len={seq_len}: a window cuts them, each piece "
-              f"from position 0")
+              f"from position 0")  # said once: get_batch cuts them as it cuts the token stream
     return meta
 
 
@@ -159,7 +158,7 @@ def get_batch(meta, split, n, generator, device):
     ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
     xyp = [data[i:i + seq_len + 1].astype(np.int64) for i in ix]
     if doc_mask:  # each token's place in its document, as if the window's first document began at the window
-        starts = np.load(os.path.join(meta['dir'], f'{split}.docs.npy'), mmap_mode='r')
+        starts = read_docs(meta, split)
         for t in (np.arange(i, i + seq_len + 1) for i in ix):
             xyp.append(t - np.maximum(starts[np.searchsorted(starts, t, 'right') - 1], t[0]))
     xyp = torch.from_numpy(np.stack(xyp))
@@ -282,6 +281,7 @@ def model_from_config(meta, cfg, dev, ptdtype):
             ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
             config = LlamaConfig(**ckpt['model_args'], **knobs)
         else:  # its architecture, but a rope_theta or rope_scaling given: a new one extends the model's context
+            check_tokenizer(meta, init_from)  # before the weights load: another tokenizer's ids are nonsense to it
             model = Llama.from_pretrained(init_from, **{k: v for k, v in given.items() if k in knobs or 'rope' in k})
             config = model.config
     except ValueError as e:

