@@ -283,9 +283,14 @@ def test_docs_file_checked(tiny_hf, tmp_path, spoil, why):
     assert str(e.value).startswith(str(data / "val.docs.npy")) and "\n" not in str(e.value)
 
 
+YARN = {'rope_type': 'yarn', 'factor': 2.0, 'original_max_position_embeddings': 16}
+
+
 def test_hf_tokenizer_train_sample_and_refuse(tiny_hf, tmp_path):
-    """train.py --init_from=hf_dir trains on its tokenizer's data, sample.py decodes with that tokenizer
-    (the data's copy, or the checkpoint's own), and data made by another tokenizer is refused in one line."""
+    """README's fine-tuning path end to end: train.py --init_from=hf_dir on its tokenizer's data with doc_mask
+    and a YaRN extension, sample.py decoding with that tokenizer (the data's copy, or the checkpoint's own), the
+    export loaded by transformers with our logits past the original context; data made by another tokenizer is
+    refused in one line."""
     out, other = tmp_path / "out", tiny_hf_dir(str(tmp_path / "other"), tiny_bpe(tiny_docs(seed=1)))
     # same vocabulary size, other merges: only the tokenizer check can tell
     assert json.loads(Path(other, "config.json").read_text())["vocab_size"] >= 384
@@ -294,7 +299,8 @@ def test_hf_tokenizer_train_sample_and_refuse(tiny_hf, tmp_path):
     sample = ["sample.py", "--device=cpu", "--num_samples=1", "--max_new_tokens=8", "--start=where each"]
     with ThreadPoolExecutor(2) as pool:  # two runs at a time: each spends seconds importing torch
         trained, refused = pool.map(lambda args: run(*train, *args), (
-            [f"--init_from={tiny_hf.hf}", f"--out_dir={out}"], [f"--init_from={other}", f"--out_dir={tmp_path / 'o2'}"]))
+            [f"--init_from={tiny_hf.hf}", f"--out_dir={out}", "--doc_mask=True", f"--rope_scaling={YARN}"],
+            [f"--init_from={other}", f"--out_dir={tmp_path / 'o2'}"]))
         assert trained.returncode == 0, trained.stderr[-3000:]
         samples = pool.map(lambda args: run(*sample, *args), ([f"--out_dir={out}"], [f"--init_from={tiny_hf.hf}"]))
         for r in samples:
@@ -304,6 +310,16 @@ def test_hf_tokenizer_train_sample_and_refuse(tiny_hf, tmp_path):
     assert refused.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), refused.stderr[-3000:]
     assert f"{other}/tokenizer.json" in lines[0] and "sha256" in lines[0]
     assert not (tmp_path / "o2").exists()
+    exported = run("checkpoint.py", "export", out, tmp_path / "exported")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    import torch
+    import transformers
+    from model import Llama
+    idx = torch.randint(0, 384, (1, 40))  # past the 16 original positions YARN extends
+    with torch.no_grad():
+        ours = Llama.from_pretrained(tmp_path / "exported")(idx)
+        theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").float()(idx).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-5
 
 
 # ----------------------------------------------------------------------------- stdlib
