@@ -7,7 +7,8 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   `llama3`, `yarn`: transformers' formulas, a checkpoint's context extended), angles computed in fp64 and kept
   in fp32 (in bf16 the positions of a long sequence are wrong), in the rotate-half convention of HF checkpoints.
 - grouped-query attention through F.scaled_dot_product_attention (flash on a GPU) with
-  `enable_gqa=True`: the kv heads are never repeated in memory.
+  `enable_gqa=True`: the kv heads are never repeated in memory. Packed documents (train.py's doc_mask, as
+  Llama 3's long-context stage trains): one causal call per document, positions restarting at each.
 - no biases anywhere; optional tied embeddings.
 - weight init as GPT-2/nanoGPT do for Llama-shaped models: every weight N(0, 0.02) (Llama's
   `initializer_range`), with the two projections that write into the residual stream (wo, w2)
