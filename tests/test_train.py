@@ -510,7 +510,7 @@ def test_get_batch_with_doc_mask(tmp_path, monkeypatch):
     starts = [0, 7, 30, 31, 90, 200]
     monkeypatch.setattr(train, 'seq_len', 20)
     monkeypatch.setattr(train, 'doc_mask', True)
-    meta = {'dir': doc_dataset(tmp_path, starts), 'dtype': 'uint16'}
+    meta = {'dir': doc_dataset(tmp_path, starts), 'dtype': 'uint16', 'docs': True}
     x, y, pos, docs = train.get_batch(meta, 'train', 64, torch.Generator().manual_seed(0), torch.device('cpu'))
     ix = torch.randint(400 - 20 - 1, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     for row, i in enumerate(ix):
