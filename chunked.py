@@ -164,6 +164,7 @@ class _ChunkedMLP(torch.autograd.Function):
                 if need_x:
                     torch.mm(da, w1, out=dx[s:s + n])
                     dx[s:s + n].addmm_(db, w3)
+                del a, b, sig, silu, dz, da, db  # before the next chunk's a and b exist, not after
         cast = lambda g, w: None if g is None else g.to(w.dtype)
         return (None if dx is None else dx.view(x.shape)), cast(g1, w1), cast(g3, w3), cast(g2, w2), None
 

@@ -32,8 +32,8 @@ merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_la
 is then the sum of the two ranges' parts: in bf16 rounded twice, within bf16's 2^-8 of the plain path's.
 
 A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
-blocks' copies in flight) and come back on another when the next block's backward begins (on a CPU
-streams are no-ops), into host buffers reused every step (a forward never backpropagated keeps its
+blocks' copies in flight) and come back on another once the next block's MLP backward is done (so they
+don't add to its peak; on a CPU streams are no-ops), into host buffers reused every step (a forward never backpropagated keeps its
 buffer until `reset()`). From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's `save_on_cpu`,
 recomputation (Chen et al. 2016), selective recomputation (Korthikanti et al. 2022).
 """
@@ -157,19 +157,24 @@ def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None
     c, saved = model.config, None
     if kv_cache is not None or not torch.is_grad_enabled():
         return inner(x, cos, sin, docs, kv_cache)
-    if c.offload > 0 and i < c.n_layer - KEEP_LAST:
-        y, saved = _offload(block, inner, x, cos, sin, docs, c.recompute, c.offload, i)
-    elif c.recompute == 'none':
-        y = inner(x, cos, sin, docs)
-    else:
-        y = checkpoint(inner, x, cos, sin, docs, use_reentrant=False, **({} if c.recompute == 'full' else dict(
-            context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))))
-    if c.offload > 0:  # when block i's backward begins, block i-1 starts coming back (the first kept
-        dev = _device(x)  # block brings back the last offloaded one)
-        last = None if i == 0 else dev.last  # i == 0: a new forward
-        if last is not None and last[0] == i - 1 and y.requires_grad:
-            y.register_hook(lambda grad: last[1]() and last[1]().fetch())
-        dev.last = (i, weakref.ref(saved)) if saved is not None else last
+    # block i-1 (the last offloaded one, for the first kept block) starts coming back when block i's attention
+    # output gets its gradient: after block i's MLP backward, whose peak it would otherwise add to
+    last = None if c.offload == 0 or i == 0 else _device(x).last  # i == 0: a new forward
+    def on_attention(module, args, a):  # (returns None: the output stays)
+        a.register_hook(lambda grad: last[1]() and last[1]().fetch()) if a.requires_grad else None
+    hook = block.attention.register_forward_hook(on_attention) if last is not None and last[0] == i - 1 else None
+    try:
+        if c.offload > 0 and i < c.n_layer - KEEP_LAST:
+            y, saved = _offload(block, inner, x, cos, sin, docs, c.recompute, c.offload, i)
+        elif c.recompute == 'none':
+            y = inner(x, cos, sin, docs)
+        else:
+            y = checkpoint(inner, x, cos, sin, docs, use_reentrant=False, **({} if c.recompute == 'full' else dict(
+                context_fn=partial(create_selective_checkpoint_contexts, _keep_attention))))
+    finally:
+        hook and hook.remove()  # a recompute in backward runs the block again: not this hook
+    if c.offload > 0:
+        _device(x).last = (i, weakref.ref(saved)) if saved is not None else last
     return y
 
 
