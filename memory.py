@@ -3,13 +3,14 @@ Memory, accounted: a per-rank estimate you can follow on paper, the measured bre
 step, a dry run on fake tensors, a fit check and a planner. It saves nothing; it tells you before you
 run out.
 
-Five categories, bytes per rank: params, grads, optimizer, activations (made by forward, kept for
-backward), transient (everything else alive at that moment). `overhead` (CUDA context, NCCL buffers)
-is added to the tensors' total for the verdict: it must be under 80% of the device (Fujii et al. 2024,
-arXiv 2411.06465: in 454 runs on A100/H100 estimates under 80% never ran out).
+Six categories, bytes per rank: params, grads, optimizer, activations (made by forward, kept for
+backward), transient (every other tensor alive at that moment), workspace (what a CUDA kernel allocates
+inside itself: no tensor shows it). `overhead` (CUDA context, NCCL buffers) is added to the total for
+the verdict: it must be under 80% of the device (Fujii et al. 2024, arXiv 2411.06465: in 454 runs on
+A100/H100 estimates under 80% never ran out).
 
-The estimate (S tokens per sequence, B batch, h width, kv = K·hd, I MLP width, V vocabulary, L layers,
-b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
+The estimate (S tokens per sequence, B batch, h width, H heads, kv = K·hd, I MLP width, V vocabulary,
+L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
 
   states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed precision:
                  bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); zero=1: 2 + 4 + 12/d
@@ -34,18 +35,28 @@ b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
                second micro-step on), the head's at the last block, all but the embedding's at block 0.
+  workspace    on a CUDA target in bf16, flash attention's backward beside its outputs (torch's copy of FA2:
+               flash_attn/flash_api.cpp, mha_bwd) for its call's q [B, a, Sa, hd]: an fp32 dq accumulator and
+               softmax_d, 4·B·Sa·a·(hd + 1) (Sa rounded up to 128, hd to 32); with grouped kv heads dk and dv
+               expanded to every query head, 2·b·B·Sa·a·hd; under cp attention's output and its gradient come
+               head-major and _flash_attention_backward (attention_backward.cu) copies both, 2·b·B·Sa·a·hd. The
+               call: a = H/t, Sa = S (sp gathers the sequence); Ulysses a = H/(t·c); the ring Sa = S/c, its kv
+               heads already repeated (a tensor). Alive in one attention backward: in the block-backward moments.
 
-Measured: torch's MemTracker over the first step, its categories mapped to ours (the optimizer's fp32
-master rows as optimizer, the host pool out of the device's total), torch.cuda's peak beside it. The
-dry run (`--dry_run=True`): the same on rank 0 of the configured world, a fake process group, the model
-made of FakeTensors (shapes, no data) and CPU autocast in bf16 standing in for CUDA: the exact answer.
+Measured (measure.py): torch's MemTracker over the first step, its categories mapped to ours (the
+optimizer's fp32 master rows as optimizer, the host pool out of the device's total), torch.cuda's peak
+beside it. On CUDA that peak is the total, and workspace what it holds beyond MemTracker's tensors
+(kernel workspaces, allocator rounding): nothing counted twice. The dry run (`--dry_run=True`): the
+same on rank 0 of the configured world, a fake process group, the model made of FakeTensors (shapes,
+no data) and CPU autocast in bf16 standing in for CUDA: the exact answer for tensors. A kernel's
+workspace is none: the dry run's is the formula's, at the formula's peak moment. With
+`--dry_run_anatomy=N` it lists the N largest tensors alive at its peak, and what made them.
 """
 import json
 import math
 import os
 import sys
-import warnings
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,9 +64,10 @@ import torch
 import chunked
 import offload
 import parallel
+from measure import Tracker
 from model import MEMORY_KNOBS, flops_per_token, num_params
 
-CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient')
+CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
 GiB = 2 ** 30
 FIT_FRACTION = 0.8  # Fujii et al. 2024
 
@@ -69,19 +81,32 @@ class Estimate:
     optimizer: float = 0
     activations: float = 0
     transient: float = 0
+    workspace: float = 0
     moment: str = ''  # where in the step the peak is
     host: float = 0   # bytes waiting in host memory (offload), never in the total
 
     @property
     def total(self):
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return sum(getattr(self, k) for k in CATEGORIES)
 
     def as_dict(self):
         return {k: int(round(getattr(self, k))) for k in CATEGORIES + ('total',)}
 
 
+def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysses'):
+    """What flash attention's backward allocates inside the kernel, for this rank's attention call: the
+    header's formula. Not counted: its forward's split-KV accumulators (flash_api.cpp, set_params_splitkv),
+    made only when B·a·Sa/64 can't fill the SMs (short sequences); cuBLAS's workspace (in the overhead)."""
+    ring = cp_size > 1 and cp_impl == 'ring'
+    a, Sa = c.n_head // tp_size // (1 if ring else cp_size), seq_len // cp_size if ring else seq_len
+    grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size) < a  # then flash expands kv heads itself
+    up = lambda x, m: -(-x // m) * m
+    return 4 * batch_size * up(Sa, 128) * a * (up(c.head_dim, 32) + 1) + \
+        2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim
+
+
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
-             tp_size=1, cp_size=1, dp=1, zero=0, doc_mask=False):
+             tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False):
     """Per-rank peak bytes of one training step of model.Llama(config): the header's formula."""
     c, t, L = config, tp_size, config.n_layer
     b, dt = (2, torch.bfloat16) if dtype in ('bfloat16', torch.bfloat16) else (4, torch.float32)
@@ -138,68 +163,18 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     stages = lambda alive: max(mlp + alive * T, max(attn, norm) + max(0, alive - mlp_saved) * T)
     ws, ws_off = stages(rebuilt), stages(full / t + gathered_in - stays)  # offloaded: all back or recomputed
 
-    moments = {
-        'forward and backward: LM head and loss': (g_acc, acts + head_kept, head_tr),
-        f'backward: block {L - 1}': (max(g_head, g_acc), acts, ws),
+    W = workspace(c, batch_size, seq_len, b, t, cp_size, cp_impl) if device_type == 'cuda' and bf16 else 0
+    moments = {  # (grads, activations, transient, workspace): the workspace only where attention's backward runs
+        'forward and backward: LM head and loss': (g_acc, acts + head_kept, head_tr, 0),
+        f'backward: block {L - 1}': (max(g_head, g_acc), acts, ws, W),
         'backward: block 0': (max(grads_all - g_emb - g_layer, g_acc), (stays if n_off else k) * T,
-                              ws_off if n_off else ws),
-        'optimizer step': (grads_all, 0, 2 * V * h / t if bf16 else 0),
+                              ws_off if n_off else ws, W),
+        'optimizer step': (grads_all, 0, 2 * V * h / t if bf16 else 0, 0),
     }
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
-        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T, ws_off + P)
-    name, (g, a, tr) = max(moments.items(), key=lambda m: sum(m[1]))
-    return Estimate(params, g, optimizer, a, tr, name, host)
-
-
-# ----------------------------------------------------------------------------- the measurement
-
-class Tracker:
-    """torch's MemTracker over a step, read as our five categories at its peak (.breakdown()).
-    masters: train.py's fp32 gradient holders when they are not the parameters; inputs: tensors made
-    before the step that it uses (the batch)."""
-
-    def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu')):
-        from torch.distributed._tools.mem_tracker import MemTracker
-        self.mt, self.root, self.device, self.inputs = MemTracker(), model, device, list(inputs)
-        self.params = list(model.parameters())
-        self.masters = [m for m in masters if all(m is not p for p in self.params)]
-        # parallel.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
-        own = [p.untyped_storage() for p in self.params]
-        self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
-        self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
-
-    def __enter__(self):
-        # train.py writes a master's .grad after autograd's hook: register it then
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad))
-                      for p, m in zip(self.params, self.masters)]
-        # MemTracker refuses a second forward of the model (gradient accumulation) unless its
-        # per-module statistics, which we don't read, are reset first; this hook runs before its own
-        self.hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
-        self.stack = ExitStack()
-        self.stack.enter_context(warnings.catch_warnings())
-        warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
-        self.stack.enter_context(self.mt)
-        return self
-
-    def __exit__(self, *exc):
-        self.stack.__exit__(*exc)
-        for hook in self.hooks:
-            hook.remove()
-
-    def breakdown(self):
-        snap = {getattr(k, 'value', k): v for k, v in self.mt.get_tracker_snapshot('peak').get(self.device, {}).items()}
-        # each storage once (views share one), the storages kept alive while compared: a freed one's id is reused
-        nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
-        masters, inputs = nbytes(self.state), nbytes(self.inputs)
-        self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
-        host = self.host if self.device.type == 'cpu' else 0
-        out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0),
-               'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs,
-               'optimizer': snap.get('Optstate', 0) + masters,
-               'activations': snap.get('Activation', 0) + inputs - host,
-               'transient': snap.get('Temp', 0)}
-        return {**out, 'total': sum(out.values())}
+        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T, ws_off + P, W)
+    name, (g, a, tr, w) = max(moments.items(), key=lambda m: sum(m[1]))
+    return Estimate(params, g, optimizer, a, tr, w, name, host)
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -280,13 +255,15 @@ def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=F
     label = 'dry run' if dry else 'measured'  # a dry run's figure is the verdict's, the estimate otherwise
     lines = [title, f"  {'':12s}{'estimate':>12s}" + (f"{label:>13s}{'error':>8s}" if measured else '')]
     mt = measured.get('total') if measured else None
-    for k in CATEGORIES + ('total',):
+    for k in [k for k in CATEGORIES + ('total',) if k != 'workspace' or e[k] or (measured or {}).get(k)]:
         row = f"  {k:12s}{gib(e[k]):>12s}"
         if measured:
             m = measured.get(k)
             err = '' if m is None or not mt else f"{100 * (e[k] - m) / (m if k == 'total' else mt):+7.1f}%"
             row += f"{gib(m):>13s}{err:>8s}"
         lines.append(row + '  ' + '█' * min(80, round(40 * e[k] / budget)) if budget else row)
+    if dry and e['workspace']:
+        lines.append("  (the dry run's workspace is the formula's: fake tensors can't see inside a CUDA kernel)")
     total = (mt if dry else e['total']) + overhead
     lines.append(f"  {'+ overhead':12s}{gib(overhead):>12s}   (CUDA context, NCCL buffers: not in tensors)")
     lines.append(f"  {'device':12s}{gib(budget):>12s}   80% rule: {gib(total, 0)} of "
@@ -346,10 +323,9 @@ def describe(changes):
 
 def options(config, budget, overhead, host, batch_size, seq_len, layout):
     """Every variant that fits, (cost, knobs changed, total, config, estimate), cheapest first."""
-    est = {k: v for k, v in layout.items() if k != 'cp_impl'}
     out = []
     for v in variants(config, batch_size, seq_len, host, layout):
-        if fits(e := estimate(v, batch_size, seq_len, **est), budget, overhead):
+        if fits(e := estimate(v, batch_size, seq_len, **layout), budget, overhead):
             out.append((round(cost(v, config, batch_size, seq_len), 9), len(knobs(v, config)), e.total, v, e))
     return sorted(out, key=lambda o: o[:3])
 
@@ -370,9 +346,8 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
         if n == 1:
             alone.setdefault(next(iter(knobs(v, config))), (describe(knobs(v, config)), e, x))
     out = list(alone.values()) or [(describe(knobs(v, config)), e, x) for x, _, _, v, e in fit[:1]]
-    est = {k: v for k, v in layout.items() if k != 'cp_impl'}
     if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero'):
-        if fits(e := estimate(config, batch_size, seq_len, **{**est, 'zero': 1}), budget, overhead):
+        if fits(e := estimate(config, batch_size, seq_len, **{**layout, 'zero': 1}), budget, overhead):
             out.append(('--zero=1', e, 0.0))
     device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
@@ -405,7 +380,7 @@ class Report:
         self.measured, self.logged = None, False
         tp, cp, dp = (getattr(mesh, k, 1) for k in ('tp', 'cp', 'dp'))
         self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
-                           device_type='cuda' if self.dry else device.type,
+                           device_type='cuda' if self.dry else device.type, cp_impl=cfg.get('cp_impl', 'ulysses'),
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
                            zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
@@ -436,8 +411,8 @@ class Report:
 
     def auto_memory(self, model):
         # rank 0 plans and every rank takes its knobs: no rank's own free memory can make it differ
-        p = plan(self.config, self.budget, self.overhead, self.host, self.B, self.S,
-                 cp_impl=self.cfg.get('cp_impl', 'ulysses'), **self.layout) if self.rank == 0 else None
+        p = plan(self.config, self.budget, self.overhead, self.host, self.B, self.S, **self.layout) \
+            if self.rank == 0 else None
         chosen = [knobs(p[0], self.config) if p else None]
         if self.world > 1 and not self.dry and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(chosen, src=0)
@@ -450,7 +425,7 @@ class Report:
 
     def suggest(self):
         sug = suggestions(self.config, self.budget, self.overhead, self.host or 0, self.B, self.S, world=self.world,
-                          cp_impl=self.cfg.get('cp_impl', 'ulysses'), **self.layout)
+                          **self.layout)
         return ["cheapest changes that fit (estimate per rank, extra step time):"] + \
             [f"  {d:52s} {gib(e.total)}  {100 * x:+5.1f}%" for d, e, x in sug[:8]] + \
             ["or --auto_memory=True to take the first memory knob setting above"] if sug else \
@@ -477,20 +452,32 @@ class Report:
         if self.measured is not None or self.rank != 0:
             yield
             return
-        cuda = self.device.type == 'cuda'
+        cuda, n, extra = self.device.type == 'cuda', self.cfg.get('dry_run_anatomy', 0), {}
         cuda and torch.cuda.reset_peak_memory_stats(self.device)
-        with nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device) as tracker:
+        tracker = nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0)
+        with tracker as tr:
             yield
-        self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tracker.breakdown()
-        extra = {'cuda': {'peak_allocated': torch.cuda.max_memory_allocated(self.device),
-                          'peak_reserved': torch.cuda.max_memory_reserved(self.device)}} if cuda else {}
-        self.measured['total'] = self.measured['total'] or extra.get('cuda', {}).get('peak_allocated')
-        print(table(self.est, self.budget, self.overhead, self.measured, dry=self.dry,
+        m = self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tr.breakdown()
+        if cuda:  # its peak holds what kernels allocate beside the tensors: the total, the rest of it workspace
+            peak = torch.cuda.max_memory_allocated(self.device)
+            extra['cuda'] = {'peak_allocated': peak, 'peak_reserved': torch.cuda.max_memory_reserved(self.device)}
+            m['workspace'], m['total'] = None if compiled else max(0, peak - m['total']), max(m['total'] or 0, peak)
+        if self.dry:  # fake tensors can't see inside a kernel: the formula's workspace, at its peak moment
+            m['workspace'] = round(self.est.workspace)
+            m['total'] += m['workspace']
+        print(table(self.est, self.budget, self.overhead, m, dry=self.dry,
                     title="dry run: one step on fake tensors (CPU kernels standing in for CUDA's):" if self.dry
                     else "memory after the first step (measured: tensors alive at the step's peak):"))
         if cuda:
-            print(f"  cuda: peak allocated {gib(extra['cuda']['peak_allocated'], 0)}, "
-                  f"reserved {gib(extra['cuda']['peak_reserved'], 0)}")
+            print(f"  cuda: peak allocated {gib(peak, 0)}, reserved {gib(extra['cuda']['peak_reserved'], 0)}")
+        if n and not compiled:  # where the peak's bytes are: what a change to the code added or removed
+            made = sum(x['bytes'] for x in tr.at_peak)
+            print(f"anatomy of the peak, after {tr.moment}: the {min(n, len(tr.at_peak))} largest of the "
+                  f"{len(tr.at_peak)} tensors made in the step and alive, {gib(made, 0)} (the other "
+                  f"{gib(m['total'] - m['workspace'] - made, 0)} were there before it: parameters, optimizer, batch):")
+            print('\n'.join(f"  {gib(x['bytes'])}  {x['category']:12s}{x['dtype']:9s}{str(x['shape']):22s} "
+                            f"{x['op']} in {x['module']}" for x in tr.at_peak[:n]))
+            extra['anatomy'] = {'moment': tr.moment, 'made_bytes': made, 'largest': tr.at_peak[:n]}
         if self.dry:
             ok = extra['fits'] = fits(self.measured['total'], self.budget, self.overhead)
             extra['verdict'] = (f"verdict: {'fits' if ok else 'DOES NOT FIT'} on a {gib(self.budget, 0)} device: dry "

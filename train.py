@@ -98,6 +98,7 @@ compile = False
 seed = 1337
 # memory accounting (memory.py): a report before the first step, measured after it, out_dir/memory.json
 dry_run = False  # one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
+dry_run_anatomy = 0  # N > 0: also list the N largest tensors alive at the measured peak (measure.py)
 memory_budget_gb = 0.0  # GiB per device the run must fit in (80% rule); 0: the device's own (80 for a dry run)
 host_memory_budget_gb = 0.0  # GiB of host memory for offloaded activations; 0: what is available
 auto_memory = False  # let memory.py pick recompute / mlp_chunks / loss_chunks / offload: the cheapest that fits
@@ -116,8 +117,7 @@ _RULES = [
      lambda v: dry_run or v == 'auto' or has_device(v)),  # a dry run stands in for the target's devices
     (('init_from',), "must be 'scratch', 'resume' or a Hugging Face model directory",
      lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
-    (('out_dir',), 'must be a directory we can write in, or create', lambda v: writable(v)),
-]
+    (('out_dir',), 'must be a directory we can write in, or create', writable)]
 
 
 # -----------------------------------------------------------------------------

@@ -24,8 +24,9 @@
 #   the loss in vocabulary-parallel chunks (chunked.py, automatic).
 # The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23): params 3.14,
 # grads 6.28, optimizer 9.41 GiB, activations and transient 37.0 GiB (peak in a block's MLP backward):
-# 55.78 GiB on fake tensors (the estimate's formula: 53.35, -4.4%) + 2.60 GiB overhead = 58.38 GiB,
-# under 80% of 80 GiB: it fits.
+# 55.78 GiB on fake tensors, + 4.02 GiB of flash attention's workspace (the formula's: 4 heads of the whole
+# sequence) = 59.79 GiB (the estimate's formula: 57.86, -3.2%) + 2.60 GiB overhead = 62.39 GiB, under 80%
+# of 80 GiB: it fits.
 # 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (check it with --dry_run=True).
 out_dir = 'out-llama7b-long'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama-2's 32,000-token vocabulary)

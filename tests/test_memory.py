@@ -1,6 +1,7 @@
 """memory.py: the estimate (a formula) against the measured peak of train.py's step (CPU, real tensors,
-torch's MemTracker), the measurement against a hand count, fake tensors against real ones, 7B dry
-runs, the fit check's suggestions, the planner and its host memory."""
+torch's MemTracker, measure.py), the measurement against a hand count, fake tensors against real ones, 7B
+dry runs, flash attention's workspace by hand, the anatomy of a dry run's peak, the fit check's
+suggestions, the planner and its host memory."""
 import json
 import os
 import subprocess
@@ -187,6 +188,10 @@ def test_dry_run_of_llama2_7b_at_64k_tokens(tmp_path):
                          'tp_size', 'cp_size', 'seq_len'}
     assert set(rank['estimate']) == set(rank['measured']) == set(memory.CATEGORIES) | {'total'}
     assert rank['device_bytes'] == 80 * GiB and rank['seq_len'] == 65536
+    # flash attention's fp32 dq accumulator and softmax_d, 32 heads of 128 (no grouped kv heads), in the
+    # estimate at its peak (a block's backward) and added, as the formula's, to the dry run's total
+    assert rank['estimate']['workspace'] == rank['measured']['workspace'] == 4 * 65536 * 32 * (128 + 1)
+    assert "the dry run's workspace is the formula's" in p.stdout
     assert abs(rank['estimate']['total'] - rank['measured']['total']) < 0.02 * rank['measured']['total']
     assert rank['estimate']['params'] == pytest.approx(2 * 6.74e9, rel=0.01)
 
@@ -204,6 +209,41 @@ def test_dry_run_fits_when_it_should(tmp_path):
 
 
 SETUP = dict(dtype='bfloat16', device_type='cuda')
+MiB = 2 ** 20
+
+
+@pytest.mark.parametrize('layout,gqa,mha', [
+    # Llama-3-8B (32 query heads, 8 kv heads, hd 128), Llama-2-7B (32 and 32) at 131,072 tokens. One GPU: the
+    # fp32 dq accumulator 4·S·32·128 = 2 GiB, softmax_d 4·S·32 = 16 MiB, with grouped kv heads dk and dv expanded
+    # to 32 heads in bf16, 2·2·S·32·128 = 2 GiB
+    ({}, 2 * GiB + 16 * MiB + 2 * GiB, 2 * GiB + 16 * MiB),
+    # tp 2: 16 heads of the whole (gathered) sequence; kv 4 of them, still grouped
+    (dict(tp_size=2), 1 * GiB + 8 * MiB + 1 * GiB, 1 * GiB + 8 * MiB),
+    # Ulysses cp 2: the whole sequence for 16 heads; the output and its gradient come head-major: copied, 1 GiB
+    (dict(cp_size=2), 1 * GiB + 8 * MiB + 1 * GiB + 1 * GiB, 1 * GiB + 8 * MiB + 1 * GiB),
+    # the ring, cp 2: 32 heads of S/2 tokens; kv heads repeated before the kernel (a tensor); the copies, 1 GiB
+    (dict(cp_size=2, cp_impl='ring'), 1 * GiB + 8 * MiB + 1 * GiB, 1 * GiB + 8 * MiB + 1 * GiB)])
+def test_workspace_is_flash_attentions_backward_by_hand(layout, gqa, mha):
+    S = 131072
+    for c, want in ((LLAMA3_8B, gqa), (cfg(L=32, h=4096, H=32, K=32, I=11008, V=32000), mha)):
+        c = replace(c, recompute='full', offload=1.0, mlp_chunks=0, loss_chunks=0)  # the peak: a block's backward
+        assert memory.workspace(c, 1, S, 2, layout.get('tp_size', 1), layout.get('cp_size', 1),
+                                layout.get('cp_impl', 'ulysses')) == want
+        est = memory.estimate(c, 1, S, **SETUP, **layout)
+        assert est.moment.startswith('backward: block') and est.workspace == want
+        # on top of the same moment's tensors: a CPU runs no CUDA kernel; fp32 on CUDA takes another, not counted
+        cpu = memory.estimate(c, 1, S, dtype='bfloat16', device_type='cpu', **layout)
+        assert cpu.workspace == 0 and cpu.moment == est.moment and est.total == cpu.total + want
+        assert memory.estimate(c, 1, S, dtype='float32', device_type='cuda', **layout).workspace == 0
+
+
+def test_workspace_rounds_and_stays_in_attentions_moments():
+    # the kernel rounds the sequence up to 128 and hd up to 32: 300 tokens, hd 16, 4 heads over 2 kv heads
+    c = cfg(L=2, h=64, H=4, K=2)
+    assert memory.workspace(c, 2, 300) == 4 * 2 * 384 * 4 * (32 + 1) + 2 * 2 * 2 * 300 * 4 * 16
+    # alive in an attention backward only: a peak at the LM head (a large vocabulary, the plain loss) has none
+    head = memory.estimate(cfg(L=2, h=64, V=32000), 2, 1024, **SETUP)
+    assert head.moment.startswith('forward and backward: LM head') and head.workspace == 0
 
 
 @pytest.mark.parametrize('c,B,S,budget', [
@@ -280,6 +320,36 @@ def test_train_prints_measured_beside_the_estimate(tmp_path):
     assert rows[0]['memory'] == {'estimate': est, 'measured': meas}
     assert set(meas) == set(memory.CATEGORIES) | {'total'} and meas['total'] == sum(meas[k] for k in memory.CATEGORIES)
     assert meas['params'] > 0 and meas['activations'] > 0
+
+
+def test_anatomy_of_a_dry_runs_peak(tmp_path):
+    """--dry_run_anatomy lists the tensors alive at the peak the table reports. Full recompute, block inputs on the
+    host, the MLP unchunked: the peak is block 0's MLP backward, and at it the tensors of at least a full width
+    (S·h bf16) are counted here one by one, so a change that adds one to the peak fails this test."""
+    S, h, I = 1024, 64, 192
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--n_layer=4', f'--n_embd={h}', '--n_head=4',
+                        '--n_kv_head=2', f'--intermediate_size={I}', '--vocab_size=256', f'--seq_len={S}',
+                        '--batch_size=1', '--recompute=full', '--offload=1.0', '--dtype=bfloat16', '--dry_run=True',
+                        '--dry_run_anatomy=100', f'--out_dir={tmp_path}'], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / 'memory.json').read_text())
+    m, anatomy = report['ranks'][0]['measured'], report['anatomy']
+    assert 'anatomy of the peak, after' in p.stdout and anatomy['moment'] in p.stdout
+    # the table's moment: what the step made and still holds, plus what was there before it: the model states and
+    # the batch (one (1, S + 1) int64 tensor that the model reads in place)
+    assert anatomy['made_bytes'] + m['params'] + m['optimizer'] + 8 * (S + 1) == m['total'] - m['workspace']
+    assert anatomy['moment'].endswith('in Llama.layers.0.feed_forward (backward)')
+    top = anatomy['largest'][0]  # the MLP's recomputed x·W1ᵀ (or x·W3ᵀ), S×I in bf16
+    assert (top['bytes'], top['dtype'], top['category']) == (2 * S * I, 'bfloat16', 'transient')
+    assert top['op'] == 'aten.mm.default' and 'feed_forward' in top['module']
+    wide = sorted(x['bytes'] for x in anatomy['largest'] if x['bytes'] >= 2 * S * h)
+    # the unchunked MLP's backward: x·W1ᵀ, x·W3ᵀ, silu, the product, two gradients (6 × S·I); the recomputed
+    # block's two RMSNorms' fp32 copies of their inputs (2 × fp32 S·h); bf16 S·h: the embedding's output (block
+    # 0's input; the host holds a copy), the gradient reaching block 0, each RMSNorm's x/rms and output, q and
+    # attention's output
+    assert wide == [2 * S * h] * 8 + [4 * S * h] * 2 + [2 * S * I] * 6, [
+        (x['bytes'], x['shape'], x['op'], x['module']) for x in anatomy['largest'] if x['bytes'] >= 2 * S * h]
 
 
 # ----------------------------------------------------------------------------- auto_memory and host memory

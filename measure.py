@@ -1,0 +1,96 @@
+"""
+Memory, measured: torch's MemTracker over one step, read as memory.py's categories at the step's peak (what
+memory.py's formula is checked against, on the device or the dry run's fake tensors), and the anatomy of that
+peak (train.py's dry_run_anatomy): the tensors alive at it, largest first, each with the op and module that
+made it, so a forker sees where a change's bytes went. A kernel's own workspace is no tensor: MemTracker can't
+see it (memory.py counts it).
+"""
+import warnings
+import weakref
+from contextlib import ExitStack
+
+import torch
+
+import offload
+
+
+class Tracker:
+    """torch's MemTracker over a step, read as memory.py's categories at its peak (.breakdown()). masters:
+    train.py's fp32 gradient holders when they are not the parameters; inputs: tensors made before the step
+    that it uses (the batch); anatomy: keep the tensors made in the step and alive at its peak (.at_peak)."""
+
+    def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'), anatomy=False):
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed._tools.mod_tracker import ModTracker  # MemTracker's own: holds no tensor alive
+
+        class Anatomy(MemTracker):  # it updates its peak as an op returns: look then
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                return self.look(func, [*args, *(kwargs or {}).values()], out)
+        if device.type == 'cuda' and device.index is None:  # MemTracker's keys are the tensors' devices: cuda:N
+            device = torch.device('cuda', torch.cuda.current_device())
+        self.mt, self.root, self.device = (Anatomy if anatomy else MemTracker)(), model, device
+        self.inputs = list(inputs)
+        self.mods, self.made, self.top, self.at_peak, self.moment = ModTracker() if anatomy else None, {}, -1, [], ''
+        self.params = list(model.parameters())
+        self.masters = [m for m in masters if all(m is not p for p in self.params)]
+        # parallel.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
+        own = [p.untyped_storage() for p in self.params]
+        self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
+        self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
+
+    def __enter__(self):
+        # train.py writes a master's .grad after autograd's hook: register it then
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad))
+                      for p, m in zip(self.params, self.masters)]
+        # MemTracker refuses a second forward of the model (gradient accumulation) unless its
+        # per-module statistics, which we don't read, are reset first; this hook runs before its own
+        self.hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
+        self.stack = ExitStack()
+        self.stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
+        self.mods and self.stack.enter_context(self.mods)
+        self.stack.enter_context(self.mt)
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.__exit__(*exc)
+        for hook in self.hooks:
+            hook.remove()
+
+    def look(self, func, args, out):
+        """Note each storage on our device an op makes (not one of its inputs': a view, in place), what made it
+        and its category (made in forward: activations; in backward, a recompute's too, or by the optimizer:
+        transient; or grads); at a new peak of MemTracker's, the one breakdown reads, keep those alive."""
+        ours = lambda xs: {id(t.untyped_storage()): t for x in xs for t in (x if isinstance(x, (tuple, list)) else [x])
+                           if isinstance(t, torch.Tensor) and t.device == self.device}
+        where = max(self.mods.parents, key=lambda m: (m.count('.'), m)) + (' (backward)' if self.mods.is_bw else '')
+        step = 'transient' if self.mods.is_bw or not torch.is_grad_enabled() else 'activations'
+        given = ours(args)
+        for k, t in ours([out]).items():
+            if k not in given and k not in self.made:  # dropped as it is freed: a freed storage's id is reused
+                info = dict(category=step, dtype=str(t.dtype)[6:], shape=list(t.shape), op=str(func), module=where)
+                self.made[k] = (weakref.ref(t.untyped_storage(), lambda _, k=k: self.made.pop(k, None)), info)
+        if (total := self.mt.get_tracker_snapshot().get(self.device, {}).get('Total', 0)) > self.top:
+            grads = {id(p.grad.untyped_storage()) for p in self.params + self.masters if p.grad is not None}
+            host = {id(b.untyped_storage()) for b in offload.host_buffers()}  # host memory, even on a CPU
+            self.top, self.moment = total, f"{func} in {where}"
+            self.at_peak = sorted(({**info, 'bytes': st.nbytes()} | ({'category': 'grads'} if k in grads else {})
+                                   for k, (ref, info) in list(self.made.items()) if (st := ref()) is not None
+                                   and k not in host), key=lambda x: -x['bytes'])
+        return out
+
+    def breakdown(self):
+        snap = {getattr(k, 'value', k): v for k, v in self.mt.get_tracker_snapshot('peak').get(self.device, {}).items()}
+        # each storage once (views share one), the storages kept alive while compared: a freed one's id is reused
+        nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
+        masters, inputs = nbytes(self.state), nbytes(self.inputs)
+        self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
+        host = self.host if self.device.type == 'cpu' else 0
+        out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0),
+               'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs,
+               'optimizer': snap.get('Optstate', 0) + masters,
+               'activations': snap.get('Activation', 0) + inputs - host,
+               'transient': snap.get('Temp', 0), 'workspace': 0}  # no kernel's workspace is a tensor
+        return {**out, 'total': sum(out.values())}
