@@ -31,7 +31,7 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                             at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)) or in an
                             RMSNorm's fp32 backward (five h-wide fp32 tensors), plus what recompute
                             rebuilds (under sp with the gathered inputs, 2·b·h per token of all t ranks),
-                            plus with offload what comes back from host for it and the block before
+                            plus with offload what comes back from host for it (for the block before: past its MLP)
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
                second micro-step on), the head's at the last block, all but the embedding's at block 0.
@@ -160,7 +160,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     norm = (b * h + 20 * h) / t * T  # an RMSNorm's backward works in fp32: five h-wide tensors
     # at each stage the block's tensors not yet consumed: all at the MLP, then all but the MLP's
     mlp_saved = (full - offload.kept_bytes(replace(c, recompute='none', offload=0.0, mlp_chunks=2), 1, S, dt) / S) / t
-    stages = lambda alive: max(mlp + alive * T, max(attn, norm) + max(0, alive - mlp_saved) * T)
+    # (back: what comes back from host for the block before, once the MLP's backward is done: offload.py)
+    stages = lambda alive, back=0: max(mlp + alive * T, max(attn, norm) + max(0, alive - mlp_saved) * T + back)
     ws, ws_off = stages(rebuilt), stages(full / t + gathered_in - stays)  # offloaded: all back or recomputed
 
     W = workspace(c, batch_size, seq_len, b, t, cp_size, cp_impl) if device_type == 'cuda' and bf16 else 0
@@ -172,7 +173,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         'optimizer step': (grads_all, 0, 2 * V * h / t if bf16 else 0, 0),
     }
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
-        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T, ws_off + P, W)
+        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T,
+                                         stages(full / t + gathered_in - stays, P), W)
     name, (g, a, tr, w) = max(moments.items(), key=lambda m: sum(m[1]))
     return Estimate(params, g, optimizer, a, tr, w, name, host)
 
