@@ -6,6 +6,7 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
 - RMSNorm in fp32 with the config's eps, RoPE with `rope_theta` and an optional `rope_scaling` (`linear`,
   `llama3`, `yarn`: transformers' formulas, a checkpoint's context extended), angles computed in fp64 and kept
   in fp32 (in bf16 the positions of a long sequence are wrong), in the rotate-half convention of HF checkpoints.
+  Both compute in fp32 a chunk of positions at a time, as autograd Functions that keep no fp32 copy of x, q or k.
 - grouped-query attention through F.scaled_dot_product_attention (flash on a GPU) with
   `enable_gqa=True`: the kv heads are never repeated in memory. Packed documents (train.py's doc_mask, as
   Llama 3's long-context stage trains): one causal call per document, positions restarting at each.
@@ -153,25 +154,83 @@ def rope_tables(inv_freq, positions, scale=1.0):
 
 
 def apply_rope(x, cos, sin):
-    """x [B, H, S, hd] -> x·cos + (x2, x1)·sin, in fp32, cast back to x's dtype."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
+    """x [B, H, S, hd] -> x·cos + R(x)·sin, R(x) = (x2, x1) its halves swapped, in fp32, cast back to x's dtype."""
+    return _Rope.apply(x, cos, sin)
+
+
+FP32_CHUNK = 1 << 24  # elements RoPE and RMSNorm hold in fp32 at once (64 MiB): a few positions, not all
+
+
+def _positions(x):  # slices of dim -2 (positions, rows treated apart) of about FP32_CHUNK elements of x each
+    n = max(1, FP32_CHUNK * x.shape[-2] // max(1, x.numel()))
+    return [slice(s, s + n) for s in range(0, x.shape[-2], n)]
+
+
+def _rotate(x, cos, sin, transpose=False):
+    out, R = torch.empty_like(x), lambda t: torch.cat(t.chunk(2, dim=-1)[::-1], dim=-1)
+    for s in _positions(x):
+        xf, c, si = x[..., s, :].float(), cos[..., s, :], sin[..., s, :]
+        out[..., s, :] = xf * c + (R(xf * si) if transpose else R(xf) * si)
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    # autograd on apply_rope's expression makes five fp32 tensors the size of q, in forward and in backward; here
+    # a chunk's, and only the tables (every layer's) are saved. R is its own transpose: backward is g·cos + R(g·sin),
+    # the rotation by -θ, with autograd's own ops (the same bits)
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _rotate(g, *ctx.saved_tensors, transpose=True), None, None
 
 
 # -----------------------------------------------------------------------------
 # the block
 
 class RMSNorm(nn.Module):
+    """weight · rms_norm(x in fp32) cast to x's dtype, as HF computes it (bf16 sums of squares over 4096 channels
+    lose digits). Autograd on that expression keeps an fp32 copy of x and x/rms, and its backward holds five fp32
+    tensors the size of x at once: _RMSNorm keeps x alone, and redoes a chunk of rows at a time in backward."""
+
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32 as HF does (bf16 sums of squares over 4096 channels lose digits), cast,
-        # then scale; F.rms_norm is one fused kernel where the hand-written version is five
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        if torch.compiler.is_compiling():  # Dynamo can't trace autograd.grad; inductor fuses the expression
+            return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        out = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+        for s in _positions(x):  # F.rms_norm: one fused kernel on CUDA
+            out[..., s, :] = weight * F.rms_norm(x[..., s, :].float(), x.shape[-1:], eps=eps).to(x.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):  # y = x/rms, dy = g·weight: dx = (dy - y·mean(dy·y)) / rms, dweight = Σ g·y
+        x, weight = ctx.saved_tensors
+        dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=torch.float32)  # dw summed in fp32
+        for s in _positions(x):
+            # dx by F.rms_norm's own backward on the chunk (its forward redone): CUDA's fused kernel, the CPU's
+            # autograd ops, so the plain path's bits; a formula by hand would round differently, and cost more on CUDA
+            with torch.enable_grad():
+                xf = x[..., s, :].detach().float().requires_grad_()
+                y = F.rms_norm(xf, x.shape[-1:], eps=ctx.eps).to(x.dtype)
+            dw += (g[..., s, :] * y).flatten(0, -2).sum(0, dtype=torch.float32)
+            dx[..., s, :] = torch.autograd.grad(y, xf, (g[..., s, :] * weight).to(y.dtype))[0]
+        return dx, dw.to(weight.dtype), None
 
 
 def attention(q, k, v, docs=None):
@@ -210,9 +269,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
         B, S, _ = x.shape
         # heads from the weights' shapes: under tensor parallelism this rank holds a share of them
-        q = self.wq(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (w(x).view(B, S, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
             y = self.attend(q, k, v, docs)
@@ -262,27 +319,22 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.vocab_group = None  # parallel.py: the tensor-parallel group the vocabulary is split over
-        self.apply(self._init_weights)
+        for m in self.modules():  # (a tied matrix twice, as nanoGPT's self.apply does)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
         for name, p in self.named_parameters():
             if name.endswith('wo.weight') or name.endswith('w2.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
     def num_params(self, non_embedding=True):
-        """Parameters, without the embedding table by default (it is a lookup, not a matmul).
-        With tied embeddings the shared matrix still counts once, as the LM head."""
+        """Parameters, without the embedding table by default: num_params(config)."""
         return num_params(self.config, non_embedding)
 
     def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None):
         """idx [B, S] -> logits [B, S, V]; with targets -> (logits or None, mean loss over targets != -100).
         `positions` [S] or [B, S] are the positions of idx's tokens (a shard of a longer sequence, the tokens
         after a kv cache, each token's place in its document); they default to 0..S-1. `docs`: see attention()."""
-        B, S = idx.shape
-        if positions is None:
-            positions = torch.arange(S, device=idx.device)
+        positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         # RoPE tables outside autocast, from fp32 frequencies made here (HF's; a buffer would be rounded
         # to bf16 by model.to(bfloat16), and at long context bf16 angles are wrong)
         inv_freq, scale = rope_frequencies(self.config)
@@ -291,7 +343,7 @@ class Llama(nn.Module):
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[i])
-        x = self.norm(x)  # rebound: in bf16 the last block's output is not kept alive through the head
+        x = self.norm(x)
         return self.head(x, targets)
 
     def head(self, x, targets=None):
@@ -374,8 +426,7 @@ class Llama(nn.Module):
         c, s = self.config, self.config.rope_scaling or {}
         os.makedirs(out_dir, exist_ok=True)
         params = dict(self.named_parameters())
-        state = {theirs: params[ours].detach().cpu().contiguous()
-                 for ours, theirs in _hf_names(c).items()}
+        state = {theirs: params[ours].detach().cpu().contiguous() for ours, theirs in _hf_names(c).items()}
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
         hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
@@ -408,12 +459,8 @@ def flops_per_token(config, seq_len):
     'selective', the attention kernel not)."""
     c, N = config, num_params(config)
     attn = 12 * c.n_layer * c.n_embd * seq_len
-    mfu_flops = 6 * N + attn
-    if c.recompute == 'full':
-        return mfu_flops, mfu_flops + 2 * N + attn // 3
-    if c.recompute == 'selective':
-        return mfu_flops, mfu_flops + 2 * (N - c.vocab_size * c.n_embd)
-    return mfu_flops, mfu_flops
+    recompute = {'none': 0, 'full': 2 * N + attn // 3, 'selective': 2 * (N - c.vocab_size * c.n_embd)}
+    return 6 * N + attn, 6 * N + attn + recompute[c.recompute]
 
 
 def _hf_names(config):

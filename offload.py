@@ -6,7 +6,7 @@ backward. Per token and block, recompute='none' keeps (`saved_per_token` lists e
 
     qkv        q, k, v as attention gets them                 b·(h + 2kv)
     attention  its output and logsumexp (fp32)                b·h + 4·H
-    other      2 RMSNorms (fp32 input, 1/rms, x/rms, output)  4·b·h + 8·h + 8   (+ 4·b·I unchunked MLP)
+    other      2 RMSNorms (input, output; no fp32 copy)       4·b·h             (+ 4·b·I unchunked MLP)
 
 `recompute` says what stays on the device; `offload` = α (Memo's) what goes to host memory while the
 next blocks compute, with n = floor(α·S) host tokens:
@@ -60,8 +60,7 @@ def saved_per_token(config, dtype=torch.float32, seq_len=None):
     """[(what, bytes per token, the header's kind)] of each tensor a block saves with recompute='none'."""
     b, h, H = torch.empty(0, dtype=dtype).element_size(), config.n_embd, config.n_head
     kv, I = config.n_kv_head * config.head_dim, config.intermediate_size
-    norm = lambda name: [(f'{name} fp32 input', 4 * h, 'other'), (f'{name} 1/rms', 4, 'other'),
-                         (f'{name} x/rms', b * h, 'other'), (f'{name} output', b * h, 'other')]
+    norm = lambda name: [(f'{name} input', b * h, 'other'), (f'{name} output', b * h, 'other')]
     saved = norm('attention_norm') + [('q', b * h, 'qkv'), ('k', b * kv, 'qkv'), ('v', b * kv, 'qkv'),
                                       ('attention output (wo keeps a view)', b * h, 'attention'),
                                       ('attention logsumexp', 4 * H, 'attention')] + norm('ffn_norm')

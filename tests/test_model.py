@@ -1,12 +1,14 @@
 """model.py against transformers' LlamaForCausalLM: logits, loss, checkpoint loading both ways."""
 import json
 import os
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import packed_batch
 from model import Llama, LlamaConfig
@@ -252,3 +254,128 @@ def test_doc_mask_equals_each_document_alone():
     m.zero_grad()
     m(x, y)[1].backward()  # without the mask: other gradients
     assert rel_err(m.layers[0].attention.wq.weight.grad, grads['layers.0.attention.wq.weight']) > 0.05
+
+
+# ----------------------------------------------------------------------------- RMSNorm and RoPE, a chunk at a time
+
+def plain_norm(x, weight, eps=1e-5):  # what RMSNorm computed before its Function: autograd on HF's expression
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def plain_rope(x, cos, sin):  # what apply_rope computed before its Function
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+def grads(fn, inputs, autocast, seed=0):
+    """fn(*inputs) and the gradients of the inputs that require one, for a random incoming gradient."""
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+        y = fn(*inputs)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype))
+    return [y.detach()] + [t.grad for t in inputs if t.requires_grad]
+
+
+NORM_CASES = {'fp32': (torch.float32, torch.float32, False), 'bf16 under autocast': (torch.bfloat16,) * 2 + (True,),
+              'fp32 under autocast': (torch.float32, torch.float32, True),
+              'bf16 input, fp32 weight': (torch.bfloat16, torch.float32, True)}
+
+
+@pytest.mark.parametrize('per_chunk', [None, 5], ids=['one chunk', '5 positions a chunk'])
+@pytest.mark.parametrize('shape', [(2, 37, 64), (37, 48)], ids=['B S h', 'S h'])
+@pytest.mark.parametrize('case', NORM_CASES)
+def test_rmsnorm_is_the_plain_expression(monkeypatch, case, shape, per_chunk):
+    """Output and dx to the bit; dweight to the bit in one chunk, and summed over chunks in fp32 within fp32's
+    rounding of a different order (1e-6), or of bf16's (2^-8: measured equal) when cast to bf16."""
+    import model
+    if per_chunk:
+        monkeypatch.setattr(model, 'FP32_CHUNK', per_chunk * torch.Size(shape).numel() // shape[-2])
+    x_dtype, w_dtype, autocast = NORM_CASES[case]
+    g = torch.Generator().manual_seed(1)
+    norm = model.RMSNorm(shape[-1], 1e-5).to(w_dtype)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(shape[-1], generator=g))
+    x = (3 * torch.randn(shape, generator=g)).to(x_dtype).requires_grad_()
+    ours = grads(lambda x, w: torch.func.functional_call(norm, {'weight': w}, (x,)), [x, norm.weight], autocast)
+    ref = grads(plain_norm, [x, norm.weight], autocast)
+    assert ours[0].dtype == ref[0].dtype and torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    if per_chunk is None:
+        assert torch.equal(ours[2], ref[2])
+    elif w_dtype == torch.float32:
+        assert rel_err(ours[2], ref[2]) <= 1e-6
+    else:
+        assert ((ours[2].float() - ref[2].float()).abs() <= 2 ** -8 * ref[2].float().abs()).all()
+
+
+@pytest.mark.parametrize('per_chunk', [None, 5], ids=['one chunk', '5 positions a chunk'])
+@pytest.mark.parametrize('per_row', [False, True], ids=['positions [S]', 'positions [B, S]'])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=['fp32', 'bf16 under autocast'])
+def test_rope_is_the_plain_expression(monkeypatch, dtype, per_row, per_chunk):
+    """apply_rope on q's layout ([B, S, H, hd] in memory), tables as Llama.forward makes them ([B, 1, S, hd]
+    for per-row positions: doc_mask's), an odd length: output and dx to the bit."""
+    import model
+    B, H, S, hd = 2, 4, 37, 16
+    if per_chunk:
+        monkeypatch.setattr(model, 'FP32_CHUNK', per_chunk * B * H * hd)
+    inv_freq, scale = model.rope_frequencies(LlamaConfig(n_embd=H * hd, n_head=H, rope_theta=500000.0))
+    positions = torch.stack([torch.arange(S), torch.arange(S) % 11]) if per_row else torch.arange(S)
+    cos, sin = model.rope_tables(inv_freq.float(), positions, scale)
+    x = (3 * torch.randn(B, S, H, hd)).to(dtype).transpose(1, 2).requires_grad_()
+    ours, ref = (grads(f, [x, cos, sin], dtype == torch.bfloat16) for f in (model.apply_rope, plain_rope))
+    assert ours[0].dtype == dtype and all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+class Peak(TorchDispatchMode):
+    """The most bytes alive at once of the storages that the ops inside create (those of `outside` not counted)."""
+
+    def __init__(self, *outside):
+        super().__init__()
+        self.alive, self.now, self.peak = {id(t.untyped_storage()) for t in outside}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            s = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if s is not None and id(s) not in self.alive:
+                self.alive.add(id(s))
+                self.now += s.nbytes()
+                weakref.finalize(s, self.free, id(s), s.nbytes())
+        self.peak = max(self.peak, self.now)
+        return out
+
+    def free(self, key, nbytes):
+        self.alive.discard(key)
+        self.now -= nbytes
+
+
+def test_rmsnorm_and_rope_hold_no_full_size_fp32_copy(monkeypatch):
+    """RMSNorm saves its bf16 input alone (the plain expression: an fp32 copy and x/rms besides), and neither it nor
+    RoPE holds an fp32 tensor the size of its input, forward or backward: the output, the gradient and a chunk's."""
+    import model
+    S, h, H = 2048, 256, 4
+    monkeypatch.setattr(model, 'FP32_CHUNK', 1 << 13)  # 64 chunks of 32 positions
+    chunk = 4 * (1 << 13)  # bytes of one chunk in fp32: a full-size fp32 copy is 64 of them
+    x = torch.randn(1, S, h, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(torch.ones(h, dtype=torch.bfloat16))
+    cos, sin = model.rope_tables(model.rope_frequencies(LlamaConfig(n_embd=h, n_head=H))[0].float(), torch.arange(S))
+    q = x.detach().view(1, S, H, h // H).transpose(1, 2).requires_grad_()
+    norm = lambda x: torch.func.functional_call(model.RMSNorm(h, 1e-5), {'weight': weight}, (x,))
+    for ours, plain, inp in [(norm, lambda x: plain_norm(x, weight), x),
+                             (lambda q: model.apply_rope(q, cos, sin), lambda q: plain_rope(q, cos, sin), q)]:
+        peaks, saved = [], []
+        for fn in (ours, plain):
+            kept = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t), \
+                    Peak(inp, weight, cos, sin) as forward:
+                y = fn(inp)
+            dy = torch.ones_like(y)
+            with Peak(inp, weight, cos, sin, y, dy) as backward:
+                y.backward(dy)
+            peaks.append((forward.peak, backward.peak))
+            saved.append(sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in kept
+                              if all(t.untyped_storage() is not s.untyped_storage() for s in (weight, cos, sin))
+                              }.values()))
+        bound = inp.nbytes + 32 * chunk  # its output or gradient, and a few chunks' fp32 tensors
+        assert max(peaks[0]) <= bound < max(peaks[1])  # (the plain expression: 5 fp32 copies at once)
+        assert saved[0] == (inp.nbytes if ours is norm else 0) and saved[1] >= 3 * inp.nbytes * (ours is norm)
