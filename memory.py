@@ -29,8 +29,8 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                  a block's  backward at the MLP (incoming gradient, x W1ᵀ/x W3ᵀ/product gradients
                             b·3I; chunked: one chunk's six b·I·T/M tensors and the fp32 dW1..3, 12·h·I),
                             at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)) or in an
-                            RMSNorm's fp32 backward (five h-wide fp32 tensors), plus what recompute
-                            rebuilds (under sp with the gathered inputs, 2·b·h per token of all t ranks),
+                            RMSNorm's backward (dx; seven fp32 tensors of one model.FP32_CHUNK chunk),
+                            plus what recompute rebuilds (under sp with the gathered inputs, 2·b·h per token of all t ranks),
                             plus with offload what comes back from host for it (for the block before: past its MLP)
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
@@ -65,7 +65,7 @@ import chunked
 import offload
 import parallel
 from measure import Tracker
-from model import MEMORY_KNOBS, flops_per_token, num_params
+from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
 GiB = 2 ** 30
@@ -140,7 +140,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 
     # the LM head and loss; gradients exist at its forward only from the second micro-step on
     g_acc = grads_all if grad_accum > 1 else 0
-    head_kept = (4 + 2 * b) * h / t * T   # the final norm: its fp32 input, x/rms, output
+    head_kept = 2 * b * h / t * T   # the final norm: its input and output
     M = chunked.loss_chunks(c, T)
     if M > 1 or sp:   # chunked.py: dh and the fp32 dW made in forward; one chunk of fp32 logits
         head_kept += b * h * T + 4 * V * h / t
@@ -157,7 +157,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     else:
         mlp = (b * h / t + gathered + 3 * b * I / t) * T
     attn = (b * (3 * h + 2 * kv) / t + gathered) * T
-    norm = (b * h + 20 * h) / t * T  # an RMSNorm's backward works in fp32: five h-wide tensors
+    norm = b * h / t * T + 28 * min(h / t * T, FP32_CHUNK)  # dx, and seven fp32 tensors of one chunk (model.py)
     # at each stage the block's tensors not yet consumed: all at the MLP, then all but the MLP's
     mlp_saved = (full - offload.kept_bytes(replace(c, recompute='none', offload=0.0, mlp_chunks=2), 1, S, dt) / S) / t
     # (back: what comes back from host for the block before, once the MLP's backward is done: offload.py)

@@ -410,7 +410,7 @@ if rank == 1:  # what this rank would plan alone (its own device or host memory 
 with torch.device('meta'):  # shapes only: the report is made before anything is allocated
     model = Llama(LlamaConfig(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192,
                               vocab_size=32000, mlp_chunks=0, loss_chunks=0))
-cfg = dict(batch_size=1, seq_len=32768, auto_memory=True, memory_budget_gb=24, out_dir={out!r})
+cfg = dict(batch_size=1, seq_len=32768, auto_memory=True, memory_budget_gb=20, out_dir={out!r})
 memory.Report(model, cfg, 2, rank, None, torch.device('cpu'), torch.bfloat16)
 open(os.path.join({out!r}, 'plan%d' % rank), 'w').write('%s %s' % (model.config.recompute, model.config.offload))
 dist.destroy_process_group()
