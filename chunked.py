@@ -8,7 +8,7 @@ Two tensors grow with the number of tokens S and dwarf everything else in a long
                product: 4·I·b bytes per token per layer (Llama 3 8B: I = 14,336 -> 115 KB/token in bf16).
                mini-sequence: keep only x (which the block's norm produced anyway); forward and
                backward walk ceil(S/M)-token chunks, backward recomputes each chunk's intermediates.
-               S·4·I·b kept  ->  0 kept, about (S/M)·6·I·b transient inside the layer.
+               S·4·I·b kept  ->  0 kept, (S/M)·3·I·b transient inside the layer (three buffers, reused).
   LM head+loss logits = x Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32 log-softmax
                for backward, and backward makes an fp32 gradient of the same size:
                about S·V·(b + 4 + 4) bytes (V = 128,256, S = 8,192: 4.2 GB per fp32 copy).
@@ -19,9 +19,9 @@ Two tensors grow with the number of tokens S and dwarf everything else in a long
 How many chunks (mlp_chunks = 0 / loss_chunks = 0 in the config): make one chunk's transient about
 the size of a tensor we hold anyway, so chunking never sets the peak:
     loss:  M = ceil(V / h)   -> one chunk's logits (S/M)·V ≈ S·h elements, the size of x
-    MLP:   M = ceil(I / h)   -> one chunk's intermediate (S/M)·I ≈ S·h, the size of the block input
+    MLP:   M = ceil(3I / h)  -> one chunk's backward, 3·(S/M)·I, ≈ S·h, the size of the block input
 with at least MIN_CHUNK_TOKENS = 256 tokens per chunk (M <= ceil(S / 256): fewer rows make the
-matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 4 for
+matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 11 for
 the MLP. Or from a memory budget: M = ceil(S · bytes_per_token / budget).
 
 Where it comes from: the Mini-Sequence Transformer (Luo et al. 2024, arXiv 2407.15892) chunks both
@@ -53,8 +53,8 @@ def _auto_chunks(n_tokens, m):
 
 
 def auto_mlp_chunks(n_tokens, dim, intermediate):
-    """M = ceil(I / h): a chunk's S/M × I intermediate is about the S × h block input."""
-    return _auto_chunks(n_tokens, math.ceil(intermediate / dim))
+    """M = ceil(3I / h): a chunk's backward, three S/M × I buffers, is about the S × h block input."""
+    return _auto_chunks(n_tokens, math.ceil(3 * intermediate / dim))
 
 
 def auto_loss_chunks(n_tokens, dim, vocab):
@@ -148,23 +148,28 @@ class _ChunkedMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x2.shape[0], n):
                 xc, gyc = x2[s:s + n], gy2[s:s + n]
-                a, b = torch.mm(xc, w1.t()), torch.mm(xc, w3.t())  # recompute this chunk only
-                sig = torch.sigmoid(a)
-                silu = a * sig
+                # Three [n, I] buffers, each reused in place: a working set of 3·n·I·b bytes.
+                # silu'(a) = sig + silu·(1 - sig) needs sig and silu(a), not a: silu overwrites a.
+                a = torch.mm(xc, w1.t())  # recompute this chunk only
+                b = torch.mm(xc, w3.t())
+                g = torch.sigmoid(a)
+                a.mul_(g)                             # a := silu(x W1ᵀ)
+                g.addcmul_(g, a, value=-1).add_(a)    # g := silu'(x W1ᵀ)
+                g.mul_(b)                             # g := x W3ᵀ · silu'
+                b.mul_(a)                             # b := silu(x W1ᵀ) · x W3ᵀ, W2's input
                 if need_w2:
-                    _acc_mm_(g2, gyc.t(), silu * b)  # dW2 += gyᵀ (silu(a) b)
-                dz = torch.mm(gyc, w2)  # d(silu(a) b)
-                db = silu.mul_(dz)  # d(x W3ᵀ) = dz silu(a)
-                # d(x W1ᵀ) = dz b silu'(a), silu'(a) = sig (1 + a (1 - sig))
-                da = dz.mul_(b).mul_(a.mul_(1 - sig).add_(1).mul_(sig))
+                    _acc_mm_(g2, gyc.t(), b)  # dW2 += gyᵀ (silu(x W1ᵀ) · x W3ᵀ)
+                torch.mm(gyc, w2, out=b)  # b := dz, the gradient of that product
+                g.mul_(b)                 # g := d(x W1ᵀ) = dz · x W3ᵀ · silu'
+                b.mul_(a)                 # b := d(x W3ᵀ) = dz · silu(x W1ᵀ)
                 if need_w1:
-                    _acc_mm_(g1, da.t(), xc)
+                    _acc_mm_(g1, g.t(), xc)
                 if need_w3:
-                    _acc_mm_(g3, db.t(), xc)
+                    _acc_mm_(g3, b.t(), xc)
                 if need_x:
-                    torch.mm(da, w1, out=dx[s:s + n])
-                    dx[s:s + n].addmm_(db, w3)
-                del a, b, sig, silu, dz, da, db  # before the next chunk's a and b exist, not after
+                    torch.mm(g, w1, out=dx[s:s + n])
+                    dx[s:s + n].addmm_(b, w3)
+                del a, b, g  # before the next chunk's buffers exist, not after
         cast = lambda g, w: None if g is None else g.to(w.dtype)
         return (None if dx is None else dx.view(x.shape)), cast(g1, w1), cast(g3, w3), cast(g2, w2), None
 

@@ -26,12 +26,13 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                  LM head    plain: the fp32 log-softmax kept (4V) and its gradients (8V) per token;
                             chunked.py's (loss_chunks > 1, or tp): dh (b·h·T) and the fp32 dW (4·V·h)
                             kept, one chunk's fp32 logits and gradient (4 + b)·V·T/M
-                 a block's  backward at the MLP (incoming gradient, x W1ᵀ/x W3ᵀ/product gradients
-                            b·3I; chunked: one chunk's six b·I·T/M tensors and the fp32 dW1..3, 12·h·I),
-                            at attention (dq, dk, dv and the incoming gradient: b·(3h + 2kv)) or in an
-                            RMSNorm's backward (dx; seven fp32 tensors of one model.FP32_CHUNK chunk),
-                            plus what recompute rebuilds (under sp with the gathered inputs, 2·b·h per token of all t ranks),
-                            plus with offload what comes back from host for it (for the block before: past its MLP)
+                 a block's  backward, two moments (R what recompute rebuilt and offload brought back, u = b·h/t):
+                            at the MLP  R + 2u (incoming gradient, dx) + chunked: one chunk's three buffers,
+                                        3·b·I/t·T/M, and the fp32 dW1..3, 12·h·I/t (unchunked: 3·b·I/t·T)
+                            past it     R less the MLP's input, + the larger of attention's backward
+                                        (gradient in, dq, dk, dv, dx: b·(3h + 2kv)/t) and an RMSNorm's (dx;
+                                        seven fp32 chunks: 28·model.FP32_CHUNK), + the block before's input
+                                        back from host. Under sp + 2·b·h per token of all t (gathered inputs)
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
                second micro-step on), the head's at the last block, all but the embedding's at block 0.
@@ -153,7 +154,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     gathered = b * h if sp else 0  # under sp the incoming gradient of a column-parallel matmul is whole
     Mm = chunked.mlp_chunks(c, S)
     if Mm > 1:
-        mlp = (2 * b * h / t + 2 * gathered) * T + 6 * b * I / t * math.ceil(T / Mm) + 12 * h * I / t
+        mlp = (2 * b * h / t + 2 * gathered) * T + 3 * b * I / t * math.ceil(T / Mm) + 12 * h * I / t
     else:
         mlp = (b * h / t + gathered + 3 * b * I / t) * T
     attn = (b * (3 * h + 2 * kv) / t + gathered) * T

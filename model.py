@@ -153,11 +153,6 @@ def rope_tables(inv_freq, positions, scale=1.0):
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
 
-def apply_rope(x, cos, sin):
-    """x [B, H, S, hd] -> x·cos + R(x)·sin, R(x) = (x2, x1) its halves swapped, in fp32, cast back to x's dtype."""
-    return _Rope.apply(x, cos, sin)
-
-
 FP32_CHUNK = 1 << 24  # elements RoPE and RMSNorm hold in fp32 at once (64 MiB): a few positions, not all
 
 
@@ -175,8 +170,9 @@ def _rotate(x, cos, sin, transpose=False):
 
 
 class _Rope(torch.autograd.Function):
-    # autograd on apply_rope's expression makes five fp32 tensors the size of q, in forward and in backward; here
-    # a chunk's, and only the tables (every layer's) are saved. R is its own transpose: backward is g·cos + R(g·sin),
+    # apply_rope: x [B, H, S, hd] -> x·cos + R(x)·sin, R(x) = (x2, x1) its halves swapped, in fp32, cast back to x's
+    # dtype. Autograd on that expression makes five fp32 tensors the size of q, in forward and in backward; here a
+    # chunk's, and only the tables (every layer's) are saved. R is its own transpose: backward is g·cos + R(g·sin),
     # the rotation by -θ, with autograd's own ops (the same bits)
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -186,6 +182,9 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _rotate(g, *ctx.saved_tensors, transpose=True), None, None
+
+
+apply_rope = _Rope.apply
 
 
 # -----------------------------------------------------------------------------
@@ -325,10 +324,6 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith('wo.weight') or name.endswith('w2.weight'):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    def num_params(self, non_embedding=True):
-        """Parameters, without the embedding table by default: num_params(config)."""
-        return num_params(self.config, non_embedding)
 
     def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None):
         """idx [B, S] -> logits [B, S, V]; with targets -> (logits or None, mean loss over targets != -100).

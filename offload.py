@@ -34,8 +34,8 @@ is then the sum of the two ranges' parts: in bf16 rounded twice, within bf16's 2
 A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
 blocks' copies in flight) and come back on another once the next block's MLP backward is done (so they
 don't add to its peak; on a CPU streams are no-ops), into host buffers reused every step (a forward never
-backpropagated keeps its buffer until `reset()`). From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's `save_on_cpu`,
-recomputation (Chen et al. 2016), selective recomputation (Korthikanti et al. 2022).
+backpropagated keeps its buffer until `reset()`). From: Memo (Zhao et al. 2024, arXiv 2407.12117), torch's
+`save_on_cpu`, recomputation (Chen et al. 2016), selective recomputation (Korthikanti et al. 2022).
 """
 import math
 import weakref

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import fields
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token
+from model import Llama, LlamaConfig, MEMORY_KNOBS as _KNOBS, flops_per_token, num_params
 import checkpoint
 from configurator import collective_failed, configure, die, has_device, writable
 from data.tokenizer import check_tokenizer, read_docs, read_meta
@@ -395,7 +394,7 @@ def main():
     # offload's host memory can't hold it; auto_memory=True first sets the cheapest knobs that fit
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
     check_layout(model.config, dev, ptdtype)  # the knobs as auto_memory left them
-    n_params, (mfu_flops, hfu_flops) = model.num_params(), flops_per_token(model.config, seq_len)
+    n_params, (mfu_flops, hfu_flops) = num_params(model.config), flops_per_token(model.config, seq_len)
     names = [n for n, _ in model.named_parameters()]
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)

@@ -274,12 +274,28 @@ def test_mlp_keeps_only_its_input_and_split_cat_keeps_everything():
     assert split_cat - chunked > intermediates - w_bytes
 
 
+def test_mlp_backward_holds_three_chunk_buffers():
+    # MemTracker over the backward: its peak of temporaries is dx, the fp32 sums of dW1, dW3, dW2 and one chunk's
+    # three S/M × I buffers (reused in place), to the byte: a fourth buffer per chunk fails this
+    from torch.distributed._tools.mem_tracker import MemTracker
+    N, M = 1024, 8
+    x, w1, w3, w2 = mlp_case((N,), seed=23)
+    y = chunked_mlp(x, w1, w3, w2, M)
+    gy = torch.randn_like(y)
+    mt = MemTracker()
+    mt.track_external(x, w1, w3, w2, y, gy)
+    with mt:
+        torch.autograd.backward(y, gy)
+    temp = next(v for k, v in mt.get_tracker_snapshot('peak')[torch.device('cpu')].items() if str(k).endswith('TEMP'))
+    assert temp == 4 * (N * D + 3 * I * D + 3 * (N // M) * I)
+
+
 # ----------------------------------------------------------------------------- chunk counts
 
 def test_auto_chunk_counts():
-    # Llama 3 8B at 8K tokens: 32 loss chunks (4,096 wide, 128,256 vocabulary), 4 MLP chunks
+    # Llama 3 8B at 8K tokens: 32 loss chunks (4,096 wide, 128,256 vocabulary), 11 MLP chunks
     assert auto_loss_chunks(8192, 4096, 128256) == 32
-    assert auto_mlp_chunks(8192, 4096, 14336) == 4
+    assert auto_mlp_chunks(8192, 4096, 14336) == 11
     # one chunk's logits are about the hidden state's size: (S/M)·V ≈ S·D
     S, Dm, Vm = 65536, 2048, 128256
     M = auto_loss_chunks(S, Dm, Vm)
