@@ -34,7 +34,7 @@ class Tracker:
         self.mods, self.made, self.top, self.at_peak, self.moment = ModTracker() if anatomy else None, {}, -1, [], ''
         self.params = list(model.parameters())
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
-        # parallel.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
+        # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [p.untyped_storage() for p in self.params]
         self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
         self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))

@@ -15,6 +15,8 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
   states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed precision:
                  bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); zero=1: 2 + 4 + 12/d
                  fp32: 4 + 4 + 8;                                               zero=1: 4 + 4 + 8/d
+                 optimizer_in_backward (optim.py): b + 2b, the gradients one parameter at a time (at most the
+                 embedding's b·V·h) beside its step's seven fp32 chunks (28·model.FP32_CHUNK), in every moment
   activations  L · k · T, T = B·S/c tokens of a micro-batch, k the bytes a block keeps per token
                (offload.kept_bytes: 'none' all, 'selective' its input and attention's output, 'full' its
                input); k/t under tensor + sequence parallelism (Korthikanti et al. 2022), but 'none' keeps
@@ -107,7 +109,7 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
 
 
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
-             tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False):
+             tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False, in_backward=False):
     """Per-rank peak bytes of one training step of model.Llama(config): the header's formula."""
     c, t, L = config, tp_size, config.n_layer
     b, dt = (2, torch.bfloat16) if dtype in ('bfloat16', torch.bfloat16) else (4, torch.float32)
@@ -122,7 +124,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     N = (num_params(c, non_embedding=False) - norms) / t + norms
     d = dp * cp_size if zero else 1
     params, grads_all = b * N, 4 * N
-    optimizer = (12 if bf16 else 8) * N / d
+    optimizer = (2 * b if in_backward else 12 if bf16 else 8) * N / d
     g_emb = 4 * V * h / t           # the embedding's gradient, made last
     g_head = 4 * V * h / t + 4 * h  # the LM head's (tied: its share, waiting for the embedding's)
     g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
@@ -176,6 +178,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
         moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T,
                                          stages(full / t + gathered_in - stays, P), W)
+    if in_backward:  # a gradient lives from its accumulation to its step, beside the step's fp32 chunks
+        moments = {k: (min(g, b * V * h / t + 28 * FP32_CHUNK), *rest) for k, (g, *rest) in moments.items()}
     name, (g, a, tr, w) = max(moments.items(), key=lambda m: sum(m[1]))
     return Estimate(params, g, optimizer, a, tr, w, name, host)
 
@@ -354,7 +358,7 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
             out.append(('--zero=1', e, 0.0))
     device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
-    for key in ('tp_size', 'cp_size'):
+    for key in ('tp_size', 'cp_size') if not layout.get('in_backward') else ():  # in backward: one GPU
         for factor in (2, 4, 8):
             bigger = {**layout, key: layout.get(key, 1) * factor}
             if parallel.check_layout(config, world * factor, bigger.get('tp_size', 1), bigger.get('cp_size', 1),
@@ -385,7 +389,8 @@ class Report:
         self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
                            device_type='cuda' if self.dry else device.type, cp_impl=cfg.get('cp_impl', 'ulysses'),
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
-                           zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False))
+                           zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False),
+                           in_backward=cfg.get('optimizer_in_backward', False))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
         groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)  # NCCL communicators
         self.overhead = overhead_bytes(self.layout['device_type'], groups)

@@ -407,9 +407,7 @@ def parallelize(model, mesh):
     return model
 
 
-# ----------------------------------------------------------------------------- gradients, clipping, optimizer
-# torch's ZeroRedundancyOptimizer gives whole tensors to ranks (uneven: the embedding alone can be one rank's share)
-# and can't own masters that exist only as shards: AdamW here owns ⌈rows/d⌉ rows of each.
+# ----------------------------------------------------------------------------- gradients and clipping (AdamW: optim.py)
 
 BUCKET_BYTES = 25 * 2**20  # DDP's: at most one bucket is ever copied, never the whole model's gradients
 
@@ -453,44 +451,3 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     for _, p in named_params:
         p.grad.mul_(coef.to(p.grad.dtype))
     return norm
-
-
-class AdamW(torch.optim.AdamW):
-    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter,
-    holding its fp32 .grad (the parameter itself in fp32); groups: torch's param groups, of masters. zero=1
-    with dp·cp > 1: rank j of d updates its ⌈rows/d⌉ rows of every tensor, then all-gathers them into every
-    rank's parameters; else every row. An fp32 parameter's rows are views (updated in place); a bf16
-    one's are fp32 copies: the master weights."""
-
-    def __init__(self, named_params, masters, groups, mesh, config, zero=0, **kw):
-        self.group = mesh.dpcp_group if zero else None
-        d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
-        self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
-        V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
-        self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
-                     else p.shape[0] for n, p in named_params]
-        self.per_rank = [math.ceil(r / d) for r in self.rows]  # shares: our (first row, count), as DTensor's Shard(0)
-        self.shares = [(min(r, j * n), max(0, min(n, r - j * n))) for r, n in zip(self.rows, self.per_rank)]
-        self.pieces = [p.detach().narrow(0, a, n).float() for p, (a, n) in zip(self.params, self.shares)]
-        piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
-        super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
-        for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
-            for x in g['params']:
-                step = torch.zeros((), device=x.device if g['fused'] or g['capturable'] else 'cpu')
-                self.state[x] = {'step': step, 'exp_avg': torch.zeros_like(x), 'exp_avg_sq': torch.zeros_like(x)}
-
-    @torch.no_grad()
-    def step(self):
-        for m, x, (a, n) in zip(self.masters, self.pieces, self.shares):
-            if m.grad is not None:
-                x.grad = m.grad.narrow(0, a, n)
-        super().step()
-        for p, x, rows, n in zip(self.params, self.pieces, self.rows, self.per_rank):
-            if self.group is not None:  # every rank's rows, padded to the same count n for the all-gather
-                x = all_gather(F.pad(x.to(p.dtype), (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])), 0, self.group)
-            if self.group is not None or x.dtype != p.dtype:  # else x is a view of p's own rows
-                p[:rows].copy_(x[:rows])
-
-    def zero_grad(self, set_to_none=True):
-        for t in self.masters + self.pieces:
-            t.grad = None

@@ -16,7 +16,8 @@ run's losses under any layout; SIGINT and SIGTERM save one and exit.
 Precision: with dtype='bfloat16' the model's weights and activations are bf16, gradients are
 accumulated into fp32 as autograd produces them, and AdamW updates fp32 master weights: 2 + 4 + 12 =
 18 bytes per parameter (Megatron's scheme; with zero=1, 2 + 4 + 12/d over d = dp·cp ranks). With
-dtype='float32' (the CPU default) the optimizer updates the model's own weights.
+dtype='float32' (the CPU default) the optimizer updates the model's own weights. optimizer_in_backward=True
+(one GPU): 6 bytes per parameter, each parameter's step taken in backward, bf16 moments (optim.py).
 """
 
 import json
@@ -37,6 +38,7 @@ from configurator import collective_failed, configure, die, has_device, writable
 from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
 import memory
+import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
 from offload import bytes_to_host
 
@@ -87,6 +89,7 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99  # tokens per step are few here: a shorter second-moment memory trains faster
 grad_clip = 1.0  # 0 disables
+optimizer_in_backward = False  # True (one rank): each parameter's step inside backward, no fp32 copies (optim.py)
 warmup_iters = 50
 lr_decay_iters = 0  # 0: decay over max_iters
 min_lr = 2e-4
@@ -116,7 +119,11 @@ _RULES = [
      lambda v: dry_run or v == 'auto' or has_device(v)),  # a dry run stands in for the target's devices
     (('init_from',), "must be 'scratch', 'resume' or a Hugging Face model directory",
      lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
-    (('out_dir',), 'must be a directory we can write in, or create', writable)]
+    (('out_dir',), 'must be a directory we can write in, or create', writable),
+    (('optimizer_in_backward',), 'needs one rank, gradient_accumulation_steps=1, grad_clip=0 and zero=0 (each '
+     "parameter steps as its gradient is ready: there is no whole step's gradient to sum, clip or share)",
+     lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1' and tp_size == cp_size == gradient_accumulation_steps
+     == 1 and grad_clip == zero == 0)]
 
 
 # -----------------------------------------------------------------------------
@@ -193,33 +200,17 @@ def forward_backward(model, micro_batches, autocast, mesh=None):
     return total
 
 
-def make_master_weights(model):
-    """The tensors whose .grad holds each parameter's fp32 gradient: an fp32 model's parameters, or for bf16
-    memory-less fp32 holders (stride-0 views of one zero; the masters live in the optimizer) into whose .grad a
-    hook folds each bf16 gradient as autograd finishes it: accumulation in fp32, no bf16 gradient outlives it."""
-    params = list(model.parameters())
-    if all(p.dtype == torch.float32 for p in params):
-        return params
-    masters = [torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape) for p in params]
-    for p, m in zip(params, masters):
-        def fold(p, m=m):
-            m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
-            p.grad = None
-        p.register_post_accumulate_grad_hook(fold)
-    return masters
-
-
 def make_optimizer(model, masters, device_type, mesh=None):
-    """AdamW on fp32 master rows (parallel.AdamW): with zero=1 each dp·cp rank keeps its share of them."""
+    """AdamW on fp32 master rows (optim.AdamW): with zero=1 each dp·cp rank keeps its share of them; or in backward."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
     decay = [m for p, m in zip(model.parameters(), masters) if p.dim() >= 2]
     no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
     groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
     # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a CPU
     # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width 128: 0.9 vs 5.9 ms)
-    fused = device_type in ('cuda', 'cpu', 'mps')  # (and only fused AdamW skips a step as train_step asks)
-    return parallel.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
-                          zero=zero, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+    fused = device_type in ('cuda', 'cpu', 'mps') and not optimizer_in_backward  # (fused skips a step: train_step)
+    return optim.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
+                       zero=zero, in_backward=optimizer_in_backward, lr=learning_rate, betas=(beta1, beta2), fused=fused)
 
 
 def get_lr(it):
@@ -318,19 +309,22 @@ def check_layout(config, dev, ptdtype):
 
 def train_step(model, batches, autocast, mesh, named_masters, optimizer):
     """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step. A step whose loss or
-    gradient norm is not finite changes nothing (as AMP's GradScaler skips one: on the device, no host sync)."""
+    gradient norm is not finite changes nothing (as AMP's GradScaler skips one: on the device, no host sync).
+    optimizer_in_backward: backward took every parameter's step (a non-finite gradient's skipped, optim.py)."""
     loss = forward_backward(model, batches, autocast, mesh)
-    max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
-    if mesh.world > 1:
-        parallel.sync_grads(named_masters, mesh, model.config)
-        norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
-    else:
-        norm = torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], max_norm)
-    # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay and step count too
-    optimizer.found_inf = (~(loss.isfinite() & norm.isfinite())).float()
-    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * optimizer.found_inf  # in a row: check_finite
-    optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
-    optimizer.zero_grad(set_to_none=True)
+    bad = (~loss.isfinite()).float()
+    if not optimizer.in_backward:
+        max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
+        if mesh.world > 1:
+            parallel.sync_grads(named_masters, mesh, model.config)
+            norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
+        else:
+            norm = torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], max_norm)
+        # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay and step count
+        bad = optimizer.found_inf = torch.maximum(bad, (~norm.isfinite()).float())
+        optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
+        optimizer.zero_grad(set_to_none=True)
+    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * bad  # in a row: check_finite
     return loss
 
 
@@ -399,7 +393,7 @@ def main():
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
     memory.to_fake(model, ptdtype) if dry_run else model.to(device=dev, dtype=ptdtype)
-    masters = make_master_weights(model)
+    masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, float('inf')

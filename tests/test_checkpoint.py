@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import offload  # noqa: E402
+import optim  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
@@ -42,11 +43,11 @@ def build(world, tp, zero, dtype, seed):
     if world > 1:
         parallel.parallelize(model, mesh)
     offload.apply(model).to(dtype)
-    masters = train.make_master_weights(model)
+    masters = optim.make_master_weights(model)
     named = list(model.named_parameters())
     groups = [{'params': [m for (_, p), m in zip(named, masters) if p.dim() >= 2], 'weight_decay': 0.1},
               {'params': [m for (_, p), m in zip(named, masters) if p.dim() < 2], 'weight_decay': 0.0}]
-    opt = parallel.AdamW(named, masters, groups, mesh, config, zero=zero, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    opt = optim.AdamW(named, masters, groups, mesh, config, zero=zero, lr=1e-2, betas=(0.9, 0.95), fused=True)
     return model, masters, opt, mesh
 
 
@@ -188,7 +189,7 @@ def test_train_and_sample_refuse_a_crafted_checkpoint_in_one_line(tmp_path):
     out, marker = str(tmp_path / 'out'), tmp_path / 'ran'
     model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=256))
     params = list(model.parameters())
-    opt = parallel.AdamW(list(model.named_parameters()), params, [{'params': params}], parallel.Mesh(), model.config)
+    opt = optim.AdamW(list(model.named_parameters()), params, [{'params': params}], parallel.Mesh(), model.config)
     checkpoint.save(out, model, opt, parallel.Mesh(), torch.Generator(), iter_num=1, best_val_loss=9.0,
                     config={'dataset': 'stdlib'})
     craft(checkpoint.latest(out), 'metadata', marker)

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
 import offload  # noqa: E402
+import optim  # noqa: E402
 import train  # noqa: E402
 from model import Llama, LlamaConfig, num_params  # noqa: E402
 
@@ -37,7 +38,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
         mode = nullcontext()
     with mode:
         model = offload.apply(memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
-        masters = train.make_master_weights(model)
+        masters = optim.make_master_weights(model)
         opt = train.make_optimizer(model, masters, 'cpu')
         autocast = torch.autocast('cpu', dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
         batches = [memory.fake_batch(B, S, cfg.vocab_size) for _ in range(gas)]
@@ -46,7 +47,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
             train.forward_backward(model, batches, autocast)
             torch.nn.utils.clip_grad_norm_(masters, 1.0)
             opt.step()
-            opt.zero_grad(set_to_none=True)  # parallel.AdamW wrote the new weights
+            opt.zero_grad(set_to_none=True)  # optim.AdamW wrote the new weights
     return tr
 
 
@@ -148,7 +149,7 @@ def test_fake_tensors_see_what_real_ones_do(c, dtype):
 
 
 def test_first_step_shows_the_steady_state():
-    """parallel.AdamW makes its state when it is built (torch's makes it lazily, in the first step), so
+    """optim.AdamW makes its state when it is built (torch's makes it lazily, in the first step), so
     the first step already holds every step's memory; and its steps are torch's AdamW's."""
     c = cfg()
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
 import offload  # noqa: E402
+import optim  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 import model as model_py  # noqa: E402
@@ -130,7 +131,7 @@ def one_step(model, mesh, config, zero, docs=False):
     grads = gather_full(named, mesh, config, grads=True)
     if zero:
         params = [p for _, p in named]
-        opt = parallel.AdamW(named, params, [{'params': params}], mesh, config, zero=1, lr=LR)
+        opt = optim.AdamW(named, params, [{'params': params}], mesh, config, zero=1, lr=LR)
     else:
         opt = torch.optim.SGD([p for _, p in named], lr=LR)
     opt.step()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import checkpoint
+import optim
 import parallel
 import train
 from model import Llama, LlamaConfig
@@ -101,12 +102,12 @@ KILLED_WRITER = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
 import torch.distributed.checkpoint as dcp
-import checkpoint, parallel
+import checkpoint, optim, parallel
 from model import Llama, LlamaConfig
 torch.manual_seed(0)
 model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
 params = list(model.parameters())
-opt = parallel.AdamW(list(model.named_parameters()), params, [{{'params': params}}], parallel.Mesh(), model.config)
+opt = optim.AdamW(list(model.named_parameters()), params, [{{'params': params}}], parallel.Mesh(), model.config)
 checkpoint.save({out!r}, model, opt, parallel.Mesh(), iter_num=1)
 print('saved', flush=True)
 with torch.no_grad():
@@ -171,7 +172,7 @@ def test_bf16_master_weights_accumulate_in_fp32():
     ref = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
     ref.load_state_dict(model.state_dict())
     model.to(torch.bfloat16)
-    masters = train.make_master_weights(model)
+    masters = optim.make_master_weights(model)
     assert all(m.dtype == torch.float32 for m in masters)
     x = torch.randint(0, 50, (2, 16))
     micro = [(x, x.roll(-1, 1))] * 3
@@ -333,7 +334,7 @@ def test_resume_refuses_another_architecture_and_a_new_run_refuses_to_overwrite(
 def test_a_non_finite_step_changes_nothing_and_a_few_in_a_row_stop_the_run(monkeypatch, capsys):
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
-    masters = train.make_master_weights(model)
+    masters = optim.make_master_weights(model)
     opt = train.make_optimizer(model, masters, 'cpu')
     x = torch.randint(0, 50, (2, 16))
     bad, real = set(), train.forward_backward

@@ -1,0 +1,122 @@
+"""
+AdamW, and what it keeps per parameter: Megatron's fp32 master weights, or the step inside backward.
+
+Mixed precision as Megatron does it (the default): bf16 weights for forward and backward, each gradient
+folded into an fp32 holder as autograd makes it, AdamW on fp32 master weights with fp32 moments:
+    2 (weights) + 4 (fp32 gradients) + 12 (fp32 master, m, v) = 18 bytes per parameter (fp32 runs: 4 + 4 + 8).
+zero=1 (Megatron's distributed optimizer): rank j of the d = dp·cp ranks updates ⌈rows/d⌉ rows of every tensor
+and all-gathers the new rows: 2 + 4 + 12/d. (torch's ZeroRedundancyOptimizer gives whole tensors to ranks,
+unevenly, and can't own masters that exist only as shards.)
+
+optimizer_in_backward=True (one rank): each parameter's AdamW step runs inside backward, in a post-accumulate-grad
+hook, as soon as its gradient is whole, and frees that gradient: the step's gradients never all exist (the
+Mini-Sequence Transformer's public code; torch's "optimizer step in backward" recipe). Weights and moments stay
+in the training dtype, no master copy: 2 + 2 + 2 = 6 bytes per parameter in bf16, plus one parameter's gradient
+at a time. In bf16 an update smaller than half a unit in the last place of its weight (2^-9·|w|: lr·m̂/√v̂ is
+often below it late in training) rounds to nothing, every step. So the step is computed in fp32, FP32_CHUNK
+elements at a time, and each result rounded *stochastically* to bf16: up with probability equal to the
+remainder's share of the gap, so that on average the weight moves by the exact update (Gupta et al. 2015;
+for bf16 training Zamirai et al. 2020, arXiv 2010.06192, who also weigh Kahan summation: 2 more bytes per
+parameter). What needs all of a step's gradients is refused (train.py): gradient accumulation, global-norm
+clipping, data or model parallel reductions. A non-finite gradient leaves its parameter and moments as they were.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model import FP32_CHUNK
+from parallel import all_gather, shard_spec
+
+
+def make_master_weights(model, in_backward=False):
+    """The tensors whose .grad holds each parameter's gradient for the step: the parameters themselves in fp32
+    or in backward; for bf16, memory-less fp32 holders (stride-0 views of one zero; the masters live in the
+    optimizer) into whose .grad a hook folds each bf16 gradient as autograd finishes it: accumulation in fp32,
+    no bf16 gradient outlives it."""
+    params = list(model.parameters())
+    if in_backward or all(p.dtype == torch.float32 for p in params):
+        return params
+    masters = [torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape) for p in params]
+    for p, m in zip(params, masters):
+        def fold(p, m=m):
+            m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+            p.grad = None
+        p.register_post_accumulate_grad_hook(fold)
+    return masters
+
+
+def stochastic_round(x, dtype):
+    """fp32 x as dtype; to bf16 (the top 16 bits of an fp32) up or down at random, up with probability (the
+    low 16 bits) / 2^16: a uniform 16-bit integer added to the bits carries into the top half that often."""
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    bits = x.view(torch.int32) + torch.randint_like(x, 1 << 16, dtype=torch.int32)
+    return (bits & -65536).view(torch.float32).to(dtype)  # the low bits zero: the cast is exact
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter,
+    holding its fp32 .grad (the parameter itself in fp32); groups: torch's param groups, of masters. zero=1
+    with dp·cp > 1: rank j of d updates its ⌈rows/d⌉ rows of every tensor, then all-gathers them into every
+    rank's parameters; else every row. An fp32 parameter's rows are views (updated in place); a bf16
+    one's are fp32 copies: the master weights. in_backward: the parameters are their own rows, stepped by
+    step_in_backward as backward makes their gradients; step() then does nothing."""
+
+    def __init__(self, named_params, masters, groups, mesh, config, zero=0, in_backward=False, **kw):
+        self.group = mesh.dpcp_group if zero else None
+        d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
+        self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
+        V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
+        self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
+                     else p.shape[0] for n, p in named_params]
+        self.per_rank = [math.ceil(r / d) for r in self.rows]  # shares: our (first row, count), as DTensor's Shard(0)
+        self.shares = [(min(r, j * n), max(0, min(n, r - j * n))) for r, n in zip(self.rows, self.per_rank)]
+        self.pieces = [p.detach().narrow(0, a, n) for p, (a, n) in zip(self.params, self.shares)]
+        self.pieces, self.in_backward = self.pieces if in_backward else [x.float() for x in self.pieces], in_backward
+        piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
+        super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
+        for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
+            for x in g['params']:
+                step = torch.zeros((), device=x.device if g['fused'] or g['capturable'] else 'cpu')
+                self.state[x] = {'step': step, 'exp_avg': torch.zeros_like(x), 'exp_avg_sq': torch.zeros_like(x)}
+        param_of = {id(x): p for p, x in zip(self.params, self.pieces)}
+        for g in self.param_groups if in_backward else ():
+            for x in g['params']:
+                param_of[id(x)].register_post_accumulate_grad_hook(lambda p, x=x, g=g: self.step_in_backward(p, x, g))
+
+    @torch.no_grad()
+    def step_in_backward(self, p, x, group):
+        """AdamW on one parameter as torch's computes it, in fp32 a chunk at a time, rounded stochastically."""
+        g, st, (b1, b2), lr = p.grad, self.state[x], group['betas'], group['lr']
+        p.grad = None  # freed when this returns: no other gradient of the step need exist beside it
+        st['step'] += 1  # a CPU tensor (fused=False): no host sync
+        k = int(st['step'])
+        ok = g.isfinite().all()  # else this parameter stays as it was: on the device, no host sync
+        for w, m, v, gc in zip(*(y.view(-1).split(FP32_CHUNK) for y in (x, st['exp_avg'], st['exp_avg_sq'], g))):
+            gf, wf, mf, vf = (y.to(torch.float32, copy=True) for y in (gc, w, m, v))  # (fp32 too: kept if not ok)
+            mf.lerp_(gf, 1 - b1)
+            vf.mul_(b2).addcmul_(gf, gf, value=1 - b2)
+            denom = (vf.sqrt() / math.sqrt(1 - b2 ** k)).add_(group['eps'])
+            wf.mul_(1 - lr * group['weight_decay']).addcdiv_(mf, denom, value=-lr / (1 - b1 ** k))
+            for old, new in ((w, wf), (m, mf), (v, vf)):
+                old.copy_(torch.where(ok, stochastic_round(new, old.dtype), old))
+
+    @torch.no_grad()
+    def step(self):
+        if self.in_backward:
+            return
+        for m, x, (a, n) in zip(self.masters, self.pieces, self.shares):
+            if m.grad is not None:
+                x.grad = m.grad.narrow(0, a, n)
+        super().step()
+        for p, x, rows, n in zip(self.params, self.pieces, self.rows, self.per_rank):
+            if self.group is not None:  # every rank's rows, padded to the same count n for the all-gather
+                x = all_gather(F.pad(x.to(p.dtype), (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])), 0, self.group)
+            if self.group is not None or x.dtype != p.dtype:  # else x is a view of p's own rows
+                p[:rows].copy_(x[:rows])
+
+    def zero_grad(self, set_to_none=True):
+        for t in self.masters + self.pieces:
+            t.grad = None

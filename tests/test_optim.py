@@ -1,0 +1,110 @@
+"""optim.py: the step inside backward equals torch's AdamW in fp32; stochastic rounding is unbiased where
+rounding to nearest loses the update; a bf16 run with 6 bytes per parameter trains train_tiny as well as the
+fp32-master run; and what can't work with it is refused in one line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import optim  # noqa: E402
+import parallel  # noqa: E402
+from model import Llama, LlamaConfig, num_params  # noqa: E402
+
+CONFIG = LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50)
+
+
+def groups_of(params, wd=0.1):  # train.make_optimizer's: weight decay on matrices only
+    return [{'params': [p for p in params if p.dim() >= 2], 'weight_decay': wd},
+            {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
+
+
+def test_step_in_backward_is_torchs_adamw_in_fp32():
+    torch.manual_seed(0)
+    ref, ours = Llama(CONFIG), Llama(CONFIG)
+    ours.load_state_dict(ref.state_dict())
+    kw = dict(lr=1e-2, betas=(0.9, 0.95))
+    opt_ref = torch.optim.AdamW(groups_of(list(ref.parameters())), **kw)
+    params = optim.make_master_weights(ours, in_backward=True)
+    assert all(m is p for m, p in zip(params, ours.parameters()))  # no fp32 holders: the parameters themselves
+    opt = optim.AdamW(list(ours.named_parameters()), params, groups_of(params), parallel.Mesh(), CONFIG,
+                      in_backward=True, fused=False, **kw)
+    for i in range(3):
+        x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+        ref(x, y)[1].backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        ours(x, y)[1].backward()  # each parameter steps as its gradient is ready
+        assert all(p.grad is None for p in ours.parameters())  # and its gradient is gone
+        opt.step()  # nothing left to do
+    for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert (a - b).abs().max() <= 1e-6 * a.abs().max(), n
+    st = opt.state[opt.pieces[0]]
+    assert int(st['step']) == 3 and st['exp_avg'].dtype == torch.float32
+
+
+def test_a_non_finite_gradient_leaves_its_parameter_alone():
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    params = optim.make_master_weights(model, in_backward=True)
+    opt = optim.AdamW(list(model.named_parameters()), params, groups_of(params), parallel.Mesh(), CONFIG,
+                      in_backward=True, fused=False, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randint(0, 50, (2, 16))
+    (model(x, x)[1] * float('nan')).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not s['exp_avg'].any() and not s['exp_avg_sq'].any() for s in opt.state.values())
+
+
+def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_loses_the_update():
+    torch.manual_seed(0)
+    n, ulp = 200_000, 2.0 ** -7  # bf16's spacing in [1, 2)
+    for x0 in (1.0, -1.0, 1.5):
+        x = torch.full((n,), x0 + 2.0 ** -12 * (1 if x0 > 0 else -1))  # 1/32 of an ulp past a bf16 value
+        assert torch.equal(x.bfloat16().float(), torch.full((n,), x0))  # to nearest: the update is lost
+        r = optim.stochastic_round(x, torch.bfloat16).float()
+        assert set(r.abs().unique().tolist()) == {abs(x0), abs(x0) + ulp}  # one of the two neighbours
+        # the mean is the exact value: p = 1/32 up, standard error ulp·sqrt(p(1-p)/n) = 3e-6
+        assert abs(r.mean().item() - x[0].item()) < 2e-5
+    exact = torch.tensor([1.0, -2.5, 0.0, 2.0 ** 120, 2.0 ** -130])  # bf16 values stay themselves
+    assert torch.equal(optim.stochastic_round(exact, torch.bfloat16), exact.bfloat16())
+    assert torch.equal(optim.stochastic_round(x, torch.float32), x)  # fp32 states: no rounding
+
+
+# train_tiny narrowed (2 layers of width 64, 4 x 64 tokens a step) for CPU bf16, whose matmuls are emulated here:
+# 120 steps, about 20 s a run. Both runs without clipping: the step in backward has no global norm to clip.
+TINY = [os.path.join(ROOT, 'config', 'train_tiny.py'), '--device=cpu', '--dtype=bfloat16', '--n_layer=2',
+        '--n_embd=64', '--intermediate_size=192', '--batch_size=4', '--seq_len=64', '--max_iters=120',
+        '--warmup_iters=10', '--eval_interval=119', '--eval_iters=10', '--log_interval=119', '--seed=3', '--grad_clip=0']
+
+
+def test_bf16_in_backward_trains_train_tiny_like_the_fp32_master_run(tmp_path):
+    """bf16 training: Megatron's fp32 masters (18 bytes per parameter) against the step in backward with bf16
+    weights and moments (6), stochastically rounded. Measured (2026-11-23, this 2-core CPU): val loss after 120
+    steps 3.0212 with masters, 3.0146 in backward (seed 4: 3.0257 and 3.0232); the margin asserted is 0.03."""
+    val, N = {}, num_params(LlamaConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=4, intermediate_size=192,
+                                        vocab_size=256), non_embedding=False)
+    for name, extra in (('master', []), ('in_backward', ['--optimizer_in_backward=True'])):
+        out = tmp_path / name
+        p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, f'--out_dir={out}', *extra],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        val[name] = [json.loads(line) for line in open(out / 'log.jsonl')][-1]['val_loss']
+        n = sum(json.loads((out / 'memory.json').read_text())['ranks'][0]['estimate'][k] for k in ('params', 'optimizer'))
+        assert n == pytest.approx(N * (6 if name == 'in_backward' else 14), rel=1e-6)  # + 4 of fp32 grads
+    assert val['master'] < 3.3  # it learned: untrained, ln 256 = 5.5
+    assert abs(val['in_backward'] - val['master']) < 0.03, val
+
+
+@pytest.mark.parametrize('args,key', [(['--grad_clip=1.0'], 'optimizer_in_backward'),
+                                      (['--grad_clip=0', '--gradient_accumulation_steps=2'], 'optimizer_in_backward'),
+                                      (['--grad_clip=0', '--tp_size=2', '--dry_run=True'], 'optimizer_in_backward')])
+def test_what_needs_the_whole_steps_gradients_is_refused(tmp_path, args, key):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--optimizer_in_backward=True', *args,
+                        f'--out_dir={tmp_path / "out"}'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.count('error:') == 1 and key in p.stderr and 'Traceback' not in p.stderr
+    assert not (tmp_path / 'out').exists()
