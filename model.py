@@ -153,7 +153,7 @@ def rope_tables(inv_freq, positions, scale=1.0):
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
 
-FP32_CHUNK = 1 << 24  # elements RoPE and RMSNorm hold in fp32 at once (64 MiB): a few positions, not all
+FP32_CHUNK = 1 << 26  # elements RoPE and RMSNorm hold in fp32 at once (256 MiB): a few positions, not all
 
 
 def _positions(x):  # slices of dim -2 (positions, rows treated apart) of about FP32_CHUNK elements of x each

@@ -343,7 +343,7 @@ def test_anatomy_of_a_dry_runs_peak(tmp_path):
     assert anatomy['made_bytes'] + m['params'] + m['optimizer'] + 8 * (S + 1) == m['total'] - m['workspace']
     assert anatomy['moment'].endswith('in Llama.layers.0.ffn_norm (backward)')
     wide = sorted(x['bytes'] for x in anatomy['largest'] if x['bytes'] >= 2 * S * h)
-    # fp32, in the RMSNorm's backward on one chunk of rows (here all S: model.FP32_CHUNK is 2^24 elements): the
+    # fp32, in the RMSNorm's backward on one chunk of rows (here all S: model.FP32_CHUNK is 2^26 elements): the
     # input's fp32 copy and F.rms_norm's CPU autograd temporaries (6 × 4·S·h); bf16 S·h: block 0's input, the
     # gradient reaching block 0, the recomputed attention half (attention_norm's output, q, attention's output, the
     # residual x + attention), the MLP's dx, and the norm's output, incoming gradient · weight and dx (10 × 2·S·h).
