@@ -16,7 +16,7 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                  bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); zero=1: 2 + 4 + 12/d
                  fp32: 4 + 4 + 8;                                               zero=1: 4 + 4 + 8/d
                  optimizer_in_backward (optim.py): b + 2b, the gradients one parameter at a time (at most the
-                 embedding's b·V·h) beside its step's seven fp32 chunks (28·model.FP32_CHUNK), in every moment
+                 embedding's b·V·h) beside its step's seven fp32 chunks (28·optim.STEP_CHUNK), in every moment
   activations  L · k · T, T = B·S/c tokens of a micro-batch, k the bytes a block keeps per token
                (offload.kept_bytes: 'none' all, 'selective' its input and attention's output, 'full' its
                input); k/t under tensor + sequence parallelism (Korthikanti et al. 2022), but 'none' keeps
@@ -68,6 +68,7 @@ import chunked
 import offload
 import parallel
 from measure import Tracker
+from optim import STEP_CHUNK
 from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
@@ -179,7 +180,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T,
                                          stages(full / t + gathered_in - stays, P), W)
     if in_backward:  # a gradient lives from its accumulation to its step, beside the step's fp32 chunks
-        moments = {k: (min(g, b * V * h / t + 28 * FP32_CHUNK), *rest) for k, (g, *rest) in moments.items()}
+        moments = {k: (min(g, b * V * h / t + 28 * STEP_CHUNK), *rest) for k, (g, *rest) in moments.items()}
     name, (g, a, tr, w) = max(moments.items(), key=lambda m: sum(m[1]))
     return Estimate(params, g, optimizer, a, tr, w, name, host)
 

@@ -13,12 +13,15 @@ hook, as soon as its gradient is whole, and frees that gradient: the step's grad
 Mini-Sequence Transformer's public code; torch's "optimizer step in backward" recipe). Weights and moments stay
 in the training dtype, no master copy: 2 + 2 + 2 = 6 bytes per parameter in bf16, plus one parameter's gradient
 at a time. In bf16 an update smaller than half a unit in the last place of its weight (2^-9·|w|: lr·m̂/√v̂ is
-often below it late in training) rounds to nothing, every step. So the step is computed in fp32, FP32_CHUNK
+often below it late in training) rounds to nothing, every step. So the step is computed in fp32, STEP_CHUNK
 elements at a time, and each result rounded *stochastically* to bf16: up with probability equal to the
 remainder's share of the gap, so that on average the weight moves by the exact update (Gupta et al. 2015;
 for bf16 training Zamirai et al. 2020, arXiv 2010.06192, who also weigh Kahan summation: 2 more bytes per
-parameter). What needs all of a step's gradients is refused (train.py): gradient accumulation, global-norm
-clipping, data or model parallel reductions. A non-finite gradient leaves its parameter and moments as they were.
+parameter). What needs all of a step's gradients is refused (train.py): gradient accumulation, data or model
+parallel reductions. grad_clip can't see the global norm: each tensor is clipped to its share of the bound,
+grad_clip·sqrt(its size / all parameters), so that if every tensor keeps to its share the whole keeps to grad_clip
+(stricter than global clipping when one tensor's gradient spikes alone). A non-finite gradient leaves its parameter
+and moments as they were.
 """
 import math
 
@@ -26,8 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model import FP32_CHUNK
 from parallel import all_gather, shard_spec
+
+STEP_CHUNK = 1 << 24  # elements of a parameter stepped at once in backward: seven fp32 temporaries, 448 MiB
 
 
 def make_master_weights(model, in_backward=False):
@@ -64,7 +68,8 @@ class AdamW(torch.optim.AdamW):
     one's are fp32 copies: the master weights. in_backward: the parameters are their own rows, stepped by
     step_in_backward as backward makes their gradients; step() then does nothing."""
 
-    def __init__(self, named_params, masters, groups, mesh, config, zero=0, in_backward=False, **kw):
+    def __init__(self, named_params, masters, groups, mesh, config, zero=0, in_backward=False, max_norm=math.inf,
+                 **kw):
         self.group = mesh.dpcp_group if zero else None
         d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
         self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
@@ -81,7 +86,8 @@ class AdamW(torch.optim.AdamW):
             for x in g['params']:
                 step = torch.zeros((), device=x.device if g['fused'] or g['capturable'] else 'cpu')
                 self.state[x] = {'step': step, 'exp_avg': torch.zeros_like(x), 'exp_avg_sq': torch.zeros_like(x)}
-        param_of = {id(x): p for p, x in zip(self.params, self.pieces)}
+        param_of, self.max_norm = {id(x): p for p, x in zip(self.params, self.pieces)}, max_norm
+        self.numel = sum(x.numel() for x in self.pieces)
         for g in self.param_groups if in_backward else ():
             for x in g['params']:
                 param_of[id(x)].register_post_accumulate_grad_hook(lambda p, x=x, g=g: self.step_in_backward(p, x, g))
@@ -93,9 +99,13 @@ class AdamW(torch.optim.AdamW):
         p.grad = None  # freed when this returns: no other gradient of the step need exist beside it
         st['step'] += 1  # a CPU tensor (fused=False): no host sync
         k = int(st['step'])
-        ok = g.isfinite().all()  # else this parameter stays as it was: on the device, no host sync
-        for w, m, v, gc in zip(*(y.view(-1).split(FP32_CHUNK) for y in (x, st['exp_avg'], st['exp_avg_sq'], g))):
+        norm = torch.linalg.vector_norm(g).float()  # (summed in fp32 inside, no fp32 copy of g)
+        ok = norm.isfinite()  # else this parameter stays as it was: on the device, no host sync
+        # clipped to its share of grad_clip, max_norm·sqrt(its size / all): if every tensor keeps to it, the whole does
+        coef = (self.max_norm * math.sqrt(g.numel() / self.numel) / (norm + 1e-6)).clamp(max=1.0)
+        for w, m, v, gc in zip(*(y.view(-1).split(STEP_CHUNK) for y in (x, st['exp_avg'], st['exp_avg_sq'], g))):
             gf, wf, mf, vf = (y.to(torch.float32, copy=True) for y in (gc, w, m, v))  # (fp32 too: kept if not ok)
+            gf.mul_(coef)
             mf.lerp_(gf, 1 - b1)
             vf.mul_(b2).addcmul_(gf, gf, value=1 - b2)
             denom = (vf.sqrt() / math.sqrt(1 - b2 ** k)).add_(group['eps'])

@@ -120,10 +120,10 @@ _RULES = [
     (('init_from',), "must be 'scratch', 'resume' or a Hugging Face model directory",
      lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
     (('out_dir',), 'must be a directory we can write in, or create', writable),
-    (('optimizer_in_backward',), 'needs one rank, gradient_accumulation_steps=1, grad_clip=0 and zero=0 (each '
-     "parameter steps as its gradient is ready: there is no whole step's gradient to sum, clip or share)",
+    (('optimizer_in_backward',), 'needs one rank, gradient_accumulation_steps=1 and zero=0 (each parameter steps '
+     "as its gradient is ready: there is no whole step's gradient to sum or share)",
      lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1' and tp_size == cp_size == gradient_accumulation_steps
-     == 1 and grad_clip == zero == 0)]
+     == 1 and zero == 0)]
 
 
 # -----------------------------------------------------------------------------
@@ -210,7 +210,8 @@ def make_optimizer(model, masters, device_type, mesh=None):
     # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width 128: 0.9 vs 5.9 ms)
     fused = device_type in ('cuda', 'cpu', 'mps') and not optimizer_in_backward  # (fused skips a step: train_step)
     return optim.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
-                       zero=zero, in_backward=optimizer_in_backward, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+                       zero=zero, in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf, lr=learning_rate,
+                       betas=(beta1, beta2), fused=fused)
 
 
 def get_lr(it):
