@@ -1,27 +1,21 @@
 """
 AdamW, and what it keeps per parameter: Megatron's fp32 master weights, or the step inside backward.
 
-Mixed precision as Megatron does it (the default): bf16 weights for forward and backward, each gradient
-folded into an fp32 holder as autograd makes it, AdamW on fp32 master weights with fp32 moments:
-    2 (weights) + 4 (fp32 gradients) + 12 (fp32 master, m, v) = 18 bytes per parameter (fp32 runs: 4 + 4 + 8).
-zero=1 (Megatron's distributed optimizer): rank j of the d = dp·cp ranks updates ⌈rows/d⌉ rows of every tensor
-and all-gathers the new rows: 2 + 4 + 12/d. (torch's ZeroRedundancyOptimizer gives whole tensors to ranks,
-unevenly, and can't own masters that exist only as shards.)
+Megatron's mixed precision (the default): bf16 weights, each gradient folded into an fp32 holder as autograd makes
+it, AdamW on fp32 master weights and moments: 2 + 4 + 12 = 18 bytes per parameter (fp32 runs: 4 + 4 + 8). zero=1
+(Megatron's distributed optimizer): rank j of d = dp·cp updates ⌈rows/d⌉ rows of every tensor and all-gathers
+them, 2 + 4 + 12/d (torch's ZeroRedundancyOptimizer gives whole tensors to ranks, unevenly, and can't own masters
+that exist only as shards).
 
-optimizer_in_backward=True (one rank): each parameter's AdamW step runs inside backward, in a post-accumulate-grad
-hook, as soon as its gradient is whole, and frees that gradient: the step's gradients never all exist (the
-Mini-Sequence Transformer's public code; torch's "optimizer step in backward" recipe). Weights and moments stay
-in the training dtype, no master copy: 2 + 2 + 2 = 6 bytes per parameter in bf16, plus one parameter's gradient
-at a time. In bf16 an update smaller than half a unit in the last place of its weight (2^-9·|w|: lr·m̂/√v̂ is
-often below it late in training) rounds to nothing, every step. So the step is computed in fp32, STEP_CHUNK
-elements at a time, and each result rounded *stochastically* to bf16: up with probability equal to the
-remainder's share of the gap, so that on average the weight moves by the exact update (Gupta et al. 2015;
-for bf16 training Zamirai et al. 2020, arXiv 2010.06192, who also weigh Kahan summation: 2 more bytes per
-parameter). What needs all of a step's gradients is refused (train.py): gradient accumulation, data or model
-parallel reductions. grad_clip can't see the global norm: each tensor is clipped to its share of the bound,
-grad_clip·sqrt(its size / all parameters), so that if every tensor keeps to its share the whole keeps to grad_clip
-(stricter than global clipping when one tensor's gradient spikes alone). A non-finite gradient leaves its parameter
-and moments as they were.
+optimizer_in_backward=True (one rank; the Mini-Sequence Transformer's code, torch's "optimizer step in backward"
+recipe): a post-accumulate-grad hook steps each parameter the moment its gradient is whole and frees that gradient,
+so a step's gradients never all exist; weights and moments stay bf16: 2 + 2 + 2 = 6 bytes per parameter. An update
+under half a bf16 spacing of its weight (2^-9 to 2^-8 of |w|) rounds to nothing every step, so the step runs in fp32,
+STEP_CHUNK elements at a time, and each result is rounded stochastically (up with probability the remainder's
+share of the spacing: exact on average; Gupta et al. 2015, and for bf16 Zamirai et al. 2020, arXiv 2010.06192, who
+also weigh Kahan summation at 2 more bytes). No step-wide gradient means no accumulation over micro-steps and no
+dp, cp or tp reduction (train.py refuses them); grad_clip clips each tensor to its share, grad_clip·sqrt(size/N),
+which bounds the global norm (stricter when one tensor spikes alone). A non-finite gradient skips its parameter.
 """
 import math
 
