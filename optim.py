@@ -92,7 +92,8 @@ class AdamW(torch.optim.AdamW):
         g, st, (b1, b2), lr = p.grad, self.state[x], group['betas'], group['lr']
         p.grad = None  # freed when this returns: no other gradient of the step need exist beside it
         st['step'] += 1  # a CPU tensor (fused=False): no host sync
-        k = int(st['step'])
+        k = st['step'].double()  # the bias corrections in fp64 as torch's, but tensors: fake ones in a dry run
+        bc1, bc2 = 1 - b1 ** k, (1 - b2 ** k).sqrt()
         norm = torch.linalg.vector_norm(g).float()  # (summed in fp32 inside, no fp32 copy of g)
         ok = norm.isfinite()  # else this parameter stays as it was: on the device, no host sync
         # clipped to its share of grad_clip, max_norm·sqrt(its size / all): if every tensor keeps to it, the whole does
@@ -102,8 +103,8 @@ class AdamW(torch.optim.AdamW):
             gf.mul_(coef)
             mf.lerp_(gf, 1 - b1)
             vf.mul_(b2).addcmul_(gf, gf, value=1 - b2)
-            denom = (vf.sqrt() / math.sqrt(1 - b2 ** k)).add_(group['eps'])
-            wf.mul_(1 - lr * group['weight_decay']).addcdiv_(mf, denom, value=-lr / (1 - b1 ** k))
+            denom = (vf.sqrt() / bc2).add_(group['eps']).mul_(-bc1 / lr)  # mf / denom: -lr · m̂ / (√v̂ + eps)
+            wf.mul_(1 - lr * group['weight_decay']).addcdiv_(mf, denom)
             for old, new in ((w, wf), (m, mf), (v, vf)):
                 old.copy_(torch.where(ok, stochastic_round(new, old.dtype), old))
 
