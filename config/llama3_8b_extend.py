@@ -56,7 +56,7 @@ cp_size = 2
 cp_impl = 'ulysses'
 zero = 1          # the AdamW moments split over the 2 cp ranks
 
-mlp_chunks = 0    # automatic: ceil(I / h) mini-sequences
+mlp_chunks = 0    # automatic: ceil(3I / h) mini-sequences
 loss_chunks = 0   # automatic: ceil(V / h) chunks, vocabulary-parallel over the 4 tp ranks
 recompute = 'selective'
 offload = 0.0

@@ -22,10 +22,10 @@
 # - the transient working set is one recomputed block in backward at S/2 tokens: the all-gathered input
 #   and the row-parallel partial sums (4 GiB each), q, k, v for 8 heads, the MLP in mini-sequences and
 #   the loss in vocabulary-parallel chunks (chunked.py, automatic).
-# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23): params 3.14,
-# grads 6.28, optimizer 9.41 GiB, activations and transient 37.0 GiB (peak in a block's MLP backward):
-# 55.78 GiB on fake tensors, + 4.02 GiB of flash attention's workspace (the formula's: 4 heads of the whole
-# sequence) = 59.79 GiB (the estimate's formula: 57.86, -3.2%) + 2.60 GiB overhead = 62.39 GiB, under 80%
+# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23, after issue 14's cuts):
+# params 3.14, grads 6.28, optimizer 9.41 GiB, activations and transient 27.13 GiB (peak in block 31's backward):
+# 45.96 GiB on fake tensors, + 4.02 GiB of flash attention's workspace (the formula's: 4 heads of the whole
+# sequence) = 49.97 GiB (the estimate's formula: 49.38, -1.2%) + 2.60 GiB overhead = 52.57 GiB, under 80%
 # of 80 GiB: it fits.
 # 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (check it with --dry_run=True).
 out_dir = 'out-llama7b-long'
@@ -53,7 +53,7 @@ cp_size = 2
 cp_impl = 'ulysses'
 zero = 1          # the AdamW moments split over the 2 cp ranks
 
-mlp_chunks = 0    # automatic: ceil(I / h) mini-sequences
+mlp_chunks = 0    # automatic: ceil(3I / h) mini-sequences
 loss_chunks = 0   # automatic: ceil(V / h) chunks, vocabulary-parallel over the 4 tp ranks
 recompute = 'full'
 offload = 1.0    # every block input to host memory (Memo's alpha; with 'full' only the input is kept)
