@@ -41,10 +41,9 @@ import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- how many chunks
 
-# A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows
-# against a big weight runs far below peak (2026-11-23, a 2-core CPU: 16-token chunks of the LM head took 3x the
-# time of 256-token ones), and the memory it would save is small: 256·V·4 bytes = 131 MB for
-# Llama 3's vocabulary, no more than the fp32 weight gradient whenever h >= 256.
+# A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows against a big
+# weight runs far below peak (2026-11-23, a 2-core CPU: 16-token chunks of the LM head took 3x the time of 256-token
+# ones), for little memory: 256·V·4 bytes = 131 MB for Llama 3's vocabulary, <= the fp32 weight gradient if h >= 256.
 MIN_CHUNK_TOKENS = 256
 
 
@@ -81,12 +80,13 @@ def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
 
 # ----------------------------------------------------------------------------- small helpers
 
-def _autocast_dtype(device_type):
+def _autocast(*tensors):
     # Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up front,
     # to what autocast would have used (as F.linear would), and switch autocast off inside.
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    return [t.to(torch.get_autocast_dtype(device_type)) for t in tensors]
 
 
 def _mm_f32(a, b, out):
@@ -182,9 +182,7 @@ def chunked_mlp(x, w1, w3, w2, chunks):
         chunks = auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
     if chunks <= 1:
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-    dt = _autocast_dtype(x.device.type)
-    if dt is not None:
-        x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
+    x, w1, w3, w2 = _autocast(x, w1, w3, w2)
     return _ChunkedMLP.apply(x, w1, w3, w2, chunks)
 
 
@@ -304,13 +302,9 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     if chunks == 0:
         chunks = auto_loss_chunks(x.shape[0], h, vocab_size or weight.shape[0])
     if chunks <= 1 and group is None:
-        count = (targets != ignore_index).sum()
-        loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index,
-                                   reduction='sum')
-        return loss_sum / count.clamp(min=1)
-    dt = _autocast_dtype(x.device.type)
-    if dt is not None:
-        x, weight = x.to(dt), weight.to(dt)
+        loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
+        return loss_sum / (targets != ignore_index).sum().clamp(min=1)
+    x, weight = _autocast(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size)
     with torch.autocast(x.device.type, enabled=False):  # eval: the logits only, no gradient work
