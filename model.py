@@ -15,13 +15,12 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   `initializer_range`), with the two projections that write into the residual stream (wo, w2)
   scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow with depth; norms at 1.
 
-The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward
-runs, never what it computes. Chunking happens inside MLP and the LM head (chunked.py); keep /
-recompute / offload wraps each block at build time (`offload.apply(model)`), so forward below is a
-plain loop over blocks; tensor and context parallelism shard the weights and wrap `Attention.attend`
-(parallel.py). A new attention variant is a change to `attention()` alone.
-`Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that
-transformers loads back to the same logits.
+The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward runs, never what
+it computes. Chunking happens inside MLP and the LM head (chunked.py); keep / recompute / offload wraps each block at
+build time (`offload.apply(model)`), so forward below is a plain loop over blocks; tensor and context parallelism
+shard the weights and wrap `Attention.attend` (parallel.py), and a new attention variant changes `attention()` alone.
+`Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that transformers loads
+back to the same logits.
 """
 
 import json
@@ -338,13 +337,11 @@ class Llama(nn.Module):
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[i])
-        x = self.norm(x)
-        return self.head(x, targets)
+        return self.head(self.norm(x), targets)
 
     def head(self, x, targets=None):
-        """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism parallel.py
-        sets vocab_group: output.weight holds this rank's rows of the vocabulary, and the loss is
-        chunked.py's, vocabulary parallel."""
+        """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism (vocab_group set)
+        output.weight holds this rank's rows of the vocabulary, and the loss is chunked.py's, vocabulary parallel."""
         if targets is None:
             if self.vocab_group is not None:
                 raise NotImplementedError("logits under tensor parallelism: sample in one process (sample.py)")
@@ -443,8 +440,8 @@ def num_params(config, non_embedding=True):
     h, kv, I, V, L = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size, \
         config.vocab_size, config.n_layer
     per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I  # two norms, wq wo, wk wv, w1 w2 w3
-    head = 0 if config.tie_embeddings else V * h
-    return L * per_layer + h + head + (0 if non_embedding and not config.tie_embeddings else V * h)
+    embedding = 0 if non_embedding or config.tie_embeddings else V * h  # a tied matrix counts once, as the head
+    return L * per_layer + h + V * h + embedding
 
 
 def flops_per_token(config, seq_len):
@@ -468,10 +465,8 @@ def _hf_names(config):
             'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
             'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
             'ffn_norm': 'post_attention_layernorm'}
-    for i in range(config.n_layer):
-        for a, b in ours.items():
-            names[f'layers.{i}.{a}.weight'] = f'model.layers.{i}.{b}.weight'
-    return names
+    return names | {f'layers.{i}.{a}.weight': f'model.layers.{i}.{b}.weight'
+                    for i in range(config.n_layer) for a, b in ours.items()}
 
 
 class KVCache:
