@@ -114,8 +114,7 @@ def load(path, g, defaults):
 def configure(g, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # the defaults, before any override: every later value is checked against these types
-    defaults = {k: v for k, v in g.items()
-                if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
+    defaults = {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
     if '-h' in argv or '--help' in argv:
         print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:")
         for k, v in defaults.items():

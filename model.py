@@ -81,8 +81,7 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
 
-# -----------------------------------------------------------------------------
-# RoPE
+# ----------------------------------------------------------------------------- RoPE
 
 # rope_scaling's types, as transformers names and computes them: each one's required fields, then its optional ones
 ROPE_SCALINGS = {'default': ((), ()), 'linear': (('factor',), ()),
@@ -186,8 +185,7 @@ class _Rope(torch.autograd.Function):
 apply_rope = _Rope.apply
 
 
-# -----------------------------------------------------------------------------
-# the block
+# ----------------------------------------------------------------------------- the block
 
 class RMSNorm(nn.Module):
     """weight · rms_norm(x in fp32) cast to x's dtype, as HF computes it (bf16 sums of squares over 4096 channels
@@ -303,8 +301,7 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-# -----------------------------------------------------------------------------
-# the model
+# ----------------------------------------------------------------------------- the model
 
 class Llama(nn.Module):
     def __init__(self, config):
@@ -329,8 +326,7 @@ class Llama(nn.Module):
         `positions` [S] or [B, S] are the positions of idx's tokens (a shard of a longer sequence, the tokens
         after a kv cache, each token's place in its document); they default to 0..S-1. `docs`: see attention()."""
         positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
-        # RoPE tables outside autocast, from fp32 frequencies made here (HF's; a buffer would be rounded
-        # to bf16 by model.to(bfloat16), and at long context bf16 angles are wrong)
+        # RoPE tables outside autocast, from frequencies made here: a buffer would be rounded to bf16 by model.to()
         inv_freq, scale = rope_frequencies(self.config)
         with torch.autocast(idx.device.type, enabled=False):
             cos, sin = rope_tables(inv_freq.float(), positions, scale)
@@ -354,8 +350,7 @@ class Llama(nn.Module):
         return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks, group=self.vocab_group,
                                                    vocab_size=self.config.vocab_size)
 
-    # -------------------------------------------------------------------------
-    # Hugging Face checkpoints
+    # ------------------------------------------------------------------------- Hugging Face checkpoints
 
     @classmethod
     def from_pretrained(cls, hf_dir, **overrides):

@@ -42,9 +42,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     p = next(model.parameters())
     caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype)
               for _ in range(c.n_layer)]
-    logits = model(idx, kv_caches=caches)[:, -1]  # prefill: the prompt in one pass
-    out = [idx]
+    out, positions = [idx], None  # the first pass: the whole prompt at once (prefill)
     for t in range(T, T + max_new_tokens):
+        logits = model(out[-1], positions=positions, kv_caches=caches)[:, -1]
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -54,8 +54,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
                 logits = logits.masked_fill(logits < kth, float('-inf'))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1)
         out.append(nxt)
-        if t + 1 < T + max_new_tokens:
-            logits = model(nxt, positions=torch.tensor([t], device=p.device), kv_caches=caches)[:, -1]
+        positions = torch.tensor([t], device=p.device)  # the next pass: the new token alone
     return torch.cat(out, 1)
 
 
