@@ -41,9 +41,8 @@ import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- how many chunks
 
-# A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows against a big
-# weight runs far below peak (2026-11-23, a 2-core CPU: 16-token chunks of the LM head took 3x the time of 256-token
-# ones), for little memory: 256·V·4 bytes = 131 MB for Llama 3's vocabulary, <= the fp32 weight gradient if h >= 256.
+# The header's floor: 16-token chunks of the LM head took 3x the time of 256-token ones (2026-11-23, a 2-core CPU),
+# and 256·V·4 bytes = 131 MB for Llama 3's vocabulary is no more than the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256
 
 
@@ -188,21 +187,18 @@ def chunked_mlp(x, w1, w3, w2, chunks):
 
 # ----------------------------------------------------------------------------- chunked LM head + loss
 #
-# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i)
-# (zero where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul
-# for the logits and two for the gradients. We compute the gradients in forward, while the chunk's
-# logits are at hand, and hand them to autograd from backward (scaled by the incoming gradient):
-# 3 matmuls in all. Recomputing in backward instead would redo the logits matmul, 4 in all, a third
-# more of the dominant cost, for no memory gain (dx and dW are held either way at the start of
-# backward, when every activation is still alive). Eval under no_grad does only the logits.
+# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i) (zero
+# where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul for the logits and
+# two for the gradients. We compute the gradients in forward, while the chunk's logits are at hand, and hand them to
+# autograd from backward (scaled by the incoming gradient): 3 matmuls in all. Recomputing in backward instead would
+# redo the logits matmul, 4 in all, a third more of the dominant cost, for no memory gain (dx and dW are held either
+# way at the start of backward, when every activation is still alive). Eval under no_grad does only the logits.
 #
-# Vocabulary parallel (Megatron's; `group` = the t tensor-parallel ranks): rank r holds rows
-# [r·⌈V/t⌉, (r+1)·⌈V/t⌉) of W, the last rank's rows past V padding that never becomes a logit. Each
-# rank runs the same loop on its rows: its chunk's logits are [N/M, V/t]; one all-gather of the ranks'
-# log-sum-exps (N/M floats each) gives the whole vocabulary's, which turns the local softmax into its
-# share of the global one; the rank holding a token's target adds its logit (one all-reduce of one
-# number at the end). dx is this rank's part of the sum over the vocabulary: the caller's backward
-# sums the parts over the group (parallel.py gathers the head's input and reduces its gradient).
+# Vocabulary parallel (the header's; `group` = the t tensor-parallel ranks): rank r holds rows [r·⌈V/t⌉, (r+1)·⌈V/t⌉)
+# of W, the last rank's rows past V padding that never becomes a logit. Each rank runs the same loop on its rows;
+# the all-gathered log-sum-exps of the ranks give the whole vocabulary's, which turns the local softmax into its share
+# of the global one; the rank holding a token's target adds its logit (one all-reduce of one number at the end). dx is
+# this rank's part of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its gradient.
 
 def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=None, vocab_size=None):
     """x [N, h], weight [V, h] (under group: this rank's [⌈V/t⌉, h] rows), targets [N] ->
