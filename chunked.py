@@ -117,7 +117,6 @@ def _acc_mm_(acc, a, b):
 # The price is two of the nine matmuls again (x W1ᵀ and x W3ᵀ), about 20% more MLP FLOPs.
 
 class _ChunkedMLP(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x, w1, w3, w2, chunks):
         ctx.save_for_backward(x, w1, w3, w2)  # all we keep: the input (and the weights, kept anyway)
@@ -258,7 +257,6 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size):
         with torch.autocast(x.device.type, enabled=False):

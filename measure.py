@@ -2,8 +2,7 @@
 Memory, measured: torch's MemTracker over one step, read as memory.py's categories at the step's peak (what
 memory.py's formula is checked against, on the device or the dry run's fake tensors), and the anatomy of that
 peak (train.py's dry_run_anatomy): the tensors alive at it, largest first, each with the op and module that
-made it, so a forker sees where a change's bytes went. A kernel's own workspace is no tensor: MemTracker can't
-see it (memory.py counts it).
+made it, so a forker sees where a change's bytes went.
 """
 import warnings
 import weakref
@@ -15,9 +14,8 @@ import offload
 
 
 class Tracker:
-    """torch's MemTracker over a step, read as memory.py's categories at its peak (.breakdown()). masters:
-    train.py's fp32 gradient holders when they are not the parameters; inputs: tensors made before the step
-    that it uses (the batch); anatomy: keep the tensors made in the step and alive at its peak (.at_peak)."""
+    """The header's MemTracker (.breakdown()) and anatomy (.at_peak, if anatomy). masters: train.py's fp32 gradient
+    holders when they are not the parameters; inputs: tensors made before the step that it uses (the batch)."""
 
     def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'), anatomy=False):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -92,5 +90,5 @@ class Tracker:
                'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs,
                'optimizer': snap.get('Optstate', 0) + masters,
                'activations': snap.get('Activation', 0) + inputs - host,
-               'transient': snap.get('Temp', 0), 'workspace': 0}  # no kernel's workspace is a tensor
+               'transient': snap.get('Temp', 0), 'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
         return {**out, 'total': sum(out.values())}

@@ -142,12 +142,11 @@ def rope_frequencies(config):
 
 def rope_tables(inv_freq, positions, scale=1.0):
     """cos and sin [S, head_dim] for integer positions [S] ([B, 1, S, head_dim] for [B, S]: a row per sequence,
-    broadcast over heads), times scale (YaRN's attention factor); fp64 math, fp32 result. The sin table carries
-    rotate-half's sign (-sin for the first half) so applying it needs no negation."""
+    broadcast over heads), times scale (YaRN's attention factor); fp64 math, fp32 result. In HF's rotate-half layout
+    (channel i pairs with i + d/2), the sin table carrying its sign (-sin for the first half): no negation to apply."""
     positions = positions if positions.dim() == 1 else positions[:, None]
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos() * scale, angles.sin() * scale
-    # rotate-half layout (HF's): channel i pairs with i + d/2
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
 
@@ -230,11 +229,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def attention(q, k, v, docs=None):
-    """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd] with
-    K | H (grouped-query: kv heads are never repeated in memory). With `docs` (doc_mask: the start of every
-    document in the flattened B·S tokens, a CPU int64 tensor, flash-attn's cu_seqlens) each document attends
-    only to itself. A fork that adds a variant (a sliding window) changes this function; parallel.py's
-    Ulysses calls it unchanged on the whole sequence for a share of the heads."""
+    """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd], K | H. With
+    `docs` (doc_mask: the start of every document in the flattened B·S tokens, a CPU int64 tensor, flash-attn's
+    cu_seqlens) each document attends only to itself. A fork that adds a variant (a sliding window) changes this
+    function; parallel.py's Ulysses calls it unchanged on the whole sequence for a share of the heads."""
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return per_document(q, k, v, docs)
@@ -429,9 +427,8 @@ class Llama(nn.Module):
 
 
 def num_params(config, non_embedding=True):
-    """Parameters of Llama(config), without the embedding table by default (a lookup, not a matmul).
-    With tied embeddings the shared matrix counts once, as the LM head. The one parameter count:
-    train.py's MFU and memory.py's model states read it."""
+    """Parameters of Llama(config), without the embedding table by default (a lookup, not a matmul). The one
+    parameter count: train.py's MFU and memory.py's model states read it."""
     h, kv, I, V, L = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size, \
         config.vocab_size, config.n_layer
     per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I  # two norms, wq wo, wk wv, w1 w2 w3
@@ -440,10 +437,9 @@ def num_params(config, non_embedding=True):
 
 
 def flops_per_token(config, seq_len):
-    """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
-    parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or not).
-    Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections for
-    'selective', the attention kernel not)."""
+    """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding parameters plus the LM
+    head (Megatron, PaLM and Memo count attention this way, causal or not). Recompute re-runs forward: +2·N + 4·L·h·S
+    per token for 'full' (the MLP and the projections for 'selective', the attention kernel not)."""
     c, N = config, num_params(config)
     attn = 12 * c.n_layer * c.n_embd * seq_len
     recompute = {'none': 0, 'full': 2 * N + attn // 3, 'selective': 2 * (N - c.vocab_size * c.n_embd)}

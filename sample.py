@@ -4,10 +4,9 @@ Generate text from a trained checkpoint (or a Hugging Face directory) with a KV 
     python sample.py --out_dir=out-tiny --start="def " --num_samples=2 --max_new_tokens=300
     python sample.py --init_from=path/to/hf_llama --dataset=mydata --start=FILE:prompt.txt
 
-The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json; without
---dataset, a Hugging Face directory's tokenizer.json); the whole prompt runs through the model once
-(prefill), then one token at a time reads the cached keys and values instead of recomputing the prefix:
-O(S) work per new token instead of O(S²).
+The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json; without --dataset,
+a Hugging Face directory's tokenizer.json); the whole prompt runs through the model once (prefill), then one token
+at a time reads the cached keys and values instead of recomputing the prefix: O(S) work per new token, not O(S²).
 """
 
 import json
@@ -67,11 +66,10 @@ def main():
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
-        # the newest committed checkpoint of out_dir, saved by any layout, read whole (checkpoint.py)
-        path = checkpoint.latest(out_dir)
+        path = checkpoint.latest(out_dir)  # the newest committed one
         if path is None:
             sys.exit(f"error: no checkpoint in {out_dir} (train one first: python train.py)")
-        model, ckpt = checkpoint.load_model(path)
+        model, ckpt = checkpoint.load_model(path)  # saved by any layout, read whole
         name = name or ckpt['config']['dataset']
     else:
         model = Llama.from_pretrained(init_from)
