@@ -258,10 +258,11 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size):
+    def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size, grad_enabled):
+        grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         with torch.autocast(x.device.type, enabled=False):
-            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index,
-                                                 *ctx.needs_input_grad[:2], group, vocab_size)
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w,
+                                                 group, vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
         ctx.count, ctx.dx, ctx.dW, ctx.w_dtype = count, dx, dW, weight.dtype
@@ -281,7 +282,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             dx.mul_(scale)
         if dW is not None:
             dW = dW.mul_(scale).to(ctx.w_dtype)
-        return dx, dW, None, None, None, None, None
+        return dx, dW, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
@@ -299,9 +300,5 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
         loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
         return loss_sum / (targets != ignore_index).sum().clamp(min=1)
     x, weight = _autocast(x, weight)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size)
-    with torch.autocast(x.device.type, enabled=False):  # eval: the logits only, no gradient work
-        loss_sum, count, _, _ = _ce_chunks(x, weight, targets, max(chunks, 1), ignore_index, False, False,
-                                           group, vocab_size)
-    return loss_sum / count.clamp(min=1)
+    return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size,
+                                      torch.is_grad_enabled())  # eval: logits only (needs_input_grad ignores no_grad)
