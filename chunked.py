@@ -46,17 +46,15 @@ import torch.nn.functional as F
 MIN_CHUNK_TOKENS = 256
 
 
-def _auto_chunks(n_tokens, m):
+def _auto_chunks(n_tokens, m):  # the header's M = m, with MIN_CHUNK_TOKENS a chunk at least, in [1, n_tokens]
     return max(1, min(n_tokens, m, math.ceil(n_tokens / MIN_CHUNK_TOKENS)))
 
 
 def auto_mlp_chunks(n_tokens, dim, intermediate):
-    """M = ceil(3I / h): a chunk's backward, three S/M × I buffers, is about the S × h block input."""
     return _auto_chunks(n_tokens, math.ceil(3 * intermediate / dim))
 
 
 def auto_loss_chunks(n_tokens, dim, vocab):
-    """M = ceil(V / h): a chunk's S/M × V logits are about the S × h hidden state."""
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
 
@@ -200,8 +198,7 @@ def chunked_mlp(x, w1, w3, w2, chunks):
 # this rank's part of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its gradient.
 
 def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=None, vocab_size=None):
-    """x [N, h], weight [V, h] (under group: this rank's [⌈V/t⌉, h] rows), targets [N] ->
-    (loss sum, count, dx·count or None, dW·count or None)."""
+    """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N] -> (loss sum, count, dx·count, dW·count)."""
     N, rows = x.shape[0], weight.shape[0]
     lo = 0 if group is None else dist.get_rank(group) * rows
     real = rows if group is None else max(0, min(rows, vocab_size - lo))  # rows that are not padding

@@ -38,24 +38,23 @@ class Tracker:
         self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self):
+        self.stack = ExitStack()
+        enter = self.stack.enter_context  # each leaves with the stack, last first; a hook's handle removes the hook
         # train.py writes a master's .grad after autograd's hook: register it then
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad))
-                      for p, m in zip(self.params, self.masters)]
+        for p, m in zip(self.params, self.masters):
+            enter(p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad)))
         # MemTracker refuses a second forward of the model (gradient accumulation) unless its
         # per-module statistics, which we don't read, are reset first; this hook runs before its own
-        self.hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
+        enter(torch.nn.modules.module.register_module_forward_pre_hook(
             lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
-        self.stack = ExitStack()
-        self.stack.enter_context(warnings.catch_warnings())
+        enter(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
-        self.mods and self.stack.enter_context(self.mods)
-        self.stack.enter_context(self.mt)
+        self.mods and enter(self.mods)
+        enter(self.mt)
         return self
 
     def __exit__(self, *exc):
         self.stack.__exit__(*exc)
-        for hook in self.hooks:
-            hook.remove()
 
     def look(self, func, args, out):
         """Note each storage on our device an op makes (not one of its inputs': a view, in place), what made it

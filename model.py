@@ -410,8 +410,7 @@ class Llama(nn.Module):
         from safetensors.torch import save_file
         c, s = self.config, self.config.rope_scaling or {}
         os.makedirs(out_dir, exist_ok=True)
-        params = dict(self.named_parameters())
-        state = {theirs: params[ours].detach().cpu().contiguous() for ours, theirs in _hf_names(c).items()}
+        state = {theirs: self.get_parameter(ours).detach().cpu().contiguous() for ours, theirs in _hf_names(c).items()}
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
         hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,

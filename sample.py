@@ -90,8 +90,7 @@ def main():
     idx = torch.tensor([encode(prompt)] * num_samples, device=dev)
     if idx.shape[1] == 0:
         sys.exit("error: the prompt encodes to no tokens")
-    out = generate(model, idx, max_new_tokens, temperature, top_k)
-    for row in out.tolist():
+    for row in generate(model, idx, max_new_tokens, temperature, top_k).tolist():
         print(decode(row))
         print('-' * 60)
 
