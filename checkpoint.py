@@ -111,11 +111,6 @@ def _one_line(what):
 
 # ----------------------------------------------------------------------------- save
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _fsync_write(path, text):
     with open(path, 'w') as f:
         f.write(text)
@@ -129,7 +124,8 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
     root = os.path.join(out_dir, 'ckpt')
     done = [int(k) for k in os.listdir(root) if k.isdigit()] if os.path.isdir(root) else []
     path = os.path.join(root, f'{max(done, default=0) + 1:06d}')
-    _barrier()  # every rank has chosen the same k before any makes the directory
+    if dist.is_initialized():  # every rank has chosen the same k before any makes the directory
+        dist.barrier()
     os.makedirs(path, exist_ok=True)
     dcp.save(state_dict(model, optimizer, mesh, data_gen), storage_writer=dcp.FileSystemWriter(path))
     if mesh.rank == 0:  # dcp.save returned: every rank's files and DCP's metadata are written
@@ -138,7 +134,8 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
         _fsync_write(os.path.join(path, 'COMMITTED'), '')
         for k in done:
             shutil.rmtree(os.path.join(root, f'{k:06d}'), ignore_errors=True)
-    _barrier()
+    if dist.is_initialized():  # no rank returns before the checkpoint is committed
+        dist.barrier()
     return path
 
 

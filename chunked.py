@@ -41,24 +41,20 @@ import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- how many chunks
 
-# A chunk never has fewer tokens than this (unless the whole input does): a matmul with a few rows
-# against a big weight runs far below peak (2026-11-23, a 2-core CPU: 16-token chunks of the LM head took 3x the
-# time of 256-token ones), and the memory it would save is small: 256·V·4 bytes = 131 MB for
-# Llama 3's vocabulary, no more than the fp32 weight gradient whenever h >= 256.
+# The header's floor: 16-token chunks of the LM head took 3x the time of 256-token ones (2026-11-23, a 2-core CPU),
+# and 256·V·4 bytes = 131 MB for Llama 3's vocabulary is no more than the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256
 
 
-def _auto_chunks(n_tokens, m):
+def _auto_chunks(n_tokens, m):  # the header's M = m, with MIN_CHUNK_TOKENS a chunk at least, in [1, n_tokens]
     return max(1, min(n_tokens, m, math.ceil(n_tokens / MIN_CHUNK_TOKENS)))
 
 
 def auto_mlp_chunks(n_tokens, dim, intermediate):
-    """M = ceil(3I / h): a chunk's backward, three S/M × I buffers, is about the S × h block input."""
     return _auto_chunks(n_tokens, math.ceil(3 * intermediate / dim))
 
 
 def auto_loss_chunks(n_tokens, dim, vocab):
-    """M = ceil(V / h): a chunk's S/M × V logits are about the S × h hidden state."""
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
 
@@ -81,12 +77,13 @@ def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
 
 # ----------------------------------------------------------------------------- small helpers
 
-def _autocast_dtype(device_type):
+def _autocast(*tensors):
     # Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up front,
     # to what autocast would have used (as F.linear would), and switch autocast off inside.
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    return [t.to(torch.get_autocast_dtype(device_type)) for t in tensors]
 
 
 def _mm_f32(a, b, out):
@@ -118,7 +115,6 @@ def _acc_mm_(acc, a, b):
 # The price is two of the nine matmuls again (x W1ᵀ and x W3ᵀ), about 20% more MLP FLOPs.
 
 class _ChunkedMLP(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x, w1, w3, w2, chunks):
         ctx.save_for_backward(x, w1, w3, w2)  # all we keep: the input (and the weights, kept anyway)
@@ -182,33 +178,27 @@ def chunked_mlp(x, w1, w3, w2, chunks):
         chunks = auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
     if chunks <= 1:
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-    dt = _autocast_dtype(x.device.type)
-    if dt is not None:
-        x, w1, w3, w2 = (t.to(dt) for t in (x, w1, w3, w2))
+    x, w1, w3, w2 = _autocast(x, w1, w3, w2)
     return _ChunkedMLP.apply(x, w1, w3, w2, chunks)
 
 
 # ----------------------------------------------------------------------------- chunked LM head + loss
 #
-# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i)
-# (zero where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul
-# for the logits and two for the gradients. We compute the gradients in forward, while the chunk's
-# logits are at hand, and hand them to autograd from backward (scaled by the incoming gradient):
-# 3 matmuls in all. Recomputing in backward instead would redo the logits matmul, 4 in all, a third
-# more of the dominant cost, for no memory gain (dx and dW are held either way at the start of
-# backward, when every activation is still alive). Eval under no_grad does only the logits.
+# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i) (zero
+# where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul for the logits and
+# two for the gradients. We compute the gradients in forward, while the chunk's logits are at hand, and hand them to
+# autograd from backward (scaled by the incoming gradient): 3 matmuls in all. Recomputing in backward instead would
+# redo the logits matmul, 4 in all, a third more of the dominant cost, for no memory gain (dx and dW are held either
+# way at the start of backward, when every activation is still alive). Eval under no_grad does only the logits.
 #
-# Vocabulary parallel (Megatron's; `group` = the t tensor-parallel ranks): rank r holds rows
-# [r·⌈V/t⌉, (r+1)·⌈V/t⌉) of W, the last rank's rows past V padding that never becomes a logit. Each
-# rank runs the same loop on its rows: its chunk's logits are [N/M, V/t]; one all-gather of the ranks'
-# log-sum-exps (N/M floats each) gives the whole vocabulary's, which turns the local softmax into its
-# share of the global one; the rank holding a token's target adds its logit (one all-reduce of one
-# number at the end). dx is this rank's part of the sum over the vocabulary: the caller's backward
-# sums the parts over the group (parallel.py gathers the head's input and reduces its gradient).
+# Vocabulary parallel (the header's; `group` = the t tensor-parallel ranks): rank r holds rows [r·⌈V/t⌉, (r+1)·⌈V/t⌉)
+# of W, the last rank's rows past V padding that never becomes a logit. Each rank runs the same loop on its rows;
+# the all-gathered log-sum-exps of the ranks give the whole vocabulary's, which turns the local softmax into its share
+# of the global one; the rank holding a token's target adds its logit (one all-reduce of one number at the end). dx is
+# this rank's part of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its gradient.
 
 def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=None, vocab_size=None):
-    """x [N, h], weight [V, h] (under group: this rank's [⌈V/t⌉, h] rows), targets [N] ->
-    (loss sum, count, dx·count or None, dW·count or None)."""
+    """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N] -> (loss sum, count, dx·count, dW·count)."""
     N, rows = x.shape[0], weight.shape[0]
     lo = 0 if group is None else dist.get_rank(group) * rows
     real = rows if group is None else max(0, min(rows, vocab_size - lo))  # rows that are not padding
@@ -264,12 +254,12 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-
     @staticmethod
-    def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size):
+    def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size, grad_enabled):
+        grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         with torch.autocast(x.device.type, enabled=False):
-            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index,
-                                                 *ctx.needs_input_grad[:2], group, vocab_size)
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w,
+                                                 group, vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
         ctx.count, ctx.dx, ctx.dW, ctx.w_dtype = count, dx, dW, weight.dtype
@@ -289,7 +279,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             dx.mul_(scale)
         if dW is not None:
             dW = dW.mul_(scale).to(ctx.w_dtype)
-        return dx, dW, None, None, None, None, None
+        return dx, dW, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
@@ -304,16 +294,8 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     if chunks == 0:
         chunks = auto_loss_chunks(x.shape[0], h, vocab_size or weight.shape[0])
     if chunks <= 1 and group is None:
-        count = (targets != ignore_index).sum()
-        loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index,
-                                   reduction='sum')
-        return loss_sum / count.clamp(min=1)
-    dt = _autocast_dtype(x.device.type)
-    if dt is not None:
-        x, weight = x.to(dt), weight.to(dt)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size)
-    with torch.autocast(x.device.type, enabled=False):  # eval: the logits only, no gradient work
-        loss_sum, count, _, _ = _ce_chunks(x, weight, targets, max(chunks, 1), ignore_index, False, False,
-                                           group, vocab_size)
-    return loss_sum / count.clamp(min=1)
+        loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
+        return loss_sum / (targets != ignore_index).sum().clamp(min=1)
+    x, weight = _autocast(x, weight)
+    return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size,
+                                      torch.is_grad_enabled())  # eval: logits only (needs_input_grad ignores no_grad)

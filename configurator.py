@@ -1,12 +1,11 @@
 """
-Poor man's configurator, after nanoGPT's, made safe. train.py keeps its config as plain globals and
-calls configure(globals()); `python train.py config/x.py --batch_size=32 --out_dir=a=b` then
-applies, in order, each config file (a Python file, exec'd on its own) and each --key=value (a
-Python literal if it parses as one, else the raw string). Each value must fit its default's type.
-Every mistake is one 'error: ...' line on stderr and exit status 2, never a traceback: a typo in a
-key must stop a run that would otherwise train for hours on the default, and a traceback buries the
-one line that says what was wrong. train.py stops on its own checks of the values (ranges, devices,
-data) through the same die(), and on a collective that fails (a rank died or hung) through collective_failed().
+Poor man's configurator, after nanoGPT's, made safe. train.py keeps its config as plain globals and calls
+configure(globals()); `python train.py config/x.py --batch_size=32 --out_dir=a=b` then applies, in order, each
+config file (a Python file, exec'd on its own) and each --key=value (a Python literal if it parses as one, else the
+raw string). Each value must fit its default's type. Every mistake is one 'error: ...' line on stderr and exit
+status 2, never a traceback: a typo in a key must stop a run that would otherwise train for hours on the default,
+and a traceback buries the one line that says what was wrong. train.py's own checks of the values (ranges, devices,
+data) stop it through the same die(), and a collective that fails (a rank died or hung) through collective_failed().
 """
 import ast
 import difflib
@@ -114,8 +113,7 @@ def load(path, g, defaults):
 def configure(g, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # the defaults, before any override: every later value is checked against these types
-    defaults = {k: v for k, v in g.items()
-                if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
+    defaults = {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
     if '-h' in argv or '--help' in argv:
         print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:")
         for k, v in defaults.items():

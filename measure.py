@@ -2,8 +2,7 @@
 Memory, measured: torch's MemTracker over one step, read as memory.py's categories at the step's peak (what
 memory.py's formula is checked against, on the device or the dry run's fake tensors), and the anatomy of that
 peak (train.py's dry_run_anatomy): the tensors alive at it, largest first, each with the op and module that
-made it, so a forker sees where a change's bytes went. A kernel's own workspace is no tensor: MemTracker can't
-see it (memory.py counts it).
+made it, so a forker sees where a change's bytes went.
 """
 import warnings
 import weakref
@@ -15,9 +14,8 @@ import offload
 
 
 class Tracker:
-    """torch's MemTracker over a step, read as memory.py's categories at its peak (.breakdown()). masters:
-    train.py's fp32 gradient holders when they are not the parameters; inputs: tensors made before the step
-    that it uses (the batch); anatomy: keep the tensors made in the step and alive at its peak (.at_peak)."""
+    """The header's MemTracker (.breakdown()) and anatomy (.at_peak, if anatomy). masters: train.py's fp32 gradient
+    holders when they are not the parameters; inputs: tensors made before the step that it uses (the batch)."""
 
     def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'), anatomy=False):
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -40,24 +38,23 @@ class Tracker:
         self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self):
+        self.stack = ExitStack()
+        enter = self.stack.enter_context  # each leaves with the stack, last first; a hook's handle removes the hook
         # train.py writes a master's .grad after autograd's hook: register it then
-        self.hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad))
-                      for p, m in zip(self.params, self.masters)]
+        for p, m in zip(self.params, self.masters):
+            enter(p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad)))
         # MemTracker refuses a second forward of the model (gradient accumulation) unless its
         # per-module statistics, which we don't read, are reset first; this hook runs before its own
-        self.hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(
+        enter(torch.nn.modules.module.register_module_forward_pre_hook(
             lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
-        self.stack = ExitStack()
-        self.stack.enter_context(warnings.catch_warnings())
+        enter(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
-        self.mods and self.stack.enter_context(self.mods)
-        self.stack.enter_context(self.mt)
+        self.mods and enter(self.mods)
+        enter(self.mt)
         return self
 
     def __exit__(self, *exc):
         self.stack.__exit__(*exc)
-        for hook in self.hooks:
-            hook.remove()
 
     def look(self, func, args, out):
         """Note each storage on our device an op makes (not one of its inputs': a view, in place), what made it
@@ -92,5 +89,5 @@ class Tracker:
                'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs,
                'optimizer': snap.get('Optstate', 0) + masters,
                'activations': snap.get('Activation', 0) + inputs - host,
-               'transient': snap.get('Temp', 0), 'workspace': 0}  # no kernel's workspace is a tensor
+               'transient': snap.get('Temp', 0), 'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
         return {**out, 'total': sum(out.values())}

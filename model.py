@@ -15,13 +15,12 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   `initializer_range`), with the two projections that write into the residual stream (wo, w2)
   scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow with depth; norms at 1.
 
-The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward
-runs, never what it computes. Chunking happens inside MLP and the LM head (chunked.py); keep /
-recompute / offload wraps each block at build time (`offload.apply(model)`), so forward below is a
-plain loop over blocks; tensor and context parallelism shard the weights and wrap `Attention.attend`
-(parallel.py). A new attention variant is a change to `attention()` alone.
-`Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that
-transformers loads back to the same logits.
+The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward runs, never what
+it computes. Chunking happens inside MLP and the LM head (chunked.py); keep / recompute / offload wraps each block at
+build time (`offload.apply(model)`), so forward below is a plain loop over blocks; tensor and context parallelism
+shard the weights and wrap `Attention.attend` (parallel.py), and a new attention variant changes `attention()` alone.
+`Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that transformers loads
+back to the same logits.
 """
 
 import json
@@ -82,8 +81,7 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
 
-# -----------------------------------------------------------------------------
-# RoPE
+# ----------------------------------------------------------------------------- RoPE
 
 # rope_scaling's types, as transformers names and computes them: each one's required fields, then its optional ones
 ROPE_SCALINGS = {'default': ((), ()), 'linear': (('factor',), ()),
@@ -144,12 +142,11 @@ def rope_frequencies(config):
 
 def rope_tables(inv_freq, positions, scale=1.0):
     """cos and sin [S, head_dim] for integer positions [S] ([B, 1, S, head_dim] for [B, S]: a row per sequence,
-    broadcast over heads), times scale (YaRN's attention factor); fp64 math, fp32 result. The sin table carries
-    rotate-half's sign (-sin for the first half) so applying it needs no negation."""
+    broadcast over heads), times scale (YaRN's attention factor); fp64 math, fp32 result. In HF's rotate-half layout
+    (channel i pairs with i + d/2), the sin table carrying its sign (-sin for the first half): no negation to apply."""
     positions = positions if positions.dim() == 1 else positions[:, None]
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos() * scale, angles.sin() * scale
-    # rotate-half layout (HF's): channel i pairs with i + d/2
     return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
 
 
@@ -187,8 +184,7 @@ class _Rope(torch.autograd.Function):
 apply_rope = _Rope.apply
 
 
-# -----------------------------------------------------------------------------
-# the block
+# ----------------------------------------------------------------------------- the block
 
 class RMSNorm(nn.Module):
     """weight · rms_norm(x in fp32) cast to x's dtype, as HF computes it (bf16 sums of squares over 4096 channels
@@ -233,11 +229,10 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def attention(q, k, v, docs=None):
-    """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd] with
-    K | H (grouped-query: kv heads are never repeated in memory). With `docs` (doc_mask: the start of every
-    document in the flattened B·S tokens, a CPU int64 tensor, flash-attn's cu_seqlens) each document attends
-    only to itself. A fork that adds a variant (a sliding window) changes this function; parallel.py's
-    Ulysses calls it unchanged on the whole sequence for a share of the heads."""
+    """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd], k, v [B, K, S, hd], K | H. With
+    `docs` (doc_mask: the start of every document in the flattened B·S tokens, a CPU int64 tensor, flash-attn's
+    cu_seqlens) each document attends only to itself. A fork that adds a variant (a sliding window) changes this
+    function; parallel.py's Ulysses calls it unchanged on the whole sequence for a share of the heads."""
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return per_document(q, k, v, docs)
@@ -304,8 +299,7 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-# -----------------------------------------------------------------------------
-# the model
+# ----------------------------------------------------------------------------- the model
 
 class Llama(nn.Module):
     def __init__(self, config):
@@ -330,21 +324,18 @@ class Llama(nn.Module):
         `positions` [S] or [B, S] are the positions of idx's tokens (a shard of a longer sequence, the tokens
         after a kv cache, each token's place in its document); they default to 0..S-1. `docs`: see attention()."""
         positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
-        # RoPE tables outside autocast, from fp32 frequencies made here (HF's; a buffer would be rounded
-        # to bf16 by model.to(bfloat16), and at long context bf16 angles are wrong)
+        # RoPE tables outside autocast, from frequencies made here: a buffer would be rounded to bf16 by model.to()
         inv_freq, scale = rope_frequencies(self.config)
         with torch.autocast(idx.device.type, enabled=False):
             cos, sin = rope_tables(inv_freq.float(), positions, scale)
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[i])
-        x = self.norm(x)
-        return self.head(x, targets)
+        return self.head(self.norm(x), targets)
 
     def head(self, x, targets=None):
-        """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism parallel.py
-        sets vocab_group: output.weight holds this rank's rows of the vocabulary, and the loss is
-        chunked.py's, vocabulary parallel."""
+        """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism (vocab_group set)
+        output.weight holds this rank's rows of the vocabulary, and the loss is chunked.py's, vocabulary parallel."""
         if targets is None:
             if self.vocab_group is not None:
                 raise NotImplementedError("logits under tensor parallelism: sample in one process (sample.py)")
@@ -357,8 +348,7 @@ class Llama(nn.Module):
         return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks, group=self.vocab_group,
                                                    vocab_size=self.config.vocab_size)
 
-    # -------------------------------------------------------------------------
-    # Hugging Face checkpoints
+    # ------------------------------------------------------------------------- Hugging Face checkpoints
 
     @classmethod
     def from_pretrained(cls, hf_dir, **overrides):
@@ -420,8 +410,7 @@ class Llama(nn.Module):
         from safetensors.torch import save_file
         c, s = self.config, self.config.rope_scaling or {}
         os.makedirs(out_dir, exist_ok=True)
-        params = dict(self.named_parameters())
-        state = {theirs: params[ours].detach().cpu().contiguous() for ours, theirs in _hf_names(c).items()}
+        state = {theirs: self.get_parameter(ours).detach().cpu().contiguous() for ours, theirs in _hf_names(c).items()}
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
         hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
                   num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
@@ -437,21 +426,19 @@ class Llama(nn.Module):
 
 
 def num_params(config, non_embedding=True):
-    """Parameters of Llama(config), without the embedding table by default (a lookup, not a matmul).
-    With tied embeddings the shared matrix counts once, as the LM head. The one parameter count:
-    train.py's MFU and memory.py's model states read it."""
+    """Parameters of Llama(config), without the embedding table by default (a lookup, not a matmul). The one
+    parameter count: train.py's MFU and memory.py's model states read it."""
     h, kv, I, V, L = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size, \
         config.vocab_size, config.n_layer
     per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I  # two norms, wq wo, wk wv, w1 w2 w3
-    head = 0 if config.tie_embeddings else V * h
-    return L * per_layer + h + head + (0 if non_embedding and not config.tie_embeddings else V * h)
+    embedding = 0 if non_embedding or config.tie_embeddings else V * h  # a tied matrix counts once, as the head
+    return L * per_layer + h + V * h + embedding
 
 
 def flops_per_token(config, seq_len):
-    """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
-    parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or not).
-    Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections for
-    'selective', the attention kernel not)."""
+    """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding parameters plus the LM
+    head (Megatron, PaLM and Memo count attention this way, causal or not). Recompute re-runs forward: +2·N + 4·L·h·S
+    per token for 'full' (the MLP and the projections for 'selective', the attention kernel not)."""
     c, N = config, num_params(config)
     attn = 12 * c.n_layer * c.n_embd * seq_len
     recompute = {'none': 0, 'full': 2 * N + attn // 3, 'selective': 2 * (N - c.vocab_size * c.n_embd)}
@@ -468,10 +455,8 @@ def _hf_names(config):
             'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
             'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
             'ffn_norm': 'post_attention_layernorm'}
-    for i in range(config.n_layer):
-        for a, b in ours.items():
-            names[f'layers.{i}.{a}.weight'] = f'model.layers.{i}.{b}.weight'
-    return names
+    return names | {f'layers.{i}.{a}.weight': f'model.layers.{i}.{b}.weight'
+                    for i in range(config.n_layer) for a, b in ours.items()}
 
 
 class KVCache:

@@ -156,8 +156,7 @@ def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None
     c, saved = model.config, None
     if kv_cache is not None or not torch.is_grad_enabled():
         return inner(x, cos, sin, docs, kv_cache)
-    # block i-1 (the last offloaded one, for the first kept block) starts coming back when block i's attention
-    # output gets its gradient: after block i's MLP backward, whose peak it would otherwise add to
+    # block i-1, if offloaded, comes back once block i's attention output has its gradient: after its MLP backward
     last = None if c.offload == 0 or i == 0 else _device(x).last  # i == 0: a new forward
     def on_attention(module, args, a):  # (returns None: the output stays)
         a.register_hook(lambda grad: last[1]() and last[1]().fetch()) if a.requires_grad else None

@@ -4,10 +4,9 @@ Generate text from a trained checkpoint (or a Hugging Face directory) with a KV 
     python sample.py --out_dir=out-tiny --start="def " --num_samples=2 --max_new_tokens=300
     python sample.py --init_from=path/to/hf_llama --dataset=mydata --start=FILE:prompt.txt
 
-The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json; without
---dataset, a Hugging Face directory's tokenizer.json); the whole prompt runs through the model once
-(prefill), then one token at a time reads the cached keys and values instead of recomputing the prefix:
-O(S) work per new token instead of O(S²).
+The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json; without --dataset,
+a Hugging Face directory's tokenizer.json); the whole prompt runs through the model once (prefill), then one token
+at a time reads the cached keys and values instead of recomputing the prefix: O(S) work per new token, not O(S²).
 """
 
 import json
@@ -42,9 +41,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     p = next(model.parameters())
     caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype)
               for _ in range(c.n_layer)]
-    logits = model(idx, kv_caches=caches)[:, -1]  # prefill: the prompt in one pass
-    out = [idx]
+    out, positions = [idx], None  # the first pass: the whole prompt at once (prefill)
     for t in range(T, T + max_new_tokens):
+        logits = model(out[-1], positions=positions, kv_caches=caches)[:, -1]
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
@@ -54,8 +53,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
                 logits = logits.masked_fill(logits < kth, float('-inf'))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1)
         out.append(nxt)
-        if t + 1 < T + max_new_tokens:
-            logits = model(nxt, positions=torch.tensor([t], device=p.device), kv_caches=caches)[:, -1]
+        positions = torch.tensor([t], device=p.device)  # the next pass: the new token alone
     return torch.cat(out, 1)
 
 
@@ -68,11 +66,10 @@ def main():
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
-        # the newest committed checkpoint of out_dir, saved by any layout, read whole (checkpoint.py)
-        path = checkpoint.latest(out_dir)
+        path = checkpoint.latest(out_dir)  # the newest committed one
         if path is None:
             sys.exit(f"error: no checkpoint in {out_dir} (train one first: python train.py)")
-        model, ckpt = checkpoint.load_model(path)
+        model, ckpt = checkpoint.load_model(path)  # saved by any layout, read whole
         name = name or ckpt['config']['dataset']
     else:
         model = Llama.from_pretrained(init_from)
@@ -93,8 +90,7 @@ def main():
     idx = torch.tensor([encode(prompt)] * num_samples, device=dev)
     if idx.shape[1] == 0:
         sys.exit("error: the prompt encodes to no tokens")
-    out = generate(model, idx, max_new_tokens, temperature, top_k)
-    for row in out.tolist():
+    for row in generate(model, idx, max_new_tokens, temperature, top_k).tolist():
         print(decode(row))
         print('-' * 60)
 
