@@ -46,14 +46,11 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                call: a = H/t, Sa = S (sp gathers the sequence); Ulysses a = H/(t·c); the ring Sa = S/c, its kv
                heads already repeated (a tensor). Alive in one attention backward: in the block-backward moments.
 
-Measured (measure.py): torch's MemTracker over the first step, its categories mapped to ours (the
-optimizer's fp32 master rows as optimizer, the host pool out of the device's total), torch.cuda's peak
-beside it. On CUDA that peak is the total, and workspace what it holds beyond MemTracker's tensors
-(kernel workspaces, allocator rounding): nothing counted twice. The dry run (`--dry_run=True`): the
-same on rank 0 of the configured world, a fake process group, the model made of FakeTensors (shapes,
-no data) and CPU autocast in bf16 standing in for CUDA: the exact answer for tensors. A kernel's
-workspace is none: the dry run's is the formula's, at the formula's peak moment. With
-`--dry_run_anatomy=N` it lists the N largest tensors alive at its peak, and what made them.
+Measured (measure.py): torch's MemTracker over the first step, read as our categories; on CUDA its peak is
+the total, workspace what it holds beyond MemTracker's tensors. The dry run (`--dry_run=True`): the same on rank
+0 of the configured world, a fake process group, FakeTensors (shapes, no data) and CPU autocast in bf16 standing
+in for CUDA: the exact answer for tensors; a kernel's workspace is the formula's, at the formula's peak moment.
+`--dry_run_anatomy=N` lists the N largest tensors alive at its peak, and what made them.
 """
 import json
 import math
@@ -156,10 +153,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # a block's backward at its MLP or at attention, plus what recompute or offload brings back
     gathered = b * h if sp else 0  # under sp the incoming gradient of a column-parallel matmul is whole
     Mm = chunked.mlp_chunks(c, S)
-    if Mm > 1:
-        mlp = (2 * b * h / t + 2 * gathered) * T + 3 * b * I / t * math.ceil(T / Mm) + 12 * h * I / t
-    else:
-        mlp = (b * h / t + gathered + 3 * b * I / t) * T
+    mlp = (2 * b * h / t + 2 * gathered) * T + 3 * b * I / t * math.ceil(T / Mm) + 12 * h * I / t if Mm > 1 else \
+        (b * h / t + gathered + 3 * b * I / t) * T
     attn = (b * (3 * h + 2 * kv) / t + gathered) * T
     norm = b * h / t * T + 28 * min(h / t * T, FP32_CHUNK)  # dx, and seven fp32 tensors of one chunk (model.py)
     # at each stage the block's tensors not yet consumed: all at the MLP, then all but the MLP's

@@ -99,13 +99,9 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     return sum(p for p in pieces if p >= MIN_BYTES), sum(p for p in pieces if p < MIN_BYTES)
 
 
-def block_host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
-    return block_bytes(config, batch, seq_len, dtype, cp_size)[0]
-
-
 def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     """Host memory one forward (one micro-step) needs; the pool holds this, reused every micro-step."""
-    return len(offloaded_blocks(config)) * block_host_bytes(config, batch, seq_len, dtype, cp_size)
+    return len(offloaded_blocks(config)) * block_bytes(config, batch, seq_len, dtype, cp_size)[0]
 
 
 # ----------------------------------------------------------------------------- choosing α
@@ -133,7 +129,7 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
     """What offloading adds to a step, as a fraction of its compute (3 forwards per block): the copies that
     don't hide behind a block's forward, and with 'none' the token-wise recompute of the other 1 - α."""
     t_fwd, blocks = block_forward_seconds(config, batch, seq_len, flops_per_s), len(offloaded_blocks(config))
-    sent = block_host_bytes(config, batch, seq_len, torch.bfloat16) / bandwidth
+    sent = block_bytes(config, batch, seq_len, torch.bfloat16)[0] / bandwidth
     redo = (1 - config.offload) * 2 / 3 * blocks / config.n_layer if config.recompute == 'none' else 0
     return blocks * max(0.0, sent - t_fwd) / (3 * config.n_layer * t_fwd) + redo
 
@@ -405,13 +401,9 @@ def _retire(dev, limit):  # compute waits for the oldest copies; then their devi
         _wait(dev.in_flight.pop(0)[0])
 
 
-def bytes_to_host():
-    """Bytes sent to host memory since the process started (train.py logs the difference per step)."""
-    return _stats['bytes_to_host']
-
-
 def stats():
-    """Bytes moved each way since start, and the host pool: reserved, in use, allocations made."""
+    """Bytes moved each way since start (train.py logs bytes_to_host's rise per step), and the host pool:
+    reserved, in use, allocations made."""
     pools = [d.pool for d in _devices.values() if not d.fake]
     return dict(_stats, host_reserved=sum(p.reserved for p in pools), host_in_use=sum(p.in_use for p in pools),
                 host_allocations=sum(p.allocations for p in pools))

@@ -3,19 +3,18 @@ AdamW, and what it keeps per parameter: Megatron's fp32 master weights, or the s
 
 Megatron's mixed precision (the default): bf16 weights, each gradient folded into an fp32 holder as autograd makes
 it, AdamW on fp32 master weights and moments: 2 + 4 + 12 = 18 bytes per parameter (fp32 runs: 4 + 4 + 8). zero=1
-(Megatron's distributed optimizer): rank j of d = dp·cp updates ⌈rows/d⌉ rows of every tensor and all-gathers
-them, 2 + 4 + 12/d (torch's ZeroRedundancyOptimizer gives whole tensors to ranks, unevenly, and can't own masters
-that exist only as shards).
+(Megatron's distributed optimizer): each of d = dp·cp ranks updates ⌈rows/d⌉ rows of every tensor and all-gathers
+them, 2 + 4 + 12/d (torch's ZeroRedundancyOptimizer gives whole tensors to ranks, unevenly).
 
 optimizer_in_backward=True (one rank; the Mini-Sequence Transformer's code, torch's "optimizer step in backward"
-recipe): a post-accumulate-grad hook steps each parameter the moment its gradient is whole and frees that gradient,
-so a step's gradients never all exist; weights and moments stay bf16: 2 + 2 + 2 = 6 bytes per parameter. An update
-under half a bf16 spacing of its weight (2^-9 to 2^-8 of |w|) rounds to nothing every step, so the step runs in fp32,
-STEP_CHUNK elements at a time, and each result is rounded stochastically (up with probability the remainder's
-share of the spacing: exact on average; Gupta et al. 2015, and for bf16 Zamirai et al. 2020, arXiv 2010.06192, who
-also weigh Kahan summation at 2 more bytes). No step-wide gradient means no accumulation over micro-steps and no
-dp, cp or tp reduction (train.py refuses them); grad_clip clips each tensor to its share, grad_clip·sqrt(size/N),
-which bounds the global norm (stricter when one tensor spikes alone). A non-finite gradient skips its parameter.
+recipe): a post-accumulate-grad hook steps each parameter the moment its gradient is whole and frees it, so a
+step's gradients never all exist; weights and moments stay bf16: 2 + 2 + 2 = 6 bytes per parameter. An update under
+half a bf16 spacing of its weight (2^-9 to 2^-8 of |w|) would round to nothing every step, so the step runs in fp32,
+STEP_CHUNK elements at a time, each result rounded stochastically (up with probability the remainder's share of the
+spacing: exact on average; Gupta et al. 2015, and for bf16 Zamirai et al. 2020, arXiv 2010.06192, who also weigh
+Kahan summation at 2 more bytes). No step-wide gradient: no accumulation over micro-steps, no dp, cp or tp reduction
+(train.py refuses them); grad_clip clips each tensor to its share, grad_clip·sqrt(size/N), which bounds the global
+norm (stricter when one tensor spikes alone). A non-finite gradient skips its parameter.
 """
 import math
 
@@ -29,10 +28,9 @@ STEP_CHUNK = 1 << 24  # elements of a parameter stepped at once in backward: sev
 
 
 def make_master_weights(model, in_backward=False):
-    """The tensors whose .grad holds each parameter's gradient for the step: the parameters themselves in fp32
-    or in backward; for bf16, memory-less fp32 holders (stride-0 views of one zero; the masters live in the
-    optimizer) into whose .grad a hook folds each bf16 gradient as autograd finishes it: accumulation in fp32,
-    no bf16 gradient outlives it."""
+    """The tensors whose .grad holds each parameter's step gradient: the parameters (fp32, or in backward), or for
+    bf16 memory-less fp32 holders (stride-0 views of one zero; the masters live in the optimizer) into whose .grad a
+    hook folds each bf16 gradient as autograd makes it: accumulated in fp32, no bf16 gradient outlives it."""
     params = list(model.parameters())
     if in_backward or all(p.dtype == torch.float32 for p in params):
         return params
@@ -55,12 +53,10 @@ def stochastic_round(x, dtype):
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW on fp32 master rows. named_params: this rank's parameters; masters: one per parameter,
-    holding its fp32 .grad (the parameter itself in fp32); groups: torch's param groups, of masters. zero=1
-    with dp·cp > 1: rank j of d updates its ⌈rows/d⌉ rows of every tensor, then all-gathers them into every
-    rank's parameters; else every row. An fp32 parameter's rows are views (updated in place); a bf16
-    one's are fp32 copies: the master weights. in_backward: the parameters are their own rows, stepped by
-    step_in_backward as backward makes their gradients; step() then does nothing."""
+    """torch's AdamW on fp32 master rows (zero=1: this dp·cp rank's ⌈rows/d⌉ of each tensor, all-gathered after the
+    step). named_params: this rank's parameters; masters: make_master_weights'; groups: torch's, of masters. An fp32
+    parameter's rows are views of it, a bf16 one's fp32 copies: the masters. in_backward: the parameters are their
+    own rows, stepped by step_in_backward as their gradients are made; step() does nothing."""
 
     def __init__(self, named_params, masters, groups, mesh, config, zero=0, in_backward=False, max_norm=math.inf,
                  **kw):
@@ -72,27 +68,26 @@ class AdamW(torch.optim.AdamW):
                      else p.shape[0] for n, p in named_params]
         self.per_rank = [math.ceil(r / d) for r in self.rows]  # shares: our (first row, count), as DTensor's Shard(0)
         self.shares = [(min(r, j * n), max(0, min(n, r - j * n))) for r, n in zip(self.rows, self.per_rank)]
-        self.pieces = [p.detach().narrow(0, a, n) for p, (a, n) in zip(self.params, self.shares)]
-        self.pieces, self.in_backward = self.pieces if in_backward else [x.float() for x in self.pieces], in_backward
+        self.pieces = [p.detach().narrow(0, a, n).to(p.dtype if in_backward else torch.float32)  # (same dtype: a view)
+                       for p, (a, n) in zip(self.params, self.shares)]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
         super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
         for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
             for x in g['params']:
                 step = torch.zeros((), device=x.device if g['fused'] or g['capturable'] else 'cpu')
                 self.state[x] = {'step': step, 'exp_avg': torch.zeros_like(x), 'exp_avg_sq': torch.zeros_like(x)}
-        param_of, self.max_norm = {id(x): p for p, x in zip(self.params, self.pieces)}, max_norm
-        self.numel = sum(x.numel() for x in self.pieces)
-        for g in self.param_groups if in_backward else ():
-            for x in g['params']:
-                param_of[id(x)].register_post_accumulate_grad_hook(lambda p, x=x, g=g: self.step_in_backward(p, x, g))
+        self.in_backward, self.max_norm, self.numel = in_backward, max_norm, sum(x.numel() for x in self.pieces)
+        group_of = {id(x): g for g in self.param_groups for x in g['params']}
+        for p, x in zip(self.params, self.pieces) if in_backward else ():
+            p.register_post_accumulate_grad_hook(lambda p, x=x, g=group_of[id(x)]: self.step_in_backward(p, x, g))
 
     @torch.no_grad()
     def step_in_backward(self, p, x, group):
         """AdamW on one parameter as torch's computes it, in fp32 a chunk at a time, rounded stochastically."""
         g, st, (b1, b2), lr = p.grad, self.state[x], group['betas'], group['lr']
         p.grad = None  # freed when this returns: no other gradient of the step need exist beside it
-        st['step'] += 1  # a CPU tensor (fused=False): no host sync
-        k = st['step'].double()  # the bias corrections in fp64 as torch's, but tensors: fake ones in a dry run
+        st['step'] += 1  # a CPU tensor (fused=False)
+        k = st['step'].double()  # bias corrections in fp64 as torch's, as tensors (fake in a dry run): no host sync
         bc1, bc2 = 1 - b1 ** k, (1 - b2 ** k).sqrt()
         norm = torch.linalg.vector_norm(g).float()  # (summed in fp32 inside, no fp32 copy of g)
         ok = norm.isfinite()  # else this parameter stays as it was: on the device, no host sync
@@ -100,8 +95,7 @@ class AdamW(torch.optim.AdamW):
         coef = (self.max_norm * math.sqrt(g.numel() / self.numel) / (norm + 1e-6)).clamp(max=1.0)
         for w, m, v, gc in zip(*(y.view(-1).split(STEP_CHUNK) for y in (x, st['exp_avg'], st['exp_avg_sq'], g))):
             gf, wf, mf, vf = (y.to(torch.float32, copy=True) for y in (gc, w, m, v))  # (fp32 too: kept if not ok)
-            gf.mul_(coef)
-            mf.lerp_(gf, 1 - b1)
+            mf.lerp_(gf.mul_(coef), 1 - b1)  # the clipped gradient
             vf.mul_(b2).addcmul_(gf, gf, value=1 - b2)
             denom = (vf.sqrt() / bc2).add_(group['eps']).mul_(-bc1 / lr)  # mf / denom: -lr · m̂ / (√v̂ + eps)
             wf.mul_(1 - lr * group['weight_decay']).addcdiv_(mf, denom)

@@ -15,8 +15,7 @@ N parameters, b bytes per element. What each dimension saves, per rank:
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
   d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never one flat copy
-      of them all. zero=1 (Megatron's distributed optimizer) keeps the fp32 master rows + Adam moments of 1/d of every
-      tensor, 12·N/(t·d) bytes per rank (d = dp·cp), and all-gathers each tensor's new rows after the step.
+      of them all; zero=1 shares the optimizer's 12·N/t bytes over d = dp·cp (optim.py).
 
 parallelize(model, mesh) shards the weights in place, hooks Megatron's f, g onto block.attention and block.feed_forward
 (they read their head counts from the weights' shapes), wraps Attention.attend for c, sets Llama.vocab_group

@@ -13,11 +13,8 @@ Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights,
 optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an uninterrupted
 run's losses under any layout; SIGINT and SIGTERM save one and exit.
 
-Precision: with dtype='bfloat16' the model's weights and activations are bf16, gradients are
-accumulated into fp32 as autograd produces them, and AdamW updates fp32 master weights: 2 + 4 + 12 =
-18 bytes per parameter (Megatron's scheme; with zero=1, 2 + 4 + 12/d over d = dp·cp ranks). With
-dtype='float32' (the CPU default) the optimizer updates the model's own weights. optimizer_in_backward=True
-(one GPU): 6 bytes per parameter, each parameter's step taken in backward, bf16 moments (optim.py).
+Precision: dtype='bfloat16' (CUDA's default) trains bf16 weights on fp32 gradients and master weights, 18 bytes
+per parameter, or 6 with optimizer_in_backward; dtype='float32' (the CPU's) the weights themselves (optim.py).
 """
 
 import json
@@ -40,7 +37,6 @@ import parallel
 import memory
 import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
-from offload import bytes_to_host
 
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,14 +116,12 @@ _RULES = [
     (('init_from',), "must be 'scratch', 'resume' or a Hugging Face model directory",
      lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
     (('out_dir',), 'must be a directory we can write in, or create', writable),
-    (('optimizer_in_backward',), 'needs one rank, gradient_accumulation_steps=1 and zero=0 (each parameter steps '
-     "as its gradient is ready: there is no whole step's gradient to sum or share)",
-     lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1' and tp_size == cp_size == gradient_accumulation_steps
-     == 1 and zero == 0)]
+    (('optimizer_in_backward',), "needs one rank, gradient_accumulation_steps=1 and zero=0 (no step's gradient "
+     "to sum or share)", lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1' and zero == 0 and tp_size ==
+     cp_size == gradient_accumulation_steps == 1)]
 
 
-# -----------------------------------------------------------------------------
-# data
+# ----------------------------------------------------------------------------- data
 
 def read_dataset(world, rank):
     """data/<dataset>/meta.json, checked with its .bin files; rank 0 prepares the default corpus on first use."""
@@ -174,8 +168,7 @@ def get_batch(meta, split, n, generator, device):
     return (xy[:, :-1], y) + ((pos[:, :-1], (xyp[n:, :-1].flatten() == 0).nonzero()[:, 0]) if doc_mask else ())
 
 
-# -----------------------------------------------------------------------------
-# one optimisation step
+# ----------------------------------------------------------------------------- one optimisation step
 
 def forward_backward(model, micro_batches, autocast, mesh=None):
     """Backward of the mean loss over every real target token of the step (not a mean of per-micro-step
@@ -224,8 +217,7 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-# -----------------------------------------------------------------------------
-# measurement
+# ----------------------------------------------------------------------------- measurement
 
 def peak_flops(device, dtype):
     """The datasheet's dense peak FLOP/s of a known GPU (bf16; fp32 at half), to state MFU against; None
@@ -253,8 +245,7 @@ def peak_memory(device, reset=False):
     return next((int(line.split()[1]) * 1024 for line in status if line.startswith('VmHWM:')), 0)
 
 
-# -----------------------------------------------------------------------------
-# checkpoints (checkpoint.py)
+# ----------------------------------------------------------------------------- checkpoints (checkpoint.py)
 
 def model_from_config(meta, cfg, dev, ptdtype):
     """Build (or load) the model named by init_from, its config and layout checked before the model is
@@ -284,8 +275,7 @@ def model_from_config(meta, cfg, dev, ptdtype):
     return model or Llama(config), ckpt
 
 
-# -----------------------------------------------------------------------------
-# setup
+# ----------------------------------------------------------------------------- setup
 
 def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
@@ -316,11 +306,8 @@ def train_step(model, batches, autocast, mesh, named_masters, optimizer):
     bad = (~loss.isfinite()).float()
     if not optimizer.in_backward:
         max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
-        if mesh.world > 1:
-            parallel.sync_grads(named_masters, mesh, model.config)
-            norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
-        else:
-            norm = torch.nn.utils.clip_grad_norm_([m for _, m in named_masters], max_norm)
+        parallel.sync_grads(named_masters, mesh, model.config)  # (one process: nothing to sync)
+        norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
         # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay and step count
         bad = optimizer.found_inf = torch.maximum(bad, (~norm.isfinite()).float())
         optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
@@ -411,13 +398,11 @@ def main():
         with mem.measure(raw_model, masters, optimizer):  # the table and the verdict
             return step(batches)
 
-    peak = peak_flops(dev, ptdtype)
-    device_flops = peak * world if peak else None  # MFU is per device: against all of them
+    device_flops = (peak := peak_flops(dev, ptdtype)) and peak * world  # MFU is per device: against all of them
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
-    if rank == 0:
-        print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, device "
-              f"{dev} {str(ptdtype).removeprefix('torch.')}" + (f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} "
-                                                              f"({cp_impl}) x tp {mesh.tp}" if world > 1 else ''))
+    layout = f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} ({cp_impl}) x tp {mesh.tp}" if world > 1 else ''
+    rank == 0 and print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
+                        f"device {dev} {str(ptdtype).removeprefix('torch.')}{layout}")
     signals, stop = catch_signals(), False  # signals this rank received; stop: what every rank agreed on
     log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # appended: never lose a row
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
@@ -438,7 +423,7 @@ def main():
         # every rank samples the same global batch; shard_batch keeps our dp rank's rows, our cp rank's tokens
         batches = [parallel.shard_batch(mesh, *get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev))
                    for _ in range(gradient_accumulation_steps)]
-        sent = bytes_to_host()
+        sent = offload_policy.stats()['bytes_to_host']
         with mem.measure(raw_model, masters, optimizer, compiled=compile):  # the first step only
             loss = step(batches)
         tokens_since += tokens_per_iter
@@ -450,7 +435,7 @@ def main():
         row = {'iter': iter_num - 1, 'loss': loss.item(), 'lr': lr, 'tokens_per_s': tps,  # the step's only host sync
                'mfu': device_flops and tps * mfu_flops / device_flops,  # None: no trusted peak
                'hfu': device_flops and tps * hfu_flops / device_flops,
-               'peak_mem_bytes': peak_memory(dev), 'offload_bytes': bytes_to_host() - sent}
+               'peak_mem_bytes': peak_memory(dev), 'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent}
         write_log(log, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, tokens_since = time.perf_counter(), 0
@@ -460,10 +445,9 @@ def main():
         stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item() if world > 1 else signals)
     bar.close()
     path = save(iter_num)
-    if rank == 0:
-        print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
-              f"--init_from=resume)" if stop else f"done: {iter_num} iters, best val loss {best_val_loss:.4f}, "
-              f"checkpoint {path}")
+    rank == 0 and print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
+                        f"--init_from=resume)" if stop else f"done: {iter_num} iters, best val loss "
+                        f"{best_val_loss:.4f}, checkpoint {path}")
 
 
 def write_log(log, bar, row, val_loss, mem):

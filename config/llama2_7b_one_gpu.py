@@ -4,7 +4,20 @@
 #   python train.py config/llama2_7b_one_gpu.py --dry_run=True
 # (Llama-3-8B's shape at the same length: config/llama3_8b_one_gpu.py.)
 #
-# DRY_RUN_HEADER
+# The budget, per the dry run (memory.py on fake tensors, CPU kernels standing in for CUDA's; 2026-11-23):
+# - weights 12.55 GiB: 6.74e9 parameters in bf16, 2 bytes each.
+# - optimizer 25.10 GiB: AdamW's two moments in bf16, 4 bytes per parameter. optimizer_in_backward=True (optim.py)
+#   steps each parameter inside backward as soon as its gradient is whole and frees it: no fp32 gradients (4
+#   bytes), no fp32 master weights (4) and fp32 moments (8): 6 bytes per parameter instead of 18 (113 GiB).
+# - activations: recompute='full' keeps each block's input only, 1 GiB per block at 131K tokens, and offload=1.0
+#   sends it to host memory (30 GiB of host memory; the last 2 blocks stay on the GPU).
+# - transient: one block's recompute and backward (memory.py's header: the MLP's backward in 9 mini-sequences,
+#   RMSNorm and RoPE in fp32 chunks), the LM head + loss in 8 chunks of fp32 logits; one parameter's gradient
+#   at a time and its step's fp32 chunks.
+# - workspace 2.02 GiB: flash attention's backward (fp32 dq accumulator; 32 kv heads: nothing to expand).
+# Dry run: activations + transient 12.89 GiB at its peak (block 1's backward), 52.56 GiB in all (the formula's
+# estimate: 54.37, +3.4%) + 0.60 GiB of CUDA context = 53.16 GiB: 66% of 80 GiB, under the 80% rule. It fits.
+# The same without offload fits to about 71K tokens by the formula (bench/RESULTS.md); MST's paper: 84K.
 out_dir = 'out-llama2-7b-one-gpu'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 2's tokenizer)
 eval_interval = 50

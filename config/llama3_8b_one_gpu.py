@@ -4,7 +4,20 @@
 #   python train.py config/llama3_8b_one_gpu.py --dry_run=True
 # (Llama-2-7B's shape at the same length: config/llama2_7b_one_gpu.py.)
 #
-# DRY_RUN_HEADER
+# The budget, per the dry run (memory.py on fake tensors, CPU kernels standing in for CUDA's; 2026-11-23):
+# - weights 14.96 GiB: 8.03e9 parameters in bf16, 2 bytes each.
+# - optimizer 29.92 GiB: AdamW's two moments in bf16, 4 bytes per parameter. optimizer_in_backward=True (optim.py)
+#   steps each parameter inside backward as soon as its gradient is whole and frees it: no fp32 gradients (4
+#   bytes), no fp32 master weights (4) and fp32 moments (8): 6 bytes per parameter instead of 18 (134.6 GiB).
+# - activations: recompute='full' keeps each block's input only, 1 GiB per block at 131K tokens, and offload=1.0
+#   sends it to host memory (30 GiB of host memory; the last 2 blocks stay on the GPU).
+# - transient: one block's recompute and backward (memory.py's header: the MLP's backward in 11 mini-sequences,
+#   RMSNorm and RoPE in fp32 chunks), the LM head + loss in 32 chunks of fp32 logits; one parameter's
+#   gradient at a time and its step's fp32 chunks.
+# - workspace 4.02 GiB: flash attention's backward (fp32 dq accumulator, dk and dv expanded to 32 heads).
+# Dry run: activations + transient 11.39 GiB at its peak (block 31's backward), 60.28 GiB in all (the formula's
+# estimate: 61.56, +2.1%) + 0.60 GiB of CUDA context = 60.88 GiB: 76% of 80 GiB, under the 80% rule. It fits.
+# The same without offload fits to about 47K tokens by the formula (bench/RESULTS.md).
 out_dir = 'out-llama3-8b-one-gpu'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 3's tokenizer)
 eval_interval = 50

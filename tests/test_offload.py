@@ -81,13 +81,13 @@ def reference(chunks, dtype=torch.float32):
 def test_loss_and_gradients_identical_and_bytes_match_formula(mode, alpha, chunks):
     cfg = config(recompute=mode, offload=alpha, mlp_chunks=chunks[0], loss_chunks=chunks[1])
     ref_loss, ref_grads = reference(chunks)
-    sent = offload.bytes_to_host()
+    sent = offload.stats()['bytes_to_host']
     loss, grads = step(same_model(cfg), *batch())
     assert rel(loss, ref_loss) <= 1e-6
     for name, g in grads.items():
         assert rel(g, ref_grads[name]) <= 1e-6, name
-    moved = offload.bytes_to_host() - sent
-    assert moved == offload.host_bytes(cfg, B, S) == cfg.n_layer * offload.block_host_bytes(cfg, B, S)
+    moved = offload.stats()['bytes_to_host'] - sent
+    assert moved == offload.host_bytes(cfg, B, S) == cfg.n_layer * offload.block_bytes(cfg, B, S)[0]
     assert (moved > 0) == (alpha > 0)
     stats = offload.stats()
     assert stats['bytes_to_device'] == stats['bytes_to_host']  # all of it came back
@@ -99,7 +99,7 @@ def test_bf16_same_gradients_and_bytes(mode, alpha):
     """train.py's bf16: weights and activations bf16 under autocast (RMSNorm's fp32 math in its own Function)."""
     ref_loss, ref_grads = reference((3, 4), torch.bfloat16)
     cfg = config(recompute=mode, offload=alpha, mlp_chunks=3, loss_chunks=4)
-    sent = offload.bytes_to_host()
+    sent = offload.stats()['bytes_to_host']
     loss, grads = step(same_model(cfg, torch.bfloat16), *batch())
     assert rel(loss, ref_loss) <= 1e-6
     # 'none' with 0 < α < 1 runs the block on two token ranges: a weight's gradient is the sum of two
@@ -107,7 +107,7 @@ def test_bf16_same_gradients_and_bytes(mode, alpha):
     tol = 1e-2 if mode == 'none' and 0 < alpha < 1 else 1e-6
     for name, g in grads.items():
         assert rel(g, ref_grads[name]) <= tol, name
-    assert offload.bytes_to_host() - sent == offload.host_bytes(cfg, B, S, torch.bfloat16)
+    assert offload.stats()['bytes_to_host'] - sent == offload.host_bytes(cfg, B, S, torch.bfloat16)
 
 
 def test_formula_by_hand():
@@ -119,9 +119,9 @@ def test_formula_by_hand():
     assert sum(n for _, n, k in saved if k == 'attention') == b * h + 4 * H
     assert sum(n for _, n, k in saved if k == 'other') == 4 * b * h
     n = 18  # floor(0.5 · 37): the last 18 tokens to host, the first 19 recomputed from their input
-    assert offload.block_host_bytes(cfg, B, S) == (B * (S - n) * b * h + B * S * (b * (2 * h + 2 * kv) + 4 * H)
+    assert offload.block_bytes(cfg, B, S)[0] == (B * (S - n) * b * h + B * S * (b * (2 * h + 2 * kv) + 4 * H)
                                                    + B * n * (4 * b * h + b * h))
-    assert offload.block_host_bytes(config(mlp_chunks=3, offload=0.5, recompute='selective'), B, S) == \
+    assert offload.block_bytes(config(mlp_chunks=3, offload=0.5, recompute='selective'), B, S)[0] == \
         B * S * (b * h + b * (2 * h + 2 * kv) + 4 * H)
     bf16 = [n for _, n, k in offload.saved_per_token(cfg, torch.bfloat16, S) if k == 'other']
     assert sum(bf16) == 4 * 2 * h  # each norm's input and output in bf16: no fp32 copy (model.py's RMSNorm)
@@ -180,7 +180,7 @@ def test_kept_bytes_formula_matches_measurement(mode, mlp_chunks, dtype):
     cfg = config(recompute=mode, mlp_chunks=mlp_chunks, offload=0.5)
     kept, y = kept_after_forward(cfg, dtype, mlp_chunks)
     assert kept == 0
-    assert offload.stats()['host_in_use'] >= offload.block_host_bytes(cfg, B, S, dtype) > 0
+    assert offload.stats()['host_in_use'] >= offload.block_bytes(cfg, B, S, dtype)[0] > 0
     y.float().sum().backward()  # and it all comes back
     assert offload.stats()['host_in_use'] == 0
 
@@ -220,17 +220,17 @@ def test_tiny_tensors_and_last_blocks_stay(monkeypatch):
     for keep_last, min_bytes in [(2, 0), (0, 1000), (2, 1 << 20)]:
         monkeypatch.setattr(offload, 'KEEP_LAST', keep_last)
         monkeypatch.setattr(offload, 'MIN_BYTES', min_bytes)
-        sent = offload.bytes_to_host()
+        sent = offload.stats()['bytes_to_host']
         loss, grads = step(same_model(cfg), *batch())
         assert rel(loss, ref_loss) <= 1e-6 and all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
-        assert offload.bytes_to_host() - sent == offload.host_bytes(cfg, B, S)
+        assert offload.stats()['bytes_to_host'] - sent == offload.host_bytes(cfg, B, S)
     assert offload.host_bytes(cfg, B, S) == 0  # 1 MiB: every tensor of this model is tiny
     monkeypatch.setattr(offload, 'MIN_BYTES', 0)
-    everything = offload.block_host_bytes(cfg, B, S)
+    everything = offload.block_bytes(cfg, B, S)[0]
     assert offload.host_bytes(cfg, B, S) == everything  # block 0 of 3 only
     monkeypatch.setattr(offload, 'KEEP_LAST', 0)
     monkeypatch.setattr(offload, 'MIN_BYTES', 2000)  # attention's logsumexp, B·S·H·4 = 1184 bytes, stays
-    assert offload.block_host_bytes(cfg, B, S) == everything - B * S * 4 * 4
+    assert offload.block_bytes(cfg, B, S)[0] == everything - B * S * 4 * 4
 
 
 # ----------------------------------------------------------------------------- host memory over steps
@@ -239,7 +239,7 @@ def test_no_leak_and_flat_host_memory_over_30_steps():
     cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
     model = same_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    pools, sent = None, offload.bytes_to_host()
+    pools, sent = None, offload.stats()['bytes_to_host']
     for it in range(30):
         idx, targets = batch(seed=it)
         _, loss = model(idx, targets)
@@ -254,7 +254,7 @@ def test_no_leak_and_flat_host_memory_over_30_steps():
         assert len(buffers) == cfg.n_layer
         assert pools is None or buffers == pools  # the same memory, step after step
         pools = buffers
-    assert offload.bytes_to_host() - sent == 30 * offload.host_bytes(cfg, B, S)
+    assert offload.stats()['bytes_to_host'] - sent == 30 * offload.host_bytes(cfg, B, S)
 
 
 @pytest.mark.parametrize('order', ['f1 b1 f2 b2', 'f1 f2 b1 b2'])
@@ -388,7 +388,7 @@ def test_choose_alpha_is_memo_rule():
     alpha = offload.choose_alpha(cfg, 1, seq, bf16, fwd, 25e9, 1e12)
     assert 0 < alpha <= 1
     chosen = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=alpha)
-    assert offload.block_host_bytes(chosen, 1, seq, bf16) <= fwd * 25e9 * (1 + 1e-9)
+    assert offload.block_bytes(chosen, 1, seq, bf16)[0] <= fwd * 25e9 * (1 + 1e-9)
     assert offload.host_bytes(chosen, 1, seq, bf16) <= 1e12
 
 
