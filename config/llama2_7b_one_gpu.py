@@ -39,7 +39,7 @@ batch_size = 1
 gradient_accumulation_steps = 1  # the step in backward can't accumulate: 131K tokens per step
 
 optimizer_in_backward = True  # optim.py: bf16 weights and AdamW moments, stochastic rounding, 6 bytes/parameter
-grad_clip = 0.0               # no step-wide gradient to clip (optim.py)
+grad_clip = 1.0               # per tensor: each clipped to its share of 1.0 (optim.py)
 mlp_chunks = 0    # automatic: ceil(3I / h) = 9 mini-sequences (chunked.py)
 loss_chunks = 0   # automatic: ceil(V / h) = 8 chunks of the LM head + loss
 recompute = 'full'
