@@ -117,3 +117,18 @@ def test_what_needs_the_whole_steps_gradients_is_refused(tmp_path, args, key):
                         f'--out_dir={tmp_path / "out"}'], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count('error:') == 1 and key in p.stderr and 'Traceback' not in p.stderr
     assert not (tmp_path / 'out').exists()
+
+
+def test_bf16_in_backward_resumes_bit_for_bit(tmp_path):
+    """A checkpoint holds the bf16 weights and moments (no masters) and the CPU's RNG state, which the stochastic
+    rounding draws from: resumed, the losses are the uninterrupted run's, bit for bit."""
+    small = ['--n_layer=2', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64', '--batch_size=2',
+             '--seq_len=32', '--eval_iters=1', '--log_interval=1', '--device=cpu', '--dtype=bfloat16',
+             '--warmup_iters=2', '--lr_decay_iters=8', '--eval_interval=3', '--optimizer_in_backward=True']
+    run = lambda out, *args: subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *small, f'--out_dir={out}',
+                                             *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    for p in (run(tmp_path / 'straight', '--max_iters=7'), run(tmp_path / 'split', '--max_iters=4'),
+              run(tmp_path / 'split', '--max_iters=7', '--init_from=resume')):
+        assert p.returncode == 0, p.stderr[-3000:]
+    losses = [[json.loads(line)['loss'] for line in open(tmp_path / d / 'log.jsonl')] for d in ('straight', 'split')]
+    assert len(losses[0]) == 7 and losses[0] == losses[1]
