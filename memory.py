@@ -31,10 +31,10 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                  a block's  backward, two moments (R what recompute rebuilt and offload brought back, u = b·h/t):
                             at the MLP  R + 2u (incoming gradient, dx) + chunked: one chunk's three buffers,
                                         3·b·I/t·T/M, and the fp32 dW1..3, 12·h·I/t (unchunked: 3·b·I/t·T)
-                            past it     R less the MLP's input, + the larger of attention's backward
-                                        (gradient in, dq, dk, dv, dx: b·(3h + 2kv)/t) and an RMSNorm's (dx;
-                                        seven fp32 chunks: 28·model.FP32_CHUNK), + the block before's input
-                                        back from host. Under sp + 2·b·h per token of all t (gathered inputs)
+                            past it     R less the MLP's input, + the larger of attention's backward (gradient
+                                        in, dq, dk, dv, dx: b·(3h + 2kv)/t) and an RMSNorm's (dx, dy, the residual's:
+                                        3u; 7 fp32 chunks, 28·model.FP32_CHUNK), + the block before's input back
+                                        from host. Under sp + 2·b·h per token of all t (gathered inputs)
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32 copy
                gradients are alive as the moment has them: none at the LM head's forward (all from the
                second micro-step on), the head's at the last block, all but the embedding's at block 0.
@@ -156,7 +156,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     mlp = (2 * b * h / t + 2 * gathered) * T + 3 * b * I / t * math.ceil(T / Mm) + 12 * h * I / t if Mm > 1 else \
         (b * h / t + gathered + 3 * b * I / t) * T
     attn = (b * (3 * h + 2 * kv) / t + gathered) * T
-    norm = b * h / t * T + 28 * min(h / t * T, FP32_CHUNK)  # dx, and seven fp32 tensors of one chunk (model.py)
+    norm = 3 * b * h / t * T + 28 * min(h / t * T, FP32_CHUNK)  # dx, dy, the residual's; 7 fp32 chunks (model.py)
     # at each stage the block's tensors not yet consumed: all at the MLP, then all but the MLP's
     mlp_saved = (full - offload.kept_bytes(replace(c, recompute='none', offload=0.0, mlp_chunks=2), 1, S, dt) / S) / t
     # (back: what comes back from host for the block before, once the MLP's backward is done: offload.py)
