@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import optim  # noqa: E402
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
@@ -119,7 +120,7 @@ train.seq_len, train.learning_rate, train.weight_decay, train.beta1, train.beta2
 llama = Llama(LlamaConfig(n_layer=LAYERS, n_head=HEADS, n_kv_head=HEADS, n_embd=WIDTH, intermediate_size=344,
                           vocab_size=V, tie_embeddings=True))
 llama_run = torch.compile(llama) if compile != 'none' else llama
-masters = train.make_master_weights(llama)
+masters = optim.make_master_weights(llama)
 llama_opt = train.make_optimizer(llama, masters, 'cpu')
 gen = torch.Generator().manual_seed(seed)
 cpu = torch.device('cpu')
