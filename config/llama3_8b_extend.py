@@ -19,12 +19,13 @@
 #   document: flash on CUDA, no S x S mask); Ulysses sees whole documents, ring attention would not.
 # - rope_scaling: Llama 3.1's recipe (factor 8 over the original 8,192 positions, high frequencies kept);
 #   exported into config.json. A larger rope_theta alone, 'linear' or 'yarn' are the alternatives (README).
-# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23): params 3.74, grads
-# 7.48, optimizer 11.22, activations 10.19, transient 2.08 GiB (peak in block 31's backward): 34.71 GiB on
-# fake tensors, + 0.75 GiB of flash attention's workspace (the formula's) = 35.46 GiB (the estimate's formula:
-# 35.20) + 2.60 GiB overhead = 38.06 GiB, under 80% of 80 GiB: it fits.
-# One 80 GB GPU: no length fits. The states alone are 134.6 GiB at 18 bytes per parameter (params 14.96, grads
-# 29.92, optimizer 89.75 GiB); at 8K tokens the dry run is 140.06 GiB + 0.6 overhead against 64 GiB:
+# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23, after issue 14's cuts):
+# params 3.74, grads 7.48, optimizer 11.22, activations 8.94, transient 2.25 GiB (peak in block 31's backward):
+# 33.63 GiB on fake tensors, + 0.75 GiB of flash attention's workspace (the formula's) = 34.38 GiB (the estimate's
+# formula: 34.50) + 2.60 GiB overhead = 36.98 GiB, under 80% of 80 GiB: it fits.
+# One 80 GB GPU at 18 bytes per parameter: no length fits. The states alone are 134.6 GiB (params 14.96, grads
+# 29.92, optimizer 89.75 GiB); at 8K tokens the dry run is 140.06 GiB + 0.6 overhead against 64 GiB (with 6 bytes
+# per parameter, optimizer_in_backward, 128K fits one GPU: config/llama3_8b_one_gpu.py):
 #   python train.py config/llama3_8b_extend.py --dry_run=True --init_from=scratch --tp_size=1 --cp_size=1 \
 #       --zero=0 --seq_len=8192 --recompute=full
 out_dir = 'out-llama3-8b-extend'
