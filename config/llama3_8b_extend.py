@@ -22,7 +22,7 @@
 # The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23, after issue 14's cuts):
 # params 3.74, grads 7.48, optimizer 11.22, activations 8.94, transient 2.25 GiB (peak in block 31's backward):
 # 33.63 GiB on fake tensors, + 0.75 GiB of flash attention's workspace (the formula's) = 34.38 GiB (the estimate's
-# formula: 34.50) + 2.60 GiB overhead = 36.98 GiB, under 80% of 80 GiB: it fits.
+# formula: 34.75) + 2.60 GiB overhead = 36.98 GiB, under 80% of 80 GiB: it fits.
 # One 80 GB GPU at 18 bytes per parameter: no length fits. The states alone are 134.6 GiB (params 14.96, grads
 # 29.92, optimizer 89.75 GiB); at 8K tokens the dry run is 140.06 GiB + 0.6 overhead against 64 GiB (with 6 bytes
 # per parameter, optimizer_in_backward, 128K fits one GPU: config/llama3_8b_one_gpu.py):
