@@ -17,7 +17,7 @@
 # - workspace 2.02 GiB: flash attention's backward (fp32 dq accumulator; 32 kv heads: nothing to expand).
 # Dry run: activations + transient 12.89 GiB at its peak (block 1's backward), 52.56 GiB in all (the formula's
 # estimate: 54.37, +3.4%) + 0.60 GiB of CUDA context = 53.16 GiB: 66% of 80 GiB, under the 80% rule. It fits.
-# The same without offload fits to about 70K tokens by the formula (bench/RESULTS.md); MST's paper: 84K.
+# Longest that fits by dry run (bench/RESULTS.md): 234,496 tokens; without offload 72,704 (MST's paper: 84K).
 out_dir = 'out-llama2-7b-one-gpu'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 2's tokenizer)
 eval_interval = 50

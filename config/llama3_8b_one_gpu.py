@@ -17,7 +17,7 @@
 # - workspace 4.02 GiB: flash attention's backward (fp32 dq accumulator, dk and dv expanded to 32 heads).
 # Dry run: activations + transient 11.39 GiB at its peak (block 31's backward), 60.28 GiB in all (the formula's
 # estimate: 62.69, +4.0%) + 0.60 GiB of CUDA context = 60.88 GiB: 76% of 80 GiB, under the 80% rule. It fits.
-# The same without offload fits to about 45K tokens by the formula (bench/RESULTS.md).
+# Longest that fits by dry run (bench/RESULTS.md): 158,720 tokens; without offload 48,128.
 out_dir = 'out-llama3-8b-one-gpu'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 3's tokenizer)
 eval_interval = 50
