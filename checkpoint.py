@@ -76,12 +76,14 @@ def state_dict(model, optimizer, mesh, data_gen=None):
         shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
     sd = {}
     for n, p, x, rows in zip(optimizer.names, optimizer.params, optimizer.pieces, optimizer.rows):
-        sd['model.' + n] = _placed(n, p.detach()[:rows], mesh, config, shapes[n], False)
+        fsdp = isinstance(p, DTensor)  # zero=2, 3: FSDP2's rows of our tp shard, placed as zero=1's
+        local = lambda t: t.to_local() if fsdp else t
+        sd['model.' + n] = _placed(n, local(p.detach()) if fsdp else p.detach()[:rows], mesh, config, shapes[n], fsdp)
         if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
             sd['master.' + n] = _placed(n, x, mesh, config, shapes[n], shared)
         st = optimizer.state[x]
         for k in ('exp_avg', 'exp_avg_sq'):
-            sd[f'optim.{n}.{k}'] = _placed(n, st[k], mesh, config, shapes[n], shared)
+            sd[f'optim.{n}.{k}'] = _placed(n, local(st[k]), mesh, config, shapes[n], shared or fsdp)
         sd[f'optim.{n}.step'] = st['step']
     sd['rng.torch'] = torch.get_rng_state()
     if data_gen is not None:

@@ -60,7 +60,7 @@ class AdamW(torch.optim.AdamW):
 
     def __init__(self, named_params, masters, groups, mesh, config, zero=0, in_backward=False, max_norm=math.inf,
                  **kw):
-        self.group = mesh.dpcp_group if zero else None
+        self.group = mesh.dpcp_group if zero == 1 else None  # zero=2, 3: FSDP2 shares the rows (parallel.py)
         d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
         self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
         V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
@@ -68,8 +68,8 @@ class AdamW(torch.optim.AdamW):
                      else p.shape[0] for n, p in named_params]
         self.per_rank = [math.ceil(r / d) for r in self.rows]  # shares: our (first row, count), as DTensor's Shard(0)
         self.shares = [(min(r, j * n), max(0, min(n, r - j * n))) for r, n in zip(self.rows, self.per_rank)]
-        self.pieces = [p.detach().narrow(0, a, n).to(p.dtype if in_backward else torch.float32)  # (same dtype: a view)
-                       for p, (a, n) in zip(self.params, self.shares)]
+        self.pieces = [p if zero > 1 else p.detach().narrow(0, a, n).to(p.dtype if in_backward else torch.float32)
+                       for p, (a, n) in zip(self.params, self.shares)]  # (same dtype: a view)
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
         super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
         for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
@@ -107,7 +107,7 @@ class AdamW(torch.optim.AdamW):
         if self.in_backward:
             return
         for m, x, (a, n) in zip(self.masters, self.pieces, self.shares):
-            if m.grad is not None:
+            if m.grad is not None and m is not x:
                 x.grad = m.grad.narrow(0, a, n)
         super().step()
         for p, x, rows, n in zip(self.params, self.pieces, self.rows, self.per_rank):

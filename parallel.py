@@ -43,6 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 
 # ----------------------------------------------------------------------------- setup: torchrun, mesh
@@ -65,6 +67,7 @@ class Mesh:
     cp_group: object = None
     dpcp_group: object = None
     kv_group: object = None
+    dpcp_mesh: object = None  # dpcp_group as a DeviceMesh, FSDP2's (zero=2, 3): made before a dry run's fake tensors
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
@@ -83,7 +86,10 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (K % tp and tp % K, f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or copied)"),
         (c.intermediate_size % tp, f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"),
         (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
-        (zero not in (0, 1), f"zero must be 0 or 1, got {zero!r}"),
+        (zero not in (0, 1, 2, 3), f"zero must be 0, 1, 2 or 3, got {zero!r}"),
+        (zero > 1 and world == tp, f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
+        (zero > 1 and c.vocab_size % tp, f"zero={zero} with vocab_size={c.vocab_size} not divisible by tp_size={tp}: "
+         "the padded vocabulary rows would be sharded"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
         (uly and h % cp, f"n_head / tp_size = {h} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
@@ -132,7 +138,7 @@ def init_distributed(device_type, fake=False, timeout_s=300):
     return world, dist.get_rank(), local_rank
 
 
-def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None):
+def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None, device_type='cpu'):
     """The d × c × t mesh of the current process group. Every rank creates every group, in order."""
     if not dist.is_initialized():
         return Mesh(cp_impl=cp_impl, sequence_parallel=sequence_parallel)
@@ -148,6 +154,7 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     m.tp_group = groups(grid.reshape(-1, tp))
     m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))
     m.dpcp_group = groups(grid.permute(2, 0, 1).reshape(tp, -1))
+    m.dpcp_mesh = m.dpcp_group and DeviceMesh.from_group(m.dpcp_group, device_type)
     if n_kv_head is not None and n_kv_head < tp:  # kv head h on tp ranks h·g .. h·g + g-1, g = t/K
         m.kv_group = groups(grid.reshape(-1, tp // n_kv_head))
     return m
@@ -406,6 +413,23 @@ def parallelize(model, mesh):
     return model
 
 
+def shard_states(model, mesh, zero, dtype):
+    """ZeRO-2 (zero=2) or ZeRO-3 (zero=3) through FSDP2 over the d = dp·cp ranks holding the same weights: each
+    keeps ⌈rows/d⌉ rows of every fp32 tensor of its tp shard (weights, gradients, AdamW's moments): 16/d bytes per
+    parameter. Per block, forward: one all-gather of its rows, cast to dtype first (zero=2 keeps the gathered block
+    until its backward, zero=3 frees it and gathers it again there); backward: one reduce-scatter of its gradients
+    in fp32. The embedding, final norm and LM head are gathered once and kept through the step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=zero == 3, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)
+    for m in (*model.layers, model):
+        m.set_gradient_divide_factor(1.0)  # a sum: forward_backward weighs each rank's loss by the step's tokens
+        m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
 # ----------------------------------------------------------------------------- gradients and clipping (AdamW: optim.py)
 
 BUCKET_BYTES = 25 * 2**20  # DDP's: at most one bucket is ever copied, never the whole model's gradients
@@ -434,19 +458,27 @@ def sync_grads(named_params, mesh, config):
     everything over dp × cp (the loss was divided by the step's global token count: a sum is the mean)."""
     for _, p in named_params:
         if p.grad is None:
-            p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            p.grad = torch.zeros_like(p)
+    fsdp = isinstance(named_params[0][1], DTensor)  # zero=2, 3: FSDP2 reduce-scattered over dp·cp in backward
+    grads = [(n, _local(p.grad)) for n, p in named_params]
     if mesh.tp > 1 and mesh.sequence_parallel:
-        all_reduce_buckets([p.grad for n, p in named_params if shard_spec(n, config, mesh.tp) is None], mesh.tp_group)
-    all_reduce_buckets([p.grad for n, p in named_params if n.endswith(('wk.weight', 'wv.weight'))], mesh.kv_group)
-    all_reduce_buckets([p.grad for _, p in named_params], mesh.dpcp_group)
+        all_reduce_buckets([g for n, g in grads if shard_spec(n, config, mesh.tp) is None], mesh.tp_group)
+    all_reduce_buckets([g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))], mesh.kv_group)
+    all_reduce_buckets([g for _, g in grads], None if fsdp else mesh.dpcp_group)
+
+
+def _local(x):  # this rank's rows of an FSDP2 tensor, or x
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element once."""
-    sq = sum(torch.linalg.vector_norm(p.grad, dtype=torch.float32) ** 2
+    sq = sum(torch.linalg.vector_norm(_local(p.grad), dtype=torch.float32) ** 2
              for n, p in named_params if not is_replica(n, mesh, config))
-    norm = (all_reduce(sq, mesh.tp_group) if mesh.tp_group is not None else sq).sqrt()
+    for group in (mesh.tp_group, isinstance(named_params[0][1], DTensor) and mesh.dpcp_group):
+        sq = all_reduce(sq, group) if group else sq
+    norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for _, p in named_params:
-        p.grad.mul_(coef.to(p.grad.dtype))
+        _local(p.grad).mul_(coef.to(p.grad.dtype))
     return norm

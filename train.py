@@ -76,7 +76,7 @@ offload = 0.0  # Memo's alpha (offload.py): > 0 sends block inputs, attention an
 tp_size = 1
 cp_size = 1
 cp_impl = 'ulysses'  # 'ulysses' | 'ring'
-zero = 0  # 1: each of the dp x cp ranks keeps the AdamW moments of its share of the parameters
+zero = 0  # over the dp x cp ranks: 1 shares AdamW's states, 2 (FSDP2) the gradients too, 3 the weights too
 timeout_s = 300  # a collective waiting this long for a rank that died or hangs ends the job (README.md)
 # AdamW with linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
@@ -367,7 +367,8 @@ def main():
     meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
         model, ckpt = model_from_config(meta, cfg, dev, ptdtype)
-    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s)
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s,
+                              device_type='cpu' if dry_run else dev.type)
     try:  # the last check, and the first thing written: a run stopped by any check before leaves no out_dir
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -380,7 +381,9 @@ def main():
     names = [n for n, _ in model.named_parameters()]
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
-    memory.to_fake(model, ptdtype) if dry_run else model.to(device=dev, dtype=ptdtype)
+    wdtype = torch.float32 if zero > 1 else ptdtype  # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
+    memory.to_fake(model, wdtype) if dry_run else model.to(device=dev, dtype=wdtype)
+    zero > 1 and parallel.shard_states(model, mesh, zero, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)
