@@ -15,9 +15,9 @@ b bytes of weights + 4 of fp32 master with bf16 weights + 8 of AdamW moments, ea
 
 Every piece goes to DCP as a DTensor whose placement says where it lies in the full tensor: which tp
 shard (vocabulary rows ⌈V/t⌉ per rank, the padding left out; kv heads replicated over a kv group when
-K < t) and, with zero=1, which rows of the dp·cp share. DCP keys by name and keeps one copy of equal
+K < t) and, with zero=2 or 3, which of FSDP2's rows of the dp·cp share. DCP keys by name and keeps one copy of equal
 pieces: tp shards saved as plain tensors would keep one rank's and load back wrong, silently. With
-placements a checkpoint reshards: tp 2 loads on tp 1 or 4, zero=1 over dp 2 in one process, and the
+placements a checkpoint reshards: tp 2 loads on tp 1 or 4, zero=3 over dp 2 in one process, and the
 optimizer's state is keyed by parameter name in every layout. Loading unpickles no code: DCP reads
 tensors with weights_only, and its metadata goes through an unpickler that admits data classes only.
 A file that fails to read or write (a crafted pickle, a damaged file, a full disk) raises Error, one line.
@@ -49,7 +49,7 @@ import parallel
 @functools.cache
 def _device_mesh(world, tp, kv_heads, device_type):
     """All ranks as a DeviceMesh (tp, dp·cp), or (K, t/K, dp·cp) to place kv heads replicated K < t ways.
-    tp comes first: a zero=1 share is rows of this rank's tp shard, not the other way round."""
+    tp comes first: an FSDP2 share is rows of this rank's tp shard, not the other way round."""
     ranks = torch.arange(world).view(world // tp, tp)   # rank = (dp_rank·cp + cp_rank)·tp + tp_rank
     if kv_heads:
         return DeviceMesh(device_type, ranks.view(-1, kv_heads, tp // kv_heads).permute(1, 2, 0),
@@ -71,7 +71,7 @@ def _placed(name, local, mesh, config, shape, rows_shared):
 
 def state_dict(model, optimizer, mesh, data_gen=None):
     """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""
-    config, shared = model.config, optimizer.group is not None
+    config = model.config
     with torch.device('meta'):
         shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
     sd = {}
@@ -80,10 +80,10 @@ def state_dict(model, optimizer, mesh, data_gen=None):
         local = lambda t: t.to_local() if fsdp else t
         sd['model.' + n] = _placed(n, local(p.detach()) if fsdp else p.detach()[:rows], mesh, config, shapes[n], fsdp)
         if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
-            sd['master.' + n] = _placed(n, x, mesh, config, shapes[n], shared)
+            sd['master.' + n] = _placed(n, x[:rows], mesh, config, shapes[n], False)
         st = optimizer.state[x]
         for k in ('exp_avg', 'exp_avg_sq'):
-            sd[f'optim.{n}.{k}'] = _placed(n, local(st[k]), mesh, config, shapes[n], shared or fsdp)
+            sd[f'optim.{n}.{k}'] = _placed(n, local(st[k]) if fsdp else st[k][:rows], mesh, config, shapes[n], fsdp)
         sd[f'optim.{n}.step'] = st['step']
     sd['rng.torch'] = torch.get_rng_state()
     if data_gen is not None:

@@ -2,9 +2,9 @@
 AdamW, and what it keeps per parameter: Megatron's fp32 master weights, or the step inside backward.
 
 Megatron's mixed precision (the default): bf16 weights, each gradient folded into an fp32 holder as autograd makes
-it, AdamW on fp32 master weights and moments: 2 + 4 + 12 = 18 bytes per parameter (fp32 runs: 4 + 4 + 8). zero=1
-(Megatron's distributed optimizer): each of d = dp·cp ranks updates ⌈rows/d⌉ rows of every tensor and all-gathers
-them, 2 + 4 + 12/d (torch's ZeroRedundancyOptimizer gives whole tensors to ranks, unevenly).
+it, AdamW on fp32 master weights and moments: 2 + 4 + 12 = 18 bytes per parameter (fp32 runs: 4 + 4 + 8). zero=2, 3
+(parallel.shard_states, FSDP2): the fp32 weights are the masters, and each of d = dp·cp ranks keeps ⌈rows/d⌉ rows of
+them, of their gradients and of the moments: 16/d bytes, plus the block FSDP2 gathers in bf16 while it computes.
 
 optimizer_in_backward=True (one rank; the Mini-Sequence Transformer's code, torch's "optimizer step in backward"
 recipe): a post-accumulate-grad hook steps each parameter the moment its gradient is whole and frees it, so a
@@ -19,10 +19,8 @@ norm (stricter when one tensor spikes alone). A non-finite gradient skips its pa
 import math
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from parallel import all_gather, shard_spec
+from parallel import shard_spec
 
 STEP_CHUNK = 1 << 24  # elements of a parameter stepped at once in backward: seven fp32 temporaries, 448 MiB
 
@@ -53,23 +51,17 @@ def stochastic_round(x, dtype):
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW on fp32 master rows (zero=1: this dp·cp rank's ⌈rows/d⌉ of each tensor, all-gathered after the
-    step). named_params: this rank's parameters; masters: make_master_weights'; groups: torch's, of masters. An fp32
-    parameter's rows are views of it, a bf16 one's fp32 copies: the masters. in_backward: the parameters are their
+    """torch's AdamW on fp32 rows: the parameters themselves when fp32 (zero=2, 3: FSDP2's ⌈rows/d⌉ of each, a
+    DTensor), or fp32 copies of bf16 ones (the masters), copied back after each step. named_params: this rank's
+    parameters; masters: make_master_weights'; groups: torch's, of masters. in_backward: the parameters are their
     own rows, stepped by step_in_backward as their gradients are made; step() does nothing."""
 
-    def __init__(self, named_params, masters, groups, mesh, config, zero=0, in_backward=False, max_norm=math.inf,
-                 **kw):
-        self.group = mesh.dpcp_group if zero == 1 else None  # zero=2, 3: FSDP2 shares the rows (parallel.py)
-        d, j = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
+    def __init__(self, named_params, masters, groups, mesh, config, in_backward=False, max_norm=math.inf, **kw):
         self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
         V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
         self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
                      else p.shape[0] for n, p in named_params]
-        self.per_rank = [math.ceil(r / d) for r in self.rows]  # shares: our (first row, count), as DTensor's Shard(0)
-        self.shares = [(min(r, j * n), max(0, min(n, r - j * n))) for r, n in zip(self.rows, self.per_rank)]
-        self.pieces = [p if zero > 1 else p.detach().narrow(0, a, n).to(p.dtype if in_backward else torch.float32)
-                       for p, (a, n) in zip(self.params, self.shares)]  # (same dtype: a view)
+        self.pieces = [p if p.dtype == torch.float32 or in_backward else p.detach().float() for p in self.params]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
         super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
         for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
@@ -106,15 +98,13 @@ class AdamW(torch.optim.AdamW):
     def step(self):
         if self.in_backward:
             return
-        for m, x, (a, n) in zip(self.masters, self.pieces, self.shares):
-            if m.grad is not None and m is not x:
-                x.grad = m.grad.narrow(0, a, n)
+        for m, x in zip(self.masters, self.pieces):
+            if m is not x:
+                x.grad = m.grad
         super().step()
-        for p, x, rows, n in zip(self.params, self.pieces, self.rows, self.per_rank):
-            if self.group is not None:  # every rank's rows, padded to the same count n for the all-gather
-                x = all_gather(F.pad(x.to(p.dtype), (0, 0) * (x.dim() - 1) + (0, n - x.shape[0])), 0, self.group)
-            if self.group is not None or x.dtype != p.dtype:  # else x is a view of p's own rows
-                p[:rows].copy_(x[:rows])
+        for p, x in zip(self.params, self.pieces):
+            if x is not p:  # the bf16 weights from their fp32 masters
+                p.copy_(x)
 
     def zero_grad(self, set_to_none=True):
         for t in self.masters + self.pieces:

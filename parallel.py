@@ -86,7 +86,8 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (K % tp and tp % K, f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or copied)"),
         (c.intermediate_size % tp, f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"),
         (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
-        (zero not in (0, 1, 2, 3), f"zero must be 0, 1, 2 or 3, got {zero!r}"),
+        (zero not in (0, 2, 3), f"zero must be 0, 2 or 3, got {zero!r}" + " (zero=1 became 2: FSDP2 shards the "
+         "gradients too)" * (zero == 1)),
         (zero > 1 and world == tp, f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
         (zero > 1 and c.vocab_size % tp, f"zero={zero} with vocab_size={c.vocab_size} not divisible by tp_size={tp}: "
          "the padded vocabulary rows would be sharded"),

@@ -194,7 +194,7 @@ def forward_backward(model, micro_batches, autocast, mesh=None):
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
-    """AdamW on fp32 master rows (optim.AdamW): with zero=1 each dp·cp rank keeps its share of them; or in backward."""
+    """AdamW on fp32 master weights (optim.AdamW): with zero=2, 3 each dp·cp rank keeps FSDP2's share; or in backward."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
     decay = [m for p, m in zip(model.parameters(), masters) if p.dim() >= 2]
     no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
@@ -203,7 +203,7 @@ def make_optimizer(model, masters, device_type, mesh=None):
     # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width 128: 0.9 vs 5.9 ms)
     fused = device_type in ('cuda', 'cpu', 'mps') and not optimizer_in_backward  # (fused skips a step: train_step)
     return optim.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
-                       zero=zero, in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf, lr=learning_rate,
+                       in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf, lr=learning_rate,
                        betas=(beta1, beta2), fused=fused)
 
 

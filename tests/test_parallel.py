@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,12 +48,14 @@ LAYOUTS = {
     'cp_ulysses':    (2, 1, 2, 'ulysses', True, 0, dict(recompute='selective')),
     'cp_ring':       (2, 1, 2, 'ring', True, 0, dict(recompute='full')),
     'dp':            (2, 1, 1, 'ulysses', True, 0, {}),
-    'dp_zero1':      (2, 1, 1, 'ulysses', True, 1, {}),
+    'dp_zero2':      (2, 1, 1, 'ulysses', True, 2, {}),
+    'dp_zero3':      (2, 1, 1, 'ulysses', True, 3, dict(recompute='full', offload=1.0)),
     'tp4_gqa':       (4, 4, 1, 'ulysses', True, 0, dict(tie_embeddings=True)),  # 2 kv heads on 4 ranks
     'tp_cp_ulysses': (4, 2, 2, 'ulysses', True, 0, {}),  # 1 kv head per tp rank, 2 cp ranks: replicated
     'tp_cp_ring':    (4, 2, 2, 'ring', True, 0, dict(n_kv_head=1, recompute='full')),
     'dp_tp':         (4, 2, 1, 'ulysses', True, 0, {}),
-    'dp_cp_zero1':   (4, 1, 2, 'ring', True, 1, dict(recompute='selective')),
+    'dp_cp_zero2':   (4, 1, 2, 'ulysses', True, 2, dict(recompute='selective')),
+    'dp_tp_zero3':   (4, 2, 1, 'ulysses', True, 3, {}),
     # V = 5 on tp 4: 2 rows per rank, rank 3's are all padding (it gave a NaN loss: -inf · 0)
     'tp4_vocab5':    (4, 4, 1, 'ulysses', True, 0, dict(vocab_size=5)),
     # a fork's attention variant (model.attention swapped for a sliding window) under tp and Ulysses as it is
@@ -104,7 +107,8 @@ def gather_full(named_tensors, mesh, config, grads=False):
     put back together: kv heads replicated when K < t counted once, the vocabulary's padding rows cut."""
     out = {}
     for n, p in named_tensors:
-        t = (p.grad if grads else p.data).contiguous()
+        t = p.grad if grads else p.data
+        t = (t.full_tensor() if isinstance(t, DTensor) else t).contiguous()  # zero=2, 3: FSDP2's rows gathered
         spec = parallel.shard_spec(n, config, mesh.tp)
         if spec is not None:
             pieces = parallel.all_gather(t.unsqueeze(0), 0, mesh.tp_group).unbind(0)
@@ -117,7 +121,7 @@ def gather_full(named_tensors, mesh, config, grads=False):
 
 def one_step(model, mesh, config, zero, docs=False):
     """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens; with docs, packed documents),
-    grad sync, clipping at a norm it reaches, then SGD (AdamW for zero=1). Returns (loss, grad norm, grads, new
+    grad sync, clipping at a norm it reaches, then SGD (AdamW for zero=2, 3). Returns (loss, grad norm, grads, new
     weights)."""
     from conftest import packed_batch
     x, y = global_batch(config.vocab_size)
@@ -131,7 +135,7 @@ def one_step(model, mesh, config, zero, docs=False):
     grads = gather_full(named, mesh, config, grads=True)
     if zero:
         params = [p for _, p in named]
-        opt = optim.AdamW(named, params, [{'params': params}], mesh, config, zero=1, lr=LR)
+        opt = optim.AdamW(named, params, [{'params': params}], mesh, config, lr=LR)
     else:
         opt = torch.optim.SGD([p for _, p in named], lr=LR)
     opt.step()
@@ -204,13 +208,13 @@ def record_sync_buffers(step, model):
         step()
     finally:
         parallel.sync_grads, parallel.BUCKET_BYTES = real_sync, bucket
-    grads = {p.grad.data_ptr() for p in model.parameters()}
+    grads = {parallel._local(p.grad).data_ptr() for p in model.parameters()}
     return {'calls': len(calls), 'largest_copy': max((n for ptr, n in calls if ptr not in grads), default=0),
-            'grad_bytes': sum(p.grad.nbytes for p in model.parameters())}
+            'grad_bytes': sum(parallel._local(p.grad).nbytes for p in model.parameters())}
 
 
-@pytest.mark.parametrize('name', [n for n, layout in LAYOUTS.items() if layout[0] // (layout[1] * layout[2]) > 1
-                                  or layout[2] > 1])
+@pytest.mark.parametrize('name', [n for n, layout in LAYOUTS.items() if (layout[0] // (layout[1] * layout[2]) > 1
+                                  or layout[2] > 1) and layout[5] < 2])  # zero=2, 3: FSDP2 reduce-scatters
 def test_gradients_are_summed_in_buckets(results, name):
     """Over dp × cp every gradient is summed, a bucket at a time: no copy is larger than a bucket (before,
     one flat fp32 copy of every gradient: 4 bytes per parameter more at the peak)."""
@@ -228,6 +232,8 @@ def _worker(rank, world, port, names, out_dir):
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
         model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
+        if zero > 1:
+            parallel.shard_states(model, mesh, zero, torch.float32)
         matmuls = eval_matmuls(model, mesh)
         result = one_step(model, mesh, config, zero, 'docs' in overrides)
         sync = record_sync_buffers(lambda: one_step(model, mesh, config, zero), model)
@@ -294,12 +300,14 @@ EXPECTED_PER_BLOCK = {
     'cp_ulysses': {'all_to_all': 4},
     'cp_ring': {'ring_shift': 4},
     'dp': {},
-    'dp_zero1': {},
+    'dp_zero2': {},
+    'dp_zero3': {},
     'tp4_gqa': {'all_gather': 4, 'reduce_scatter': 4},
     'tp_cp_ulysses': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 4},
     'tp_cp_ring': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
     'dp_tp': {'all_gather': 4, 'reduce_scatter': 4},
-    'dp_cp_zero1': {'ring_shift': 4},
+    'dp_cp_zero2': {'all_to_all': 4},
+    'dp_tp_zero3': {'all_gather': 4, 'reduce_scatter': 4},
     'tp4_vocab5': {'all_gather': 4, 'reduce_scatter': 4},
     'tp_window': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_window': {'all_to_all': 4},
