@@ -57,15 +57,16 @@ def _device_mesh(world, tp, kv_heads, device_type):
     return DeviceMesh(device_type, ranks.T, mesh_dim_names=('tp', 'dpcp'))
 
 
-def _placed(name, local, mesh, config, shape, rows_shared):
-    """local (this rank's rows of the tensor `name`, whose full shape is shape) with its place in it."""
+def _placed(name, local, mesh, config, shape, fsdp_dim=None):
+    """local (this rank's piece of the tensor `name`, whose full shape is shape) with its place in it: its tp shard
+    and, under zero=2, 3, FSDP2's rows (or columns: fsdp_dim) of that shard over the dp·cp ranks."""
     spec = parallel.shard_spec(name, config, mesh.tp)
-    if mesh.world == 1 or (spec is None and not rows_shared):
+    if mesh.world == 1 or (spec is None and fsdp_dim is None):
         return local  # every rank holds the same tensor: DCP's one copy is right
     kv = spec is not None and spec[1] == 'kv' and config.n_kv_head < mesh.tp
     on_tp = [Replicate()] if spec is None else [Shard(0), Replicate()] if kv else [Shard(spec[0])]
     dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type)
-    return DTensor.from_local(local, dm, on_tp + [Shard(0) if rows_shared else Replicate()],
+    return DTensor.from_local(local, dm, on_tp + [Replicate() if fsdp_dim is None else Shard(fsdp_dim)],
                               shape=shape, stride=torch.empty(shape, device='meta').stride())
 
 
@@ -76,14 +77,14 @@ def state_dict(model, optimizer, mesh, data_gen=None):
         shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
     sd = {}
     for n, p, x, rows in zip(optimizer.names, optimizer.params, optimizer.pieces, optimizer.rows):
-        fsdp = isinstance(p, DTensor)  # zero=2, 3: FSDP2's rows of our tp shard, placed as zero=1's
-        local = lambda t: t.to_local() if fsdp else t
-        sd['model.' + n] = _placed(n, local(p.detach()) if fsdp else p.detach()[:rows], mesh, config, shapes[n], fsdp)
+        dim = p.placements[0].dim if isinstance(p, DTensor) else None  # zero=2, 3: FSDP2's piece (parallel.py)
+        mine = lambda t: (t.to_local() if dim is not None else t)[:rows] if dim != 0 else t.to_local()  # no padding
+        sd['model.' + n] = _placed(n, mine(p.detach()), mesh, config, shapes[n], dim)
         if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
-            sd['master.' + n] = _placed(n, x[:rows], mesh, config, shapes[n], False)
+            sd['master.' + n] = _placed(n, x[:rows], mesh, config, shapes[n])
         st = optimizer.state[x]
         for k in ('exp_avg', 'exp_avg_sq'):
-            sd[f'optim.{n}.{k}'] = _placed(n, local(st[k]) if fsdp else st[k][:rows], mesh, config, shapes[n], fsdp)
+            sd[f'optim.{n}.{k}'] = _placed(n, mine(st[k]), mesh, config, shapes[n], dim)
         sd[f'optim.{n}.step'] = st['step']
     sd['rng.torch'] = torch.get_rng_state()
     if data_gen is not None:

@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 # ----------------------------------------------------------------------------- setup: torchrun, mesh
@@ -89,8 +89,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (zero not in (0, 2, 3), f"zero must be 0, 2 or 3, got {zero!r}" + " (zero=1 became 2: FSDP2 shards the "
          "gradients too)" * (zero == 1)),
         (zero > 1 and world == tp, f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
-        (zero > 1 and c.vocab_size % tp, f"zero={zero} with vocab_size={c.vocab_size} not divisible by tp_size={tp}: "
-         "the padded vocabulary rows would be sharded"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
         (uly and h % cp, f"n_head / tp_size = {h} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
@@ -421,7 +419,10 @@ def shard_states(model, mesh, zero, dtype):
     until its backward, zero=3 frees it and gathers it again there); backward: one reduce-scatter of its gradients
     in fp32. The embedding, final norm and LM head are gathered once and kept through the step."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    vocab = {id(model.output.weight), id(model.tok_embeddings.weight)}  # their tp shards end in padding rows:
+    by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)  # FSDP2 splits them by column, the rows stay whole
+    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+              shard_placement_fn=by_column)
     for block in model.layers:
         fully_shard(block, reshard_after_forward=zero == 3, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)

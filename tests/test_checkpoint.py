@@ -1,5 +1,5 @@
 """checkpoint.py: a checkpoint saved under one layout loads under another (tp 2 -> tp 1, tp 4; one process
--> tp 2; zero=1 shards of masters and moments -> one process) and the next two steps' losses are the
+-> tp 2; zero=3 (FSDP2) shards of weights and moments -> one process) and the next two steps' losses are the
 saving run's, which checks the weights (first loss) and AdamW's masters and moments (second). The same
 layout reproduces them bit for bit. A directory without its commit marker is never loaded; a checkpoint
 crafted to run code (its metadata, its tensors' bytes, DCP's bytes entries) is refused, in one line under
@@ -42,12 +42,14 @@ def build(world, tp, zero, dtype, seed):
     mesh = parallel.make_mesh(tp, 1, 'ulysses', config.n_kv_head) if world > 1 else parallel.Mesh()
     if world > 1:
         parallel.parallelize(model, mesh)
-    offload.apply(model).to(dtype)
+    offload.apply(model).to(torch.float32 if zero else dtype)  # FSDP2's fp32 rows are the masters
+    if zero:
+        parallel.shard_states(model, mesh, zero, dtype)
     masters = optim.make_master_weights(model)
     named = list(model.named_parameters())
     groups = [{'params': [m for (_, p), m in zip(named, masters) if p.dim() >= 2], 'weight_decay': 0.1},
               {'params': [m for (_, p), m in zip(named, masters) if p.dim() < 2], 'weight_decay': 0.0}]
-    opt = optim.AdamW(named, masters, groups, mesh, config, zero=zero, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    opt = optim.AdamW(named, masters, groups, mesh, config, lr=1e-2, betas=(0.9, 0.95), fused=True)
     return model, masters, opt, mesh
 
 
@@ -108,14 +110,14 @@ def losses(tmp_path_factory):
     r.update(spawn(2, [('single->tp2', 'load', (2, 0, F32), 'single'),
                        ('tp2', 'save', (2, 0, F32), 'tp2'),
                        ('tp2->tp2', 'load', (2, 0, F32), 'tp2'),
-                       ('dp2z', 'save', (1, 1, F32), 'dp2z'),
-                       ('dp2z_bf16', 'save', (1, 1, BF16), 'dp2z_bf16'),
-                       ('dp2z_bf16->dp2z_bf16', 'load', (1, 1, BF16), 'dp2z_bf16')], out))
+                       ('dp2z', 'save', (1, 3, F32), 'dp2z'),
+                       ('dp2z_bf16', 'save', (1, 3, BF16), 'dp2z_bf16'),
+                       ('dp2z_bf16->dp2z_bf16', 'load', (1, 3, BF16), 'dp2z_bf16')], out))
     r['tp2->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'tp2'))
     r['dp2z->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'dp2z'))
     r.update(spawn(4, [('tp2->tp4', 'load', (4, 0, F32), 'tp2'),
-                       ('tp2->tp2dp2z', 'load', (2, 1, F32), 'tp2'),
-                       ('tp2dp2z', 'save', (2, 1, F32), 'tp2dp2z'),
+                       ('tp2->tp2dp2z', 'load', (2, 2, F32), 'tp2'),
+                       ('tp2dp2z', 'save', (2, 2, F32), 'tp2dp2z'),
                        ('tp2dp2z->tp4', 'load', (4, 0, F32), 'tp2dp2z')], out))
     r['tp2dp2z->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'tp2dp2z'))
     return r

@@ -468,7 +468,7 @@ def single_run(tmp_path_factory):
 @pytest.mark.parametrize('nproc,layout,resume', [
     (2, ['--tp_size=2'], 'from one process'),            # resume the single-process ckpt.pt under tp
     (2, ['--cp_size=2', '--cp_impl=ring'], None),
-    (2, ['--batch_size=2', '--zero=1'], 'in one process'),  # dp = 2, half the rows each: same global batch
+    (2, ['--batch_size=2', '--zero=3'], 'in one process'),  # dp = 2, half the rows each: same global batch
 ])
 def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, nproc, layout, resume):
     ref, single_at4 = single_run
@@ -479,18 +479,18 @@ def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, npr
         out = str(tmp_path / 'resumed')
         shutil.copytree(single_at4, out)
         torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
-    elif resume == 'in one process':  # the zero=1 shards of 2 ranks, read whole
+    elif resume == 'in one process':  # FSDP2's shards of 2 ranks, read whole
         torchrun(1, *TINY, '--batch_size=4', '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
     if resume:
         assert_close_losses(read_log(out), ref)
 
 
-def test_zero1_resumes_twice_at_a_decaying_lr_as_an_uninterrupted_run(tmp_path):
-    """dp 2 with zero=1, resumed at steps 3 and 5 of a decaying schedule: the same lrs and losses, bit for
+def test_zero2_resumes_twice_at_a_decaying_lr_as_an_uninterrupted_run(tmp_path):
+    """dp 2 with zero=2, resumed at steps 3 and 5 of a decaying schedule: the same lrs and losses, bit for
     bit. Before, the optimizer kept the param groups and state that load_state_dict replaced: after a
     resume the schedule no longer reached it (back to peak lr) and later checkpoints held zeroed moments."""
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run = ['--batch_size=2', '--zero=1', '--warmup_iters=1', '--lr_decay_iters=8', '--learning_rate=1e-2',
+    run = ['--batch_size=2', '--zero=2', '--warmup_iters=1', '--lr_decay_iters=8', '--learning_rate=1e-2',
            '--min_lr=1e-4']
     torchrun(2, *TINY, *run, '--max_iters=8', f'--out_dir={straight}')
     torchrun(2, *TINY, *run, '--max_iters=3', f'--out_dir={split}')
@@ -564,7 +564,8 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=8, tp=8, n_kv_head=4, n_head=8, n_embd=64), None),
     (dict(world=2, tp=2, intermediate_size=63), 'intermediate_size=63 is not divisible by tp_size=2'),
     (dict(world=2, cp=2, cp_impl='star'), "cp_impl must be 'ulysses' or 'ring'"),
-    (dict(zero=2), 'zero must be 0 or 1'),
+    (dict(zero=1), 'zero=1 became 2: FSDP2 shards the gradients too'),
+    (dict(world=2, tp=2, zero=3), 'zero=3 shards over the dp x cp ranks: there is one'),
     (dict(world=2, cp=2, seq_len=15), 'seq_len=15 is not divisible by cp_size=2'),
     (dict(world=8, cp=8), 'n_head / tp_size = 4 heads per rank are not divisible by cp_size=8 (Ulysses)'),
     (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), 'n_head / tp_size = 6 heads per rank'),
