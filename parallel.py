@@ -421,8 +421,10 @@ def shard_states(model, mesh, zero, dtype):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     vocab = {id(model.output.weight), id(model.tok_embeddings.weight)}  # their tp shards end in padding rows:
     by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)  # FSDP2 splits them by column, the rows stay whole
-    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-              shard_placement_fn=by_column)
+    # cast_forward_inputs=False: FSDP2 would cast each block's RoPE tables to bf16 (wrong positions at long context)
+    # and every block would keep its own copy
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=mp, shard_placement_fn=by_column)
     for block in model.layers:
         fully_shard(block, reshard_after_forward=zero == 3, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
