@@ -694,3 +694,24 @@ def test_the_lm_head_peak_under_tp_is_what_the_estimate_says(tmp_path):
     total = [line for line in p.stdout.splitlines() if line.strip().startswith('total') and '%' in line][-1]
     error = float(total.split('%')[0].split()[-1])
     assert abs(error) <= 10, total
+
+
+def _rope_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group('gloo')
+    model = offload.apply(new_model(dict(recompute='full')))
+    parallel.shard_states(model, parallel.make_mesh(1, 1), 3, torch.bfloat16)
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda m, args: seen.append((args[1].dtype, args[2].dtype)))
+    x, y = global_batch()
+    model(x[rank::2], y[rank::2])[1].backward()
+    if rank == 0:
+        torch.save(seen, out)
+    dist.destroy_process_group()
+
+
+def test_fsdp_keeps_the_rope_tables_fp32(tmp_path):
+    """zero=3 in bf16: FSDP2's mixed precision would cast every block's forward inputs, RoPE's cos and sin too:
+    bf16 positions, wrong at long context (and a copy kept per block). The block sees the fp32 tables."""
+    mp.spawn(_rope_worker, args=(2, free_port(), str(tmp_path / 'seen.pt')), nprocs=2)
+    assert torch.load(tmp_path / 'seen.pt') == [(torch.float32, torch.float32)]
