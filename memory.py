@@ -13,8 +13,9 @@ The estimate (S tokens per sequence, B batch, h width, H heads, kv = K·hd, I ML
 L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
 
   states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed precision:
-                 bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); zero=1: 2 + 4 + 12/d
-                 fp32: 4 + 4 + 8;                                               zero=1: 4 + 4 + 8/d
+                 bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); fp32: 4 + 4 + 8
+                 zero=2, 3 (FSDP2): (4 + 4 + 8)/d, the fp32 weights the masters, plus b bytes of what it gathers:
+                 the embedding, final norm and LM head, and every block (zero=2, forward to backward) or one (3)
                  optimizer_in_backward (optim.py): b + 2b, the gradients one parameter at a time (at most the
                  embedding's b·V·h) beside its step's seven fp32 chunks (28·optim.STEP_CHUNK), in every moment
   activations  L · k · T, T = B·S/c tokens of a micro-batch, k the bytes a block keeps per token
@@ -126,6 +127,12 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     g_emb = 4 * V * h / t           # the embedding's gradient, made last
     g_head = 4 * V * h / t + 4 * h  # the LM head's (tied: its share, waiting for the embedding's)
     g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
+    if zero > 1:  # FSDP2: every gradient's rows from the start (parallel.shard_states)
+        root = N - L * g_layer / 4  # the embedding, final norm, LM head: gathered for the whole step
+        params = 4 * N / d + b * (root + g_layer / 4 * (L if zero == 2 else 1))
+        grads_all = g_head = 4 * N / d
+        g_emb = g_layer = 0
+        optimizer = 8 * N / d
 
     # activations per layer and token (offload.py's count, then the layout's)
     # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm outputs
