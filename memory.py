@@ -349,7 +349,7 @@ def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
 
 def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **layout):
     """[(command-line change, estimate, cost)] that fit: each knob alone at its cheapest, else the plan;
-    then zero=1; then tp or cp 2, 4 or 8 times larger (more GPUs) with the knobs it needs."""
+    then zero=2; then tp or cp 2, 4 or 8 times larger (more GPUs) with the knobs it needs."""
     fit = options(config, budget, overhead, host, batch_size, seq_len, layout)
     alone = {}
     for x, n, _, v, e in fit:  # cheapest first: the first of each knob changed alone
@@ -357,8 +357,8 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
             alone.setdefault(next(iter(knobs(v, config))), (describe(knobs(v, config)), e, x))
     out = list(alone.values()) or [(describe(knobs(v, config)), e, x) for x, _, _, v, e in fit[:1]]
     if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero'):
-        if fits(e := estimate(config, batch_size, seq_len, **{**layout, 'zero': 1}), budget, overhead):
-            out.append(('--zero=1', e, 0.0))
+        if fits(e := estimate(config, batch_size, seq_len, **{**layout, 'zero': 2}), budget, overhead):
+            out.append(('--zero=2', e, 0.0))  # a reduce-scatter and an all-gather: the all-reduce's traffic
     device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
     for key in ('tp_size', 'cp_size') if not layout.get('in_backward') else ():  # in backward: one GPU
