@@ -160,6 +160,11 @@ def resume(out_dir, cfg):
     if path is None:
         raise Error(f"--init_from=resume but there is no checkpoint in {out_dir}")
     m = {**meta(path), 'path': path}
+    for info in _Reader(path).read_metadata().storage_data.values():  # each rank's file, whole: before we allocate
+        file = os.path.join(path, info.relative_path)
+        if not os.path.exists(file) or os.path.getsize(file) < info.offset + info.length:
+            raise Error(f"{file} is {'short' if os.path.exists(file) else 'missing'}: that rank's shard of the "
+                        f"checkpoint is lost; resume an earlier checkpoint (move this one away) or start over")
     was = m['config']
     differ = [k for k in m['model_args'] if cfg.get(k) is not None and k in was and cfg[k] != was[k]]
     if differ:

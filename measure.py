@@ -17,7 +17,8 @@ class Tracker:
     """The header's MemTracker (.breakdown()) and anatomy (.at_peak, if anatomy). masters: train.py's fp32 gradient
     holders when they are not the parameters; inputs: tensors made before the step that it uses (the batch)."""
 
-    def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'), anatomy=False):
+    def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'), anatomy=False,
+                 states_on_host=False):
         from torch.distributed._tools.mem_tracker import MemTracker
         from torch.distributed._tools.mod_tracker import ModTracker  # MemTracker's own: holds no tensor alive
 
@@ -27,10 +28,14 @@ class Tracker:
                 return self.look(func, [*args, *(kwargs or {}).values()], out)
         if device.type == 'cuda' and device.index is None:  # MemTracker's keys are the tensors' devices: cuda:N
             device = torch.device('cuda', torch.cuda.current_device())
-        self.mt, self.root, self.device = (Anatomy if anatomy else MemTracker)(), model, device
-        self.inputs = list(inputs)
+        self.mt, self.root, self.device = (Anatomy if anatomy or states_on_host else MemTracker)(), model, device
+        self.inputs, self.optimizer = list(inputs), optimizer
         self.mods, self.made, self.top, self.at_peak, self.moment = ModTracker() if anatomy else None, {}, -1, [], ''
         self.params = list(model.parameters())
+        # offload_states: FSDP2's rows, their gradients and AdamW's moments are host memory, also on a CPU
+        self.on_host = [p.to_local() for p in self.params] if states_on_host else []
+        self.moments = [v for st in getattr(optimizer, 'state', {}).values() for v in st.values()] * states_on_host
+        self.host_grads, self.before_step = 0, None  # their gradients' bytes at the peak; the peak before AdamW's
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [p.untyped_storage() for p in self.params]
@@ -50,6 +55,8 @@ class Tracker:
         enter(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
         self.mods and enter(self.mods)
+        if self.on_host:  # the device's peak is before AdamW's step: the step runs on the host (its own hooks fire too)
+            enter(self.optimizer.register_step_pre_hook(lambda *_: self.before_step or self.stop_at_step()))
         enter(self.mt)
         return self
 
@@ -59,7 +66,15 @@ class Tracker:
     def look(self, func, args, out):
         """Note each storage on our device an op makes (not one of its inputs': a view, in place), what made it
         and its category (made in forward: activations; in backward, a recompute's too, or by the optimizer:
-        transient; or grads); at a new peak of MemTracker's, the one breakdown reads, keep those alive."""
+        transient; or grads); at a new peak of MemTracker's, the one breakdown reads, keep those alive, and
+        the bytes of the host gradients then (offload_states)."""
+        total = self.mt.get_tracker_snapshot().get(self.device, {}).get('Total', 0)
+        peak = total > self.top and self.before_step is None  # (offload_states: AdamW's step is on the host)
+        if peak and self.on_host:
+            self.host_grads = sum(p.grad.to_local().nbytes for p in self.params if p.grad is not None)
+        if self.mods is None:  # no anatomy
+            self.top = max(self.top, total)
+            return out
         ours = lambda xs: {id(t.untyped_storage()): t for x in xs for t in (x if isinstance(x, (tuple, list)) else [x])
                            if isinstance(t, torch.Tensor) and t.device == self.device}
         where = max(self.mods.parents, key=lambda m: (m.count('.'), m)) + (' (backward)' if self.mods.is_bw else '')
@@ -69,7 +84,7 @@ class Tracker:
             if k not in given and k not in self.made:  # dropped as it is freed: a freed storage's id is reused
                 info = dict(category=step, dtype=str(t.dtype)[6:], shape=list(t.shape), op=str(func), module=where)
                 self.made[k] = (weakref.ref(t.untyped_storage(), lambda _, k=k: self.made.pop(k, None)), info)
-        if (total := self.mt.get_tracker_snapshot().get(self.device, {}).get('Total', 0)) > self.top:
+        if peak:
             grads = {id(p.grad.untyped_storage()) for p in self.params + self.masters if p.grad is not None}
             host = {id(b.untyped_storage()) for b in offload.host_buffers()}  # host memory, even on a CPU
             self.top, self.moment = total, f"{func} in {where}"
@@ -78,16 +93,22 @@ class Tracker:
                                    and k not in host), key=lambda x: -x['bytes'])
         return out
 
+    def stop_at_step(self):
+        self.before_step = self.mt.get_tracker_snapshot('peak')
+
     def breakdown(self):
-        snap = {getattr(k, 'value', k): v for k, v in self.mt.get_tracker_snapshot('peak').get(self.device, {}).items()}
+        snap = self.before_step or self.mt.get_tracker_snapshot('peak')
+        snap = {getattr(k, 'value', k): v for k, v in snap.get(self.device, {}).items()}
         # each storage once (views share one), the storages kept alive while compared: a freed one's id is reused
         nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
         host = self.host if self.device.type == 'cpu' else 0
-        out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0),
-               'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs,
-               'optimizer': snap.get('Optstate', 0) + masters,
+        rows, moments = nbytes(self.on_host), nbytes(self.moments)
+        self.host += rows + self.host_grads + moments
+        out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0) - rows,
+               'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs - self.host_grads,
+               'optimizer': snap.get('Optstate', 0) + masters - moments,
                'activations': snap.get('Activation', 0) + inputs - host,
                'transient': snap.get('Temp', 0), 'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
         return {**out, 'total': sum(out.values())}

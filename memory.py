@@ -108,7 +108,8 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
 
 
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
-             tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False, in_backward=False):
+             tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False, in_backward=False,
+             states_on_host=False):
     """Per-rank peak bytes of one training step of model.Llama(config): the header's formula."""
     c, t, L = config, tp_size, config.n_layer
     b, dt = (2, torch.bfloat16) if dtype in ('bfloat16', torch.bfloat16) else (4, torch.float32)
@@ -133,6 +134,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         grads_all = g_head = 4 * N / d
         g_emb = g_layer = 0
         optimizer = 8 * N / d
+    if states_on_host:  # offload_states: the rows in host memory; on the device only what FSDP2 gathered
+        params, grads_all, g_head, optimizer = params - 4 * N / d, 0, 0, 0
 
     # activations per layer and token (offload.py's count, then the layout's)
     # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm outputs
@@ -143,6 +146,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     n_off = len(offload.offloaded_blocks(c))
     host = offload.host_bytes(c, batch_size, S // t, dt, cp_size)
     P = host / n_off if n_off else 0  # one offloaded block's bytes in host memory
+    host += 16 * N / d if states_on_host else 0
     stays = offload.block_bytes(c, batch_size, S // t, dt, cp_size)[1] / T  # an offloaded block's, on the device
     acts = ((L - n_off) * k + n_off * stays) * T + 8 * c.head_dim * (T if doc_mask else S)
 
@@ -393,7 +397,8 @@ class Report:
                            device_type='cuda' if self.dry else device.type, cp_impl=cfg.get('cp_impl', 'ulysses'),
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
                            zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False),
-                           in_backward=cfg.get('optimizer_in_backward', False))
+                           in_backward=cfg.get('optimizer_in_backward', False),
+                           states_on_host=(states := cfg.get('offload_states', False)))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
         groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)  # NCCL communicators
         self.overhead = overhead_bytes(self.layout['device_type'], groups)
@@ -406,14 +411,17 @@ class Report:
             print(table(self.est, self.budget, self.overhead, title=f"memory estimate per rank, {where}, "
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
-        if self.config.offload > 0:  # est.host: offload.host_bytes, this rank's offloaded blocks
-            line = (f"offload={self.config.offload}: {self.est.host / GiB:.2f} GiB of host memory per rank "
-                    f"({len(offload.offloaded_blocks(self.config))} blocks)")
+        if self.est.host:  # this rank's offloaded blocks (offload.host_bytes), offload_states' rows
+            what = [f"{len(offload.offloaded_blocks(self.config))} blocks"] * (self.config.offload > 0) + \
+                ["the model states"] * states
+            line = (f"offload={self.config.offload}{', offload_states=True' * states}: {self.est.host / GiB:.2f} GiB "
+                    f"of host memory per rank ({' and '.join(what)})")
             budget = cfg.get('host_memory_budget_gb', 0)
             have = ' on the target' if self.host is None else f", {self.host / GiB:.2f} GiB " + \
                 ('in host_memory_budget_gb' if budget and self.host == int(budget * GiB) else 'available')
             if self.host is not None and self.est.host > self.host:
-                self.stop([f"error: {line}{have} per rank: lower offload, seq_len or batch_size, or recompute='full'"])
+                self.stop([f"error: {line}{have} per rank: lower offload, seq_len or batch_size, or recompute='full'"
+                           + " (the states: 16 bytes per parameter over dp x cp ranks: more of them)" * states])
             rank == 0 and print(line + have)
         if not self.dry and not fits(self.est, self.budget, self.overhead):
             self.stop([f"error: does not fit: {gib(self.est.total, 0)} per rank + {gib(self.overhead, 0)} overhead "
@@ -465,7 +473,8 @@ class Report:
             return
         cuda, n, extra = self.device.type == 'cuda', self.cfg.get('dry_run_anatomy', 0), {}
         cuda and torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0)
+        tracker = nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0,
+                                                         states_on_host=self.layout['states_on_host'])
         with tracker as tr:
             yield
         m = self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tr.breakdown()

@@ -15,7 +15,9 @@ N parameters, b bytes per element. What each dimension saves, per rank:
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
   d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never one flat copy
-      of them all; zero=1 shares the optimizer's 12·N/t bytes over d = dp·cp (optim.py).
+      of them all; or FSDP2 (shard_states: torch's fully_shard, ZeRO, Rajbhandari 2020) keeps 1/d of every fp32
+      row of the tp shard over the d = dp·c ranks holding the same weights: zero=2 the gradients and AdamW's
+      moments, zero=3 the weights too: 16·N/(t·d) bytes; offload_states=True keeps those rows in host memory.
 
 parallelize(model, mesh) shards the weights in place, hooks Megatron's f, g onto block.attention and block.feed_forward
 (they read their head counts from the weights' shapes), wraps Attention.attend for c, sets Llama.vocab_group
@@ -28,8 +30,14 @@ the five functions below (chunked.py's loss makes its own):
   c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other   (H/c heads move)
   c ring          c-1 shifts of k, v (c-1 of k, v + c of dk, dv); kv heads, never repeated ones
   recompute=full  the forward's again in backward but the last g (torch's checkpoint stops early)
+  d, zero=2       1 all-gather of its weights' rows in bf16 (2·N_block/t bytes gathered) before its forward,
+                  kept to its backward; 1 reduce-scatter of its fp32 gradients (4·N_block/t) after its backward
+  d, zero=3       the same, but the weights are freed after the forward and gathered again before the backward
+  offload_states  before each all-gather its rows are copied in from the host, after each reduce-scatter the
+                  gradient's rows go out: 4·N_block/(t·d) bytes each way over PCIe
 Per step: embedding 1 (g), LM head input 1 (f), per loss chunk one all-gather of [B·S/chunks]
-log-sum-exps, 1 all-reduce of the target logits.
+log-sum-exps, 1 all-reduce of the target logits. FSDP2 gathers the embedding, final norm and LM head once
+(before the forward, kept to the end of the backward) and reduce-scatters their gradients last.
 """
 import functools
 import math
@@ -67,11 +75,11 @@ class Mesh:
     cp_group: object = None
     dpcp_group: object = None
     kv_group: object = None
-    dpcp_mesh: object = None  # dpcp_group as a DeviceMesh, FSDP2's (zero=2, 3): made before a dry run's fake tensors
+    dpcp_mesh: object = None  # the dp·cp ranks as a DeviceMesh (make_mesh)
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
-                 dtype=torch.float32, doc_mask=False):
+                 dtype=torch.float32, doc_mask=False, states_on_host=False):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules."""
     c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
@@ -88,7 +96,10 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
         (zero not in (0, 2, 3), f"zero must be 0, 2 or 3, got {zero!r}" + " (zero=1 became 2: FSDP2 shards the "
          "gradients too)" * (zero == 1)),
-        (zero > 1 and world == tp, f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
+        (zero > 1 and world == tp and not states_on_host,
+         f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
+        (states_on_host and zero != 3, "offload_states=True streams each block's weights in from the host: it needs "
+         f"zero=3, got zero={zero}"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
         (uly and h % cp, f"n_head / tp_size = {h} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
@@ -121,19 +132,21 @@ def wait_for_every_rank(what, timeout=60):
         pass
 
 
-def init_distributed(device_type, fake=False, timeout_s=300):
-    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank).
-    fake (memory.py's dry run): be rank 0 of WORLD_SIZE ranks whose collectives return at once."""
+def init_distributed(device_type, fake=False, timeout_s=300, one=False):
+    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank). one: a group
+    of one rank without torchrun too (FSDP2's, for offload_states). fake (memory.py's dry run): be rank 0 of
+    WORLD_SIZE ranks whose collectives return at once."""
     world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
-    if world == 1 or fake:
-        if fake and world > 1:
+    if world == 1 and not one or fake:
+        if fake and (world > 1 or one):
             from torch.testing._internal.distributed.fake_pg import FakeStore
             dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=world)
         return world, 0, 0
     if device_type == 'cuda':
         torch.cuda.set_device(local_rank)
     # a rank blocked in a collective gives up after timeout_s (a rank died or hangs); torchrun's agent may end it sooner
-    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=timedelta(seconds=timeout_s))
+    alone = dict(store=dist.HashStore(), rank=0, world_size=1) if world == 1 else {}  # no torchrun: our own store
+    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=timedelta(seconds=timeout_s), **alone)
     return world, dist.get_rank(), local_rank
 
 
@@ -147,13 +160,15 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
 
     timeout = timeout_s and timedelta(seconds=timeout_s)  # a group's own default is 30 minutes, not the world's
 
-    def groups(sets):  # new_group is collective: every rank builds every group, in order; keep ours
-        made = [(dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None, ranks) for ranks in sets.tolist()]
+    def groups(sets, one=False):  # new_group is collective: every rank builds every group, in order; keep ours
+        made = [(dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 or one else None, ranks)
+                for ranks in sets.tolist()]
         return next(g for g, ranks in made if rank in ranks)
     m.tp_group = groups(grid.reshape(-1, tp))
     m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))
-    m.dpcp_group = groups(grid.permute(2, 0, 1).reshape(tp, -1))
-    m.dpcp_mesh = m.dpcp_group and DeviceMesh.from_group(m.dpcp_group, device_type)
+    m.dpcp_group = groups(dpcp := grid.permute(2, 0, 1).reshape(tp, -1))
+    # FSDP2's (zero=2, 3), of one rank too (offload_states on one GPU); made before a dry run's fake tensors
+    m.dpcp_mesh = DeviceMesh.from_group(m.dpcp_group or groups(dpcp, one=True), device_type)
     if n_kv_head is not None and n_kv_head < tp:  # kv head h on tp ranks h·g .. h·g + g-1, g = t/K
         m.kv_group = groups(grid.reshape(-1, tp // n_kv_head))
     return m
@@ -162,9 +177,10 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
 # ----------------------------------------------------------------------------- the collectives
 # Every byte between ranks moves here (tests count the calls), contiguous with the split dimension first: flat memory.
 
-def all_reduce(x, group):  # the sum, in place
-    dist.all_reduce(x, group=group)
-    return x
+def all_reduce(x, group):  # the sum, in place; a host tensor (offload_states) through the GPU where NCCL needs it
+    y = x.cuda() if x.is_cpu and dist.get_backend(group) == 'nccl' else x
+    dist.all_reduce(y, group=group)
+    return x.copy_(y)
 
 
 def all_gather(x, dim, group):  # every rank's x, concatenated along dim in rank order
@@ -412,19 +428,22 @@ def parallelize(model, mesh):
     return model
 
 
-def shard_states(model, mesh, zero, dtype):
+def shard_states(model, mesh, zero, dtype, on_host=False):
     """ZeRO-2 (zero=2) or ZeRO-3 (zero=3) through FSDP2 over the d = dp·cp ranks holding the same weights: each
     keeps ⌈rows/d⌉ rows of every fp32 tensor of its tp shard (weights, gradients, AdamW's moments): 16/d bytes per
     parameter. Per block, forward: one all-gather of its rows, cast to dtype first (zero=2 keeps the gathered block
     until its backward, zero=3 frees it and gathers it again there); backward: one reduce-scatter of its gradients
-    in fp32. The embedding, final norm and LM head are gathered once and kept through the step."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    in fp32. The embedding, final norm and LM head are gathered once and kept through the step. on_host
+    (offload_states): the rows live in host memory (pinned on CUDA), each block's copied in before its all-gather,
+    its gradients' rows copied out after the reduce-scatter; AdamW steps them on the CPU."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     vocab = {id(model.output.weight), id(model.tok_embeddings.weight)}  # their tp shards end in padding rows:
     by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)  # FSDP2 splits them by column, the rows stay whole
     # cast_forward_inputs=False: FSDP2 would cast each block's RoPE tables to bf16 (wrong positions at long context)
     # and every block would keep its own copy
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=mp, shard_placement_fn=by_column)
+    host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on_host else OffloadPolicy()
+    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=mp, shard_placement_fn=by_column, offload_policy=host)
     for block in model.layers:
         fully_shard(block, reshard_after_forward=zero == 3, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)

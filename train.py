@@ -76,7 +76,8 @@ offload = 0.0  # Memo's alpha (offload.py): > 0 sends block inputs, attention an
 tp_size = 1
 cp_size = 1
 cp_impl = 'ulysses'  # 'ulysses' | 'ring'
-zero = 0  # over the dp x cp ranks: 1 shares AdamW's states, 2 (FSDP2) the gradients too, 3 the weights too
+zero = 0  # FSDP2 over the dp x cp ranks: 2 shards AdamW's states and the gradients, 3 the weights too
+offload_states = False  # True (zero=3): weights, gradients and AdamW's states in host memory, AdamW on the CPU
 timeout_s = 300  # a collective waiting this long for a rank that died or hangs ends the job (README.md)
 # AdamW with linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
@@ -293,7 +294,7 @@ def device_and_dtype():
 def check_layout(config, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
     why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size,
-                                cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask)
+                                cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask, offload_states)
     if why:
         die(why)
 
@@ -361,7 +362,7 @@ def main():
             die(f"{key}={cfg[key]!r}: {allowed}")
     dev, ptdtype, autocast = device_and_dtype()
     torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
-    world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s)
+    world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s, one=offload_states)
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
@@ -382,8 +383,9 @@ def main():
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
     wdtype = torch.float32 if zero > 1 else ptdtype  # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
-    memory.to_fake(model, wdtype) if dry_run else model.to(device=dev, dtype=wdtype)
-    zero > 1 and parallel.shard_states(model, mesh, zero, ptdtype)
+    # offload_states: FSDP2 takes each block's weights to the GPU, keeps its rows and sends them back to the host
+    memory.to_fake(model, wdtype) if dry_run else model.to(device='cpu' if offload_states else dev, dtype=wdtype)
+    zero > 1 and parallel.shard_states(model, mesh, zero, ptdtype, offload_states)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)

@@ -7,9 +7,10 @@ train.py and sample.py, and the code does not run.
 
 Layouts run in spawned processes on gloo (CPU), one spawn of 2 ranks and one of 4; single-process
 saves and loads run in the test's own process."""
-import os
 import io
+import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -120,7 +121,22 @@ def losses(tmp_path_factory):
                        ('tp2dp2z', 'save', (2, 2, F32), 'tp2dp2z'),
                        ('tp2dp2z->tp4', 'load', (4, 0, F32), 'tp2dp2z')], out))
     r['tp2dp2z->single'] = act(1, 'load', (1, 0, F32), os.path.join(out, 'tp2dp2z'))
+    r['dir'] = out
     return r
+
+
+@pytest.mark.parametrize('spoil', ['missing', 'short'])
+def test_a_checkpoint_missing_a_shard_is_one_line_before_anything_loads(losses, tmp_path, spoil):
+    """Rank 1's file of a tp 2 checkpoint gone (or cut short): resume names it, before a model is built."""
+    shutil.copytree(os.path.join(losses['dir'], 'tp2'), tmp_path / 'out')
+    path = checkpoint.latest(str(tmp_path / 'out'))
+    shard = os.path.join(path, '__1_0.distcp')
+    if spoil == 'missing':
+        os.remove(shard)
+    else:
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    with pytest.raises(checkpoint.Error, match=f"__1_0.distcp is {spoil}: that rank's shard"):
+        checkpoint.resume(str(tmp_path / 'out'), {})
 
 
 @pytest.mark.parametrize('key', ['single->tp2', 'tp2->single', 'tp2->tp4', 'tp2->tp2dp2z', 'dp2z->single',

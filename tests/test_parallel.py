@@ -50,6 +50,7 @@ LAYOUTS = {
     'dp':            (2, 1, 1, 'ulysses', True, 0, {}),
     'dp_zero2':      (2, 1, 1, 'ulysses', True, 2, {}),
     'dp_zero3':      (2, 1, 1, 'ulysses', True, 3, dict(recompute='full', offload=1.0)),
+    'dp_zero3_host': (2, 1, 1, 'ulysses', True, 3, dict(host=True)),  # offload_states: FSDP2's rows on the host
     'tp4_gqa':       (4, 4, 1, 'ulysses', True, 0, dict(tie_embeddings=True)),  # 2 kv heads on 4 ranks
     'tp_cp_ulysses': (4, 2, 2, 'ulysses', True, 0, {}),  # 1 kv head per tp rank, 2 cp ranks: replicated
     'tp_cp_ring':    (4, 2, 2, 'ring', True, 0, dict(n_kv_head=1, recompute='full')),
@@ -70,7 +71,7 @@ LR = 0.1
 
 
 def model_config(overrides):
-    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('window', 'docs')}})
+    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('window', 'docs', 'host')}})
 
 
 def sliding_window(q, k, v, is_causal=True, window=None):
@@ -233,7 +234,7 @@ def _worker(rank, world, port, names, out_dir):
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
         model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
         if zero > 1:
-            parallel.shard_states(model, mesh, zero, torch.float32)
+            parallel.shard_states(model, mesh, zero, torch.float32, overrides.get('host', False))
         matmuls = eval_matmuls(model, mesh)
         result = one_step(model, mesh, config, zero, 'docs' in overrides)
         sync = record_sync_buffers(lambda: one_step(model, mesh, config, zero), model)
@@ -469,6 +470,8 @@ def single_run(tmp_path_factory):
     (2, ['--tp_size=2'], 'from one process'),            # resume the single-process ckpt.pt under tp
     (2, ['--cp_size=2', '--cp_impl=ring'], None),
     (2, ['--batch_size=2', '--zero=3'], 'in one process'),  # dp = 2, half the rows each: same global batch
+    (1, ['--zero=3', '--offload_states=True'], 'in one process'),  # FSDP2 over one rank, its states on the host
+    (2, ['--batch_size=2', '--zero=3', '--offload_states=True'], None),
 ])
 def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, nproc, layout, resume):
     ref, single_at4 = single_run
@@ -566,6 +569,8 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, cp=2, cp_impl='star'), "cp_impl must be 'ulysses' or 'ring'"),
     (dict(zero=1), 'zero=1 became 2: FSDP2 shards the gradients too'),
     (dict(world=2, tp=2, zero=3), 'zero=3 shards over the dp x cp ranks: there is one'),
+    (dict(world=2, tp=2, zero=3, states_on_host=True), None),  # FSDP2 over one rank: it streams the weights in
+    (dict(world=2, zero=2, states_on_host=True), 'offload_states=True streams each block'),
     (dict(world=2, cp=2, seq_len=15), 'seq_len=15 is not divisible by cp_size=2'),
     (dict(world=8, cp=8), 'n_head / tp_size = 4 heads per rank are not divisible by cp_size=8 (Ulysses)'),
     (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), 'n_head / tp_size = 6 heads per rank'),
@@ -584,7 +589,8 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
 def test_check_layout_owns_every_rule(layout, reason):
     """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
     fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
-    run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32)
+    run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32,
+               states_on_host=False)
     run.update({k: layout.pop(k) for k in list(layout) if k in run})
     why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
     assert why is None if reason is None else (reason in why and '\n' not in why), why
