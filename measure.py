@@ -35,7 +35,8 @@ class Tracker:
         # offload_states: FSDP2's rows, their gradients and AdamW's moments are host memory, also on a CPU
         self.on_host = [p.to_local() for p in self.params] if states_on_host else []
         self.moments = [v for st in getattr(optimizer, 'state', {}).values() for v in st.values()] * states_on_host
-        self.host_grads, self.before_step = 0, None  # their gradients' bytes at the peak; the peak before AdamW's
+        # their gradients' bytes at the device's peak and in all; the peak before AdamW's step
+        self.host_grads, self.all_host_grads, self.before_step = 0, 0, None
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [p.untyped_storage() for p in self.params]
@@ -93,8 +94,9 @@ class Tracker:
                                    and k not in host), key=lambda x: -x['bytes'])
         return out
 
-    def stop_at_step(self):
+    def stop_at_step(self):  # every gradient's rows are on the host now: the host's peak
         self.before_step = self.mt.get_tracker_snapshot('peak')
+        self.all_host_grads = sum(p.grad.to_local().nbytes for p in self.params if p.grad is not None)
 
     def breakdown(self):
         snap = self.before_step or self.mt.get_tracker_snapshot('peak')
@@ -105,7 +107,7 @@ class Tracker:
         self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
         host = self.host if self.device.type == 'cpu' else 0
         rows, moments = nbytes(self.on_host), nbytes(self.moments)
-        self.host += rows + self.host_grads + moments
+        self.host += rows + moments + (self.all_host_grads if self.on_host else 0)
         out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0) - rows,
                'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs - self.host_grads,
                'optimizer': snap.get('Optstate', 0) + masters - moments,

@@ -498,10 +498,17 @@ class Report:
             print('\n'.join(f"  {gib(x['bytes'])}  {x['category']:12s}{x['dtype']:9s}{str(x['shape']):22s} "
                             f"{x['op']} in {x['module']}" for x in tr.at_peak[:n]))
             extra['anatomy'] = {'moment': tr.moment, 'made_bytes': made, 'largest': tr.at_peak[:n]}
+        if self.est.host and not compiled:  # offloaded blocks and offload_states' rows, apart from the device's
+            extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
+            print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} "
+                  f"{'in the dry run' if self.dry else 'measured'}")
         if self.dry:
-            ok = extra['fits'] = fits(self.measured['total'], self.budget, self.overhead)
-            extra['verdict'] = (f"verdict: {'fits' if ok else 'DOES NOT FIT'} on a {gib(self.budget, 0)} device: dry "
-                                f"run {gib(self.measured['total'], 0)} + {gib(self.overhead, 0)} overhead "
-                                f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget, 0)})")
-            print('\n'.join([extra['verdict']] + ([] if ok else self.suggest())))
+            ok = fits(self.measured['total'], self.budget, self.overhead)
+            host_ok = self.host is None or tr.host <= self.host
+            extra['fits'] = ok and host_ok  # the host's budget too, where given
+            extra['verdict'] = (f"verdict: {'fits' if ok and host_ok else 'DOES NOT FIT'} on a {gib(self.budget, 0)} "
+                                f"device: dry run {gib(self.measured['total'], 0)} + {gib(self.overhead, 0)} overhead "
+                                f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget, 0)})" +
+                                ('' if host_ok else f"; host {gib(tr.host, 0)} > {gib(self.host, 0)}"))
+            print('\n'.join([extra['verdict']] + ([] if extra['fits'] else self.suggest())))
         self.write(dry_run=self.dry, **extra)
