@@ -34,7 +34,8 @@ class Tracker:
         self.params = list(model.parameters())
         # offload_states: FSDP2's rows, their gradients and AdamW's moments are host memory, also on a CPU
         self.on_host = [p.to_local() for p in self.params] if states_on_host else []
-        self.moments = [v for st in getattr(optimizer, 'state', {}).values() for v in st.values()] * states_on_host
+        self.moments = [v.to_local() if hasattr(v, 'to_local') else v for st in getattr(optimizer, 'state', {}).values()
+                        for v in st.values()] * states_on_host  # (a DTensor's storage is the whole tensor's)
         # their gradients' bytes at the device's peak and in all; the peak before AdamW's step
         self.host_grads, self.all_host_grads, self.before_step = 0, 0, None
         self.masters = [m for m in masters if all(m is not p for p in self.params)]

@@ -411,7 +411,7 @@ class Report:
             print(table(self.est, self.budget, self.overhead, title=f"memory estimate per rank, {where}, "
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
-        if self.est.host:  # this rank's offloaded blocks (offload.host_bytes), offload_states' rows
+        if self.config.offload > 0 or states:  # this rank's offloaded blocks (offload.host_bytes), the states' rows
             what = [f"{len(offload.offloaded_blocks(self.config))} blocks"] * (self.config.offload > 0) + \
                 ["the model states"] * states
             line = (f"offload={self.config.offload}{', offload_states=True' * states}: {self.est.host / GiB:.2f} GiB "

@@ -429,13 +429,8 @@ def parallelize(model, mesh):
 
 
 def shard_states(model, mesh, zero, dtype, on_host=False):
-    """ZeRO-2 (zero=2) or ZeRO-3 (zero=3) through FSDP2 over the d = dp·cp ranks holding the same weights: each
-    keeps ⌈rows/d⌉ rows of every fp32 tensor of its tp shard (weights, gradients, AdamW's moments): 16/d bytes per
-    parameter. Per block, forward: one all-gather of its rows, cast to dtype first (zero=2 keeps the gathered block
-    until its backward, zero=3 frees it and gathers it again there); backward: one reduce-scatter of its gradients
-    in fp32. The embedding, final norm and LM head are gathered once and kept through the step. on_host
-    (offload_states): the rows live in host memory (pinned on CUDA), each block's copied in before its all-gather,
-    its gradients' rows copied out after the reduce-scatter; AdamW steps them on the CPU."""
+    """ZeRO-2 or 3 through FSDP2 over the d = dp·cp ranks holding the same weights (the header: what moves, when):
+    ⌈rows/d⌉ rows of every fp32 tensor of this tp shard, gathered in dtype; on_host: the rows in host memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     vocab = {id(model.output.weight), id(model.tok_embeddings.weight)}  # their tp shards end in padding rows:
     by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)  # FSDP2 splits them by column, the rows stay whole

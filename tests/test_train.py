@@ -212,6 +212,13 @@ def test_offload_that_does_not_fit_in_host_memory_stops_before_the_first_step(tm
     assert not os.path.exists(tmp_path / 'tiny_budget' / 'log.jsonl')  # no step ran
     p = run_train(*SMALL, '--n_layer=3', '--offload=0.5', '--max_iters=1', f'--out_dir={tmp_path / "fits"}')
     assert 'offload=0.5: 0.00 GiB of host memory per rank (1 blocks)' in p.stdout
+    # offload_states: the model's 16 bytes per parameter are host memory too, checked the same way
+    states = [*big, '--zero=3', '--offload_states=True', '--host_memory_budget_gb=0.0015']  # the block's 1 MiB fits
+    p = run_train(*states, f'--out_dir={tmp_path / "states"}', check=False)
+    assert p.returncode == 2 and 'Traceback' not in p.stderr, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith('error:')]
+    assert len(errors) == 1 and 'GiB of host memory per rank (1 blocks and the model states)' in errors[0]
+    assert '16 bytes per parameter over dp x cp' in errors[0] and not os.path.exists(tmp_path / 'states' / 'log.jsonl')
 
 
 def test_init_from_a_hugging_face_directory_fine_tunes_it(tmp_path):
