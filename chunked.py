@@ -80,10 +80,8 @@ def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
 def _autocast(*tensors):
     # Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up front,
     # to what autocast would have used (as F.linear would), and switch autocast off inside.
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    return [t.to(torch.get_autocast_dtype(device_type)) for t in tensors]
+    device = tensors[0].device.type
+    return [t.to(torch.get_autocast_dtype(device)) for t in tensors] if torch.is_autocast_enabled(device) else tensors
 
 
 def _mm_f32(a, b, out):
@@ -107,7 +105,6 @@ def _acc_mm_(acc, a, b):
 
 
 # ----------------------------------------------------------------------------- mini-sequence MLP
-#
 # Why not simply `torch.cat([mlp(c) for c in x.split(n)])`? Autograd records every chunk's forward
 # and keeps that chunk's x W1ᵀ, x W3ᵀ, silu and product until backward: summed over the chunks, the
 # same S × 4I the plain MLP keeps (tests/test_chunked.py counts the bytes). Chunking saves memory
@@ -183,7 +180,6 @@ def chunked_mlp(x, w1, w3, w2, chunks):
 
 
 # ----------------------------------------------------------------------------- chunked LM head + loss
-#
 # loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i) (zero
 # where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul for the logits and
 # two for the gradients. We compute the gradients in forward, while the chunk's logits are at hand, and hand them to
@@ -283,12 +279,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
-    """Mean cross-entropy of F.linear(x, weight) (fp32 logits) against targets, over the targets
-    that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. x [N, h] or
-    [B, S, h], weight [V, h] (the LM head, possibly the tied embedding), targets [N] or [B, S].
-    The [N, V] logits never exist whole: ceil(N / chunks) tokens at a time. chunks = 0 picks
-    auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight is this rank's
-    [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
+    """Mean cross-entropy of F.linear(x, weight) (fp32 logits) against targets, over the targets that are not
+    ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. x [N, h] or [B, S, h], weight [V, h] (the LM
+    head, possibly the tied embedding), targets [N] or [B, S]. The [N, V] logits never exist whole: ceil(N / chunks)
+    tokens at a time. chunks = 0 picks auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight
+    is this rank's [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
     h = x.shape[-1]
     x, targets = x.reshape(-1, h), targets.reshape(-1)
     if chunks == 0:

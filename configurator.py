@@ -91,12 +91,10 @@ def override(g, defaults, key, value, raw, where=''):
 
 def load(path, g, defaults):
     try:
-        with open(path, 'rb') as f:
-            src = f.read()  # bytes: compile() then honours coding cookies and reports bad encodings
+        with open(path, 'rb') as f:  # bytes: compile() then honours coding cookies and reports bad encodings
+            code = compile(f.read(), path, 'exec')
     except OSError as e:  # missing, a directory, no permission
         die(f"cannot read config file {path}: {e.strerror}")
-    try:
-        code = compile(src, path, 'exec')
     except SyntaxError as e:
         die(f"{path}, line {e.lineno or '?'}: syntax error: {e.msg}")
     ns = {}  # fresh: a config file sees none of train.py, so it reads the same from anywhere

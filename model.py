@@ -112,12 +112,12 @@ def rope_frequencies(config):
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     scaling = config.rope_scaling or {}
     kind, factor = scaling.get('rope_type', 'default'), scaling.get('factor')
+    old_len = scaling.get('original_max_position_embeddings')  # llama3 and yarn: the context trained at
     if kind == 'linear':  # position interpolation: position p is rotated as p / factor
         return inv_freq / factor, 1.0
     if kind == 'llama3':
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between
         lo, hi = scaling['low_freq_factor'], scaling['high_freq_factor']
-        old_len = scaling['original_max_position_embeddings']
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - lo) / (hi - lo)
         scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
@@ -126,7 +126,6 @@ def rope_frequencies(config):
     if kind == 'yarn':
         # YaRN: divide by `factor` the dimensions turning fewer than beta_slow times in the original context, keep
         # those turning more than beta_fast times, ramp in between; cos and sin scaled by 0.1·ln(factor) + 1 (mscale)
-        old_len = scaling['original_max_position_embeddings']
         dim = lambda turns: d * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(config.rope_theta))
         lo, hi = dim(scaling.get('beta_fast') or 32), dim(scaling.get('beta_slow') or 1)
         if scaling.get('truncate', True):
@@ -450,11 +449,9 @@ def _hf_names(config):
     names = {'tok_embeddings.weight': 'model.embed_tokens.weight', 'norm.weight': 'model.norm.weight'}
     if not config.tie_embeddings:
         names['output.weight'] = 'lm_head.weight'
-    ours = {'attention.wq': 'self_attn.q_proj', 'attention.wk': 'self_attn.k_proj',
-            'attention.wv': 'self_attn.v_proj', 'attention.wo': 'self_attn.o_proj',
-            'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
-            'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
-            'ffn_norm': 'post_attention_layernorm'}
+    ours = {f'attention.w{p}': f'self_attn.{p}_proj' for p in 'qkvo'} | {
+        'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj', 'feed_forward.w2': 'mlp.down_proj',
+        'attention_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm'}
     return names | {f'layers.{i}.{a}.weight': f'model.layers.{i}.{b}.weight'
                     for i in range(config.n_layer) for a, b in ours.items()}
 

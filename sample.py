@@ -39,8 +39,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     c = model.config
     B, T = idx.shape
     p = next(model.parameters())
-    caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype)
-              for _ in range(c.n_layer)]
+    caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype) for _ in range(c.n_layer)]
     out, positions = [idx], None  # the first pass: the whole prompt at once (prefill)
     for t in range(T, T + max_new_tokens):
         logits = model(out[-1], positions=positions, kv_caches=caches)[:, -1]
@@ -60,9 +59,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
 def main():
     from configurator import configure
     configure(globals())
-    dev = device
-    if dev == 'auto':
-        dev = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    dev = device if device != 'auto' else 'cuda' if torch.cuda.is_available() else \
+        'mps' if torch.backends.mps.is_available() else 'cpu'
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
