@@ -32,11 +32,11 @@ class Tracker:
         self.inputs, self.optimizer = list(inputs), optimizer
         self.mods, self.made, self.top, self.at_peak, self.moment = ModTracker() if anatomy else None, {}, -1, [], ''
         self.params = list(model.parameters())
-        # offload_states: FSDP2's rows, their gradients and AdamW's moments are host memory, also on a CPU
+        # offload_states: FSDP2's rows, AdamW's moments (local: a DTensor's storage is the whole tensor's), the
+        # gradients' bytes at the device's peak and in all are host memory; the device's peak is before AdamW's step
         self.on_host = [p.to_local() for p in self.params] if states_on_host else []
         self.moments = [v.to_local() if hasattr(v, 'to_local') else v for st in getattr(optimizer, 'state', {}).values()
-                        for v in st.values()] * states_on_host  # (a DTensor's storage is the whole tensor's)
-        # their gradients' bytes at the device's peak and in all; the peak before AdamW's step
+                        for v in st.values()] * states_on_host
         self.host_grads, self.all_host_grads, self.before_step = 0, 0, None
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
@@ -57,7 +57,7 @@ class Tracker:
         enter(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
         self.mods and enter(self.mods)
-        if self.on_host:  # the device's peak is before AdamW's step: the step runs on the host (its own hooks fire too)
+        if self.on_host:  # AdamW steps on the host (torch's AdamW.step fires the hook too: the first call counts)
             enter(self.optimizer.register_step_pre_hook(lambda *_: self.before_step or self.stop_at_step()))
         enter(self.mt)
         return self
@@ -105,13 +105,12 @@ class Tracker:
         # each storage once (views share one), the storages kept alive while compared: a freed one's id is reused
         nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
-        self.host = nbytes(offload.host_buffers())  # the host pool: host memory, also on a CPU
-        host = self.host if self.device.type == 'cpu' else 0
-        rows, moments = nbytes(self.on_host), nbytes(self.moments)
-        self.host += rows + moments + (self.all_host_grads if self.on_host else 0)
-        out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0) - rows,
-               'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs - self.host_grads,
-               'optimizer': snap.get('Optstate', 0) + masters - moments,
-               'activations': snap.get('Activation', 0) + inputs - host,
+        pool, rows, moments = nbytes(offload.host_buffers()), nbytes(self.on_host), nbytes(self.moments)
+        self.host = pool + rows + moments + self.all_host_grads
+        cpu = self.device.type == 'cpu'  # then MemTracker counted the host's tensors with ours: taken out
+        out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0) - rows * cpu,
+               'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs - self.host_grads * cpu,
+               'optimizer': snap.get('Optstate', 0) + masters - moments * cpu,
+               'activations': snap.get('Activation', 0) + inputs - pool * cpu,
                'transient': snap.get('Temp', 0), 'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
         return {**out, 'total': sum(out.values())}

@@ -15,7 +15,8 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
   states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed precision:
                  bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); fp32: 4 + 4 + 8
                  zero=2, 3 (FSDP2): (4 + 4 + 8)/d, the fp32 weights the masters, plus b bytes of what it gathers:
-                 the embedding, final norm and LM head, and every block (zero=2, forward to backward) or one (3)
+                 the embedding, final norm and LM head, and every block (zero=2, forward to backward) or one (3);
+                 offload_states=True: that (4 + 4 + 8)/d in host memory (ALST, Bekman et al. 2025), reported apart
                  optimizer_in_backward (optim.py): b + 2b, the gradients one parameter at a time (at most the
                  embedding's b·V·h) beside its step's seven fp32 chunks (28·optim.STEP_CHUNK), in every moment
   activations  L · k · T, T = B·S/c tokens of a micro-batch, k the bytes a block keeps per token
@@ -119,12 +120,12 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     T = batch_size * S              # a micro-batch's tokens on this rank (all t ranks' under sp)
     sp = t > 1                      # tensor parallelism comes with sequence parallelism
 
-    # model states: this rank's parameters, 18 (16) bytes each, the 12 (8) of the optimizer over d
+    # model states: this rank's parameters, 18 (16) bytes each, or 16/d with FSDP2 (zero=2, 3)
     norms = (2 * L + 1) * h
     N = (num_params(c, non_embedding=False) - norms) / t + norms
     d = dp * cp_size if zero else 1
     params, grads_all = b * N, 4 * N
-    optimizer = (2 * b if in_backward else 12 if bf16 else 8) * N / d
+    optimizer = (2 * b if in_backward else 12 if bf16 else 8) * N
     g_emb = 4 * V * h / t           # the embedding's gradient, made last
     g_head = 4 * V * h / t + 4 * h  # the LM head's (tied: its share, waiting for the embedding's)
     g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
@@ -195,7 +196,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 
 def to_fake(model, dtype):
     """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't make
-    them in place): tied parameters stay tied, buffers keep their dtype."""
+    them in place): tied parameters stay tied. (The model has no buffers: model.py makes RoPE's tables.)"""
     from torch._guards import active_fake_mode
     if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -207,8 +208,6 @@ def to_fake(model, dtype):
                 new = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device='cpu')
                 made[id(p)] = torch.nn.Parameter(new, p.requires_grad)
             setattr(m, k, made[id(p)])
-        for k, buf in m.named_buffers(recurse=False):
-            setattr(m, k, torch.empty(buf.shape, dtype=buf.dtype, device='cpu'))  # stays a buffer
     return model
 
 
@@ -412,10 +411,9 @@ class Report:
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
         if self.config.offload > 0 or states:  # this rank's offloaded blocks (offload.host_bytes), the states' rows
-            what = [f"{len(offload.offloaded_blocks(self.config))} blocks"] * (self.config.offload > 0) + \
-                ["the model states"] * states
             line = (f"offload={self.config.offload}{', offload_states=True' * states}: {self.est.host / GiB:.2f} GiB "
-                    f"of host memory per rank ({' and '.join(what)})")
+                    f"of host memory per rank ({len(offload.offloaded_blocks(self.config))} blocks"
+                    f"{' and the model states' * states})")
             budget = cfg.get('host_memory_budget_gb', 0)
             have = ' on the target' if self.host is None else f", {self.host / GiB:.2f} GiB " + \
                 ('in host_memory_budget_gb' if budget and self.host == int(budget * GiB) else 'available')
@@ -500,8 +498,7 @@ class Report:
             extra['anatomy'] = {'moment': tr.moment, 'made_bytes': made, 'largest': tr.at_peak[:n]}
         if self.est.host and not compiled:  # offloaded blocks and offload_states' rows, apart from the device's
             extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
-            print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} "
-                  f"{'in the dry run' if self.dry else 'measured'}")
+            print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} measured")
         if self.dry:
             ok = fits(self.measured['total'], self.budget, self.overhead)
             host_ok = self.host is None or tr.host <= self.host

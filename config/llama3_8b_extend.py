@@ -55,7 +55,7 @@ gradient_accumulation_steps = 8  # 1M tokens per step
 tp_size = 4
 cp_size = 2
 cp_impl = 'ulysses'
-zero = 1          # the AdamW moments split over the 2 cp ranks
+zero = 2          # FSDP2 over the 2 cp ranks: half of every fp32 row (weights, gradients, AdamW's moments)
 
 mlp_chunks = 0    # automatic: ceil(3I / h) mini-sequences
 loss_chunks = 0   # automatic: ceil(V / h) chunks, vocabulary-parallel over the 4 tp ranks

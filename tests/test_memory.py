@@ -202,6 +202,26 @@ def test_dry_run_of_llama2_7b_on_one_gpu_at_128k_tokens(tmp_path):
     assert rank['measured']['optimizer'] == pytest.approx(4 * 6.74e9, rel=0.01)
 
 
+@pytest.mark.parametrize('config,world,seq_len', [('llama3_8b_host', 1, 65536), ('llama3_8b_node', 8, 524288)])
+def test_dry_run_with_the_states_on_the_host(tmp_path, config, world, seq_len):
+    """The states-on-host configs at 4 of their 32 blocks and an eighth of their length (their headers: the whole
+    dry runs): FSDP2 runs on fake tensors over 1 and 8 ranks; the host holds 16 bytes per parameter over the
+    dp x cp ranks and the offloaded blocks, as the estimate says, and the device's total is the estimate's."""
+    env = {**os.environ, 'WORLD_SIZE': str(world), 'OMP_NUM_THREADS': '1'}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), os.path.join(ROOT, 'config', config + '.py'),
+                        '--dry_run=True', '--n_layer=4', f'--seq_len={seq_len}', f'--out_dir={tmp_path}'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0 and 'verdict: fits' in p.stdout, p.stderr[-3000:]
+    report = json.loads((tmp_path / 'memory.json').read_text())
+    est, measured = report['ranks'][0]['estimate'], report['ranks'][0]['measured']
+    c = LlamaConfig(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
+    blocks = 2 * seq_len // world * 4096 * 2  # 2 of 4 block inputs offloaded (offload.KEEP_LAST = 2), bf16
+    assert report['host']['estimate'] == pytest.approx(16 * num_params(c, False) / world + blocks, rel=1e-3)
+    assert report['host']['measured'] == pytest.approx(report['host']['estimate'], rel=1e-2)
+    assert est['optimizer'] == measured['optimizer'] == 0  # AdamW's moments: host memory
+    assert abs(est['total'] - measured['total']) < 0.07 * measured['total'], (est, measured)
+
+
 def test_dry_run_fits_when_it_should(tmp_path):
     """A 1B-ish model at 16K tokens with full recompute fits one 80 GB GPU, and says so."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--n_layer=16', '--n_head=32',
