@@ -11,7 +11,9 @@ import ast
 import difflib
 import os
 import sys
+import time
 import traceback
+from datetime import timedelta
 from types import ModuleType
 
 _CONFIG_TYPES = (int, float, str, type(None), dict, list, tuple)  # bool is an int
@@ -25,10 +27,26 @@ def die(msg):
     as one exits, maybe before rank 0 has said anything."""
     if os.environ.get('RANK', '0') == '0':
         print('error: ' + ' '.join(str(msg).splitlines()), file=sys.stderr, flush=True)  # one line, whatever msg holds
-    if int(os.environ.get('WORLD_SIZE', 1)) > 1:
-        from parallel import wait_for_every_rank  # (torch: only a multi-rank job needs it, and has it imported)
-        wait_for_every_rank('died')
+    wait_for_every_rank('died')
     sys.exit(2)
+
+
+def wait_for_every_rank(what, timeout=60):
+    """Under torchrun, return once every rank reaches this call (or after `timeout` s): torchrun kills all ranks when
+    one exits, so a rank stopping with a message waits for the others' (torchrun's TCP store: no process group)."""
+    world, deadline = int(os.environ.get('WORLD_SIZE', 1)), time.monotonic() + timeout
+    if world == 1 or 'MASTER_ADDR' not in os.environ:
+        return
+    import torch.distributed as dist  # (only a multi-rank job needs torch here, and has it imported already)
+    key = f"nanolong/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{what}"
+    try:
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        store.add(key, 1)
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
+        pass
 
 
 def collective_failed(e, timeout_s):

@@ -2,7 +2,8 @@
 Memory, measured: torch's MemTracker over one step, read as memory.py's categories at the step's peak (what
 memory.py's formula is checked against, on the device or the dry run's fake tensors), and the anatomy of that
 peak (train.py's dry_run_anatomy): the tensors alive at it, largest first, each with the op and module that
-made it, so a forker sees where a change's bytes went.
+made it, so a forker sees where a change's bytes went. The dry run's model and batch are fake tensors (to_fake,
+fake_batch): shapes without data, on the CPU.
 """
 import warnings
 import weakref
@@ -114,3 +115,29 @@ class Tracker:
                'activations': snap.get('Activation', 0) + inputs - pool * cpu,
                'transient': snap.get('Temp', 0), 'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
         return {**out, 'total': sum(out.values())}
+
+
+# ----------------------------------------------------------------------------- the dry run
+
+def to_fake(model, dtype):
+    """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't make
+    them in place): tied parameters stay tied. (The model has no buffers: model.py makes RoPE's tables.)"""
+    from torch._guards import active_fake_mode
+    if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        FakeTensorMode(allow_non_fake_inputs=True).__enter__()
+    made = {}  # a tied parameter is made once
+    for m in model.modules():
+        for k, p in m.named_parameters(recurse=False):
+            if id(p) not in made:
+                new = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device='cpu')
+                made[id(p)] = torch.nn.Parameter(new, p.requires_grad)
+            setattr(m, k, made[id(p)])
+    return model
+
+
+def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
+    """A batch as train.py's get_batch returns it (inputs and targets, views of one (B, S+1) tensor); with doc_mask
+    per-row positions and one document per row: documents attended one by one save what the whole window's would."""
+    xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
+    return xy[:, :-1], xy[:, 1:], *[torch.arange(seq_len).expand(batch_size, -1)] * doc_mask

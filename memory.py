@@ -66,7 +66,7 @@ import torch
 import chunked
 import offload
 import parallel
-from measure import Tracker
+from measure import Tracker, fake_batch, to_fake  # (the dry run's fake model and batch: train.py's)
 from optim import STEP_CHUNK
 from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
@@ -190,32 +190,6 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         moments = {k: (min(g, b * V * h / t + 28 * STEP_CHUNK), *rest) for k, (g, *rest) in moments.items()}
     name, (g, a, tr, w) = max(moments.items(), key=lambda m: sum(m[1]))
     return Estimate(params, g, optimizer, a, tr, w, name, host)
-
-
-# ----------------------------------------------------------------------------- the dry run
-
-def to_fake(model, dtype):
-    """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't make
-    them in place): tied parameters stay tied. (The model has no buffers: model.py makes RoPE's tables.)"""
-    from torch._guards import active_fake_mode
-    if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        FakeTensorMode(allow_non_fake_inputs=True).__enter__()
-    made = {}  # a tied parameter is made once
-    for m in model.modules():
-        for k, p in m.named_parameters(recurse=False):
-            if id(p) not in made:
-                new = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device='cpu')
-                made[id(p)] = torch.nn.Parameter(new, p.requires_grad)
-            setattr(m, k, made[id(p)])
-    return model
-
-
-def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
-    """A batch as train.py's get_batch returns it (inputs and targets, views of one (B, S+1) tensor); with doc_mask
-    per-row positions and one document per row: documents attended one by one save what the whole window's would."""
-    xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
-    return xy[:, :-1], xy[:, 1:], *[torch.arange(seq_len).expand(batch_size, -1)] * doc_mask
 
 
 # ----------------------------------------------------------------------------- budget, verdict and table

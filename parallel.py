@@ -42,7 +42,6 @@ log-sum-exps, 1 all-reduce of the target logits. FSDP2 gathers the embedding, fi
 import functools
 import math
 import os
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -113,23 +112,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (tp > 1 and s % tp, f"seq_len / cp_size = {s} is not divisible by tp_size={tp} (sequence parallelism)"),
     ]
     return next((why for bad, why in rules if bad and why), None)
-
-
-def wait_for_every_rank(what, timeout=60):
-    """Under torchrun, return once every rank reaches this call (or after `timeout` s): torchrun kills all ranks when
-    one exits, so a rank stopping with a message waits for the others' (torchrun's TCP store: no process group)."""
-    world, deadline = int(os.environ.get('WORLD_SIZE', 1)), time.monotonic() + timeout
-    if world == 1 or 'MASTER_ADDR' not in os.environ:
-        return
-    key = f"nanolong/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{what}"
-    try:
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        store.add(key, 1)
-        while store.add(key, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except (RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
-        pass
 
 
 def init_distributed(device_type, fake=False, timeout_s=300, one=False):
@@ -434,8 +416,7 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     vocab = {id(model.output.weight), id(model.tok_embeddings.weight)}  # their tp shards end in padding rows:
     by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)  # FSDP2 splits them by column, the rows stay whole
-    # cast_forward_inputs=False: FSDP2 would cast each block's RoPE tables to bf16 (wrong positions at long context)
-    # and every block would keep its own copy
+    # cast_forward_inputs=False: else each block keeps a bf16 copy of RoPE's fp32 tables (wrong at long context)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on_host else OffloadPolicy()
     kw = dict(mesh=mesh.dpcp_mesh, mp_policy=mp, shard_placement_fn=by_column, offload_policy=host)

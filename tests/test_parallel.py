@@ -609,11 +609,11 @@ def test_ring_flash_wrapper_checks_before_calling_the_kernel():
 SLOW_RANK = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import parallel
+import configurator
 if os.environ['RANK'] == '1':
     time.sleep(3)  # rank 0 reaches its exit first; torchrun would kill rank 1 before it says anything
 print('error: rank', os.environ['RANK'], file=sys.stderr, flush=True)
-parallel.wait_for_every_rank('died')
+configurator.wait_for_every_rank('died')
 sys.exit(2)
 """
 
