@@ -462,6 +462,9 @@ class Report:
                     else "memory after the first step (measured: tensors alive at the step's peak):"))
         if cuda:
             print(f"  cuda: peak allocated {gib(peak, 0)}, reserved {gib(extra['cuda']['peak_reserved'], 0)}")
+        if self.est.host and not compiled:  # offloaded blocks and offload_states' rows, apart from the device's
+            extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
+            print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} measured")
         if n and not compiled:  # where the peak's bytes are: what a change to the code added or removed
             made = sum(x['bytes'] for x in tr.at_peak)
             print(f"anatomy of the peak, after {tr.moment}: the {min(n, len(tr.at_peak))} largest of the "
@@ -470,9 +473,6 @@ class Report:
             print('\n'.join(f"  {gib(x['bytes'])}  {x['category']:12s}{x['dtype']:9s}{str(x['shape']):22s} "
                             f"{x['op']} in {x['module']}" for x in tr.at_peak[:n]))
             extra['anatomy'] = {'moment': tr.moment, 'made_bytes': made, 'largest': tr.at_peak[:n]}
-        if self.est.host and not compiled:  # offloaded blocks and offload_states' rows, apart from the device's
-            extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
-            print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} measured")
         if self.dry:
             ok = fits(self.measured['total'], self.budget, self.overhead)
             host_ok = self.host is None or tr.host <= self.host

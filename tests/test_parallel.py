@@ -303,6 +303,7 @@ EXPECTED_PER_BLOCK = {
     'dp': {},
     'dp_zero2': {},
     'dp_zero3': {},
+    'dp_zero3_host': {},
     'tp4_gqa': {'all_gather': 4, 'reduce_scatter': 4},
     'tp_cp_ulysses': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 4},
     'tp_cp_ring': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
