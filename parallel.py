@@ -30,11 +30,9 @@ the five functions below (chunked.py's loss makes its own):
   c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other   (H/c heads move)
   c ring          c-1 shifts of k, v (c-1 of k, v + c of dk, dv); kv heads, never repeated ones
   recompute=full  the forward's again in backward but the last g (torch's checkpoint stops early)
-  d, zero=2       1 all-gather of its weights' rows in bf16 (2·N_block/t bytes gathered) before its forward,
-                  kept to its backward; 1 reduce-scatter of its fp32 gradients (4·N_block/t) after its backward
-  d, zero=3       the same, but the weights are freed after the forward and gathered again before the backward
-  offload_states  before each all-gather its rows are copied in from the host, after each reduce-scatter the
-                  gradient's rows go out: 4·N_block/(t·d) bytes each way over PCIe
+  d, zero=2       1 all-gather of its rows in bf16 before its forward (2·N_block/t bytes), kept to its backward,
+                  1 reduce-scatter of its fp32 gradients after it (4·N_block/t); zero=3 gathers again for backward
+  offload_states  its fp32 rows come in from the host before each all-gather, its gradients' rows go out after
 Per step: embedding 1 (g), LM head input 1 (f), per loss chunk one all-gather of [B·S/chunks]
 log-sum-exps, 1 all-reduce of the target logits. FSDP2 gathers the embedding, final norm and LM head once
 (before the forward, kept to the end of the backward) and reduce-scatters their gradients last.

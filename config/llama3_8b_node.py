@@ -1,4 +1,36 @@
-# (header written after the dry run)
+# Llama-3-8B's shape at NODE_TOKENS tokens on ONE node of 8 x 80 GB GPUs, the model states in host memory (ALST,
+# Bekman et al. 2025: 3.7M tokens for Llama-3.1-8B on one 8 x H100 node; Memo: 1M for a 7B on 8 A800s):
+#   torchrun --nproc_per_node=8 train.py config/llama3_8b_node.py
+# Check the fit on a laptop first (memory.py's dry run: rank 0 of 8 on fake tensors, no GPU; 11 minutes on 2 cores):
+#   python train.py config/llama3_8b_node.py --dry_run=True
+#
+# The budget per GPU, line by line (P = 8.03e9 parameters, S = NODE_TOKENS tokens, S/8 = PER_RANK per GPU,
+# h = 4096, 32 layers; dry run, 2026-11-24):
+# - cp_size = 8, Ulysses: every activation holds S/8 tokens; around attention an all-to-all swaps sequence shards
+#   for head shards (32 heads / 8 = 4 per GPU, 8 kv heads / 8 = 1), so each GPU runs attention on the whole
+#   sequence for its 4 heads. No tensor parallelism: with the states on the host the weights need no splitting,
+#   and Ulysses moves less per block (2 all-to-alls of 4 heads) than tp's 4 collectives of whole activations.
+# - model states: none stay on the GPU. zero = 3 shards the fp32 weights (the masters), gradients and AdamW's
+#   moments over the 8 ranks (FSDP2, parallel.shard_states) and offload_states = True keeps each rank's share in
+#   host memory: 16 bytes per parameter / 8 = 14.96 GiB per rank, 119.66 GiB for the node; AdamW steps on the CPU.
+#   Replicated on the GPUs at Megatron's 18 bytes per parameter they would be 134.6 GiB per GPU; ZeRO-3 on the GPUs
+#   (offload_states = False) fits up to ZERO3_TOKENS tokens (bench/RESULTS.md).
+# - params 1.38 GiB on the GPU: what FSDP2 gathered in bf16, the embedding, final norm and LM head for the whole
+#   step and one block at a time.
+# - activations: recompute = 'full' keeps each block's input only, S/8 · h · 2 bytes per block; offload = 1.0
+#   sends 30 of them to host memory, the last 2 stay on the GPU.
+# - transient: one block's recompute and backward (the MLP in 11 mini-sequences, the loss in 32 chunks) on S/8
+#   tokens, and Ulysses' whole-sequence q, k, v and output for 4 heads. The dry run files what a recompute
+#   rebuilds under activations: activations and transient together are ACT_TR GiB at the peak (block 31's backward).
+# - workspace WS GiB: flash attention's backward on 4 heads of the whole sequence (its fp32 dq accumulator; the kv
+#   head expanded to the 4 query heads; Ulysses' head-major output and its gradient copied).
+# Dry run: TOTAL GiB (the formula's estimate: EST) + 2.10 GiB of CUDA context and NCCL buffers = FIT GiB, under
+# 80% of 80 GiB: it fits.
+# Host memory: HOST GiB per rank (the dry run, equal to the estimate; 14.96 of it model states), HOST8 GiB for the
+# node's 8 ranks: a node with 2 TiB of RAM holds it (pinned memory can be rounded up per tensor: keep headroom).
+# Why not 4,194,304 (ALST's 3.7M and more): its dry run is 74.96 GiB + 2.10 = 77.06 GiB, 96% of 80 GiB: workspace
+# 24.06 GiB (4 heads of 4M tokens), activations and transient 49.51 GiB. The next doubling, 2 x NODE_TOKENS, is
+# DOUBLE GiB by the formula's estimate: the per-token terms (activations, transient, workspace) double with S.
 out_dir = 'out-llama3-8b-node'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 3's tokenizer)
 eval_interval = 50

@@ -202,9 +202,9 @@ def test_dry_run_of_llama2_7b_on_one_gpu_at_128k_tokens(tmp_path):
     assert rank['measured']['optimizer'] == pytest.approx(4 * 6.74e9, rel=0.01)
 
 
-@pytest.mark.parametrize('config,world,seq_len', [('llama3_8b_host', 1, 65536), ('llama3_8b_node', 8, 524288)])
+@pytest.mark.parametrize('config,world,seq_len', [('llama3_8b_host', 1, 262144), ('llama3_8b_node', 8, 2097152)])
 def test_dry_run_with_the_states_on_the_host(tmp_path, config, world, seq_len):
-    """The states-on-host configs at 4 of their 32 blocks and an eighth of their length (their headers: the whole
+    """The states-on-host configs at 4 of their 32 blocks and shorter lengths (their headers: the whole
     dry runs): FSDP2 runs on fake tensors over 1 and 8 ranks; the host holds 16 bytes per parameter over the
     dp x cp ranks and the offloaded blocks, as the estimate says, and the device's total is the estimate's."""
     env = {**os.environ, 'WORLD_SIZE': str(world), 'OMP_NUM_THREADS': '1'}
