@@ -154,8 +154,7 @@ def latest(out_dir):
 
 @_one_line("cannot read {path}")
 def resume(out_dir, cfg):
-    """The newest committed checkpoint's meta.json (with its 'path') for a run configured as cfg. Its
-    weights fit the architecture it was made with only: a key of it that cfg changes (None: not given) is refused."""
+    """The newest committed checkpoint's meta.json and 'path', refused where cfg gives another architecture."""
     path = latest(out_dir)
     if path is None:
         raise Error(f"--init_from=resume but there is no checkpoint in {out_dir}")

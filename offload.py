@@ -23,13 +23,12 @@ next blocks compute, with n = floor(α·S) host tokens:
 plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves). The
 last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
-The cut (`_split`): all but the attention core works on each token alone, so the block runs on tokens
-[0, S-n) under torch's checkpoint and on [S-n, S) with its saved tensors sent to host. The two meet in
-`block.attention.attend`: the first range's runs the second range's block, whose attend runs the core once
-on both ranges' q, k, v (under sequence parallelism each holds tp runs of S tokens: `_tokens` cuts each);
-the core's output is handed back to the first range's recompute, not attended again. Ring attention
-merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout). A weight's gradient
-is then the sum of the two ranges' parts: in bf16 rounded twice, within bf16's 2^-8 of the plain path's.
+The cut (`_split`): all but the attention core works on each token alone, so the block runs on tokens [0, S-n) under
+torch's checkpoint and on [S-n, S) with its saved tensors sent to host. The two meet in `block.attention.attend`: the
+first range's runs the second range's block, whose attend runs the core once on both ranges' q, k, v (`_tokens` cuts
+each tp rank's run under sequence parallelism) and hands its output back to the first range's recompute, not attended
+again. Ring attention merges its kernels in its own Function: 'full' or α = 1 only (parallel.check_layout). A weight's
+gradient is then the sum of the two ranges' parts: in bf16 rounded twice, within bf16's 2^-8 of the plain path's.
 
 A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
 blocks' copies in flight) and come back on another once the next block's MLP backward is done (so they
@@ -58,7 +57,7 @@ MAX_IN_FLIGHT = 2    # blocks whose device->host copies may still run before com
 
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
     """[(what, bytes per token, the header's kind)] of each tensor a block saves with recompute='none'."""
-    b, h, H = torch.empty(0, dtype=dtype).element_size(), config.n_embd, config.n_head
+    b, h, H = dtype.itemsize, config.n_embd, config.n_head
     kv, I = config.n_kv_head * config.head_dim, config.intermediate_size
     norm = lambda name: [(f'{name} input', b * h, 'other'), (f'{name} output', b * h, 'other')]
     saved = norm('attention_norm') + [('q', b * h, 'qkv'), ('k', b * kv, 'qkv'), ('v', b * kv, 'qkv'),
@@ -75,7 +74,7 @@ def _per_token(config, dtype, seq_len, *kinds):
 
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     """Bytes one block keeps on the device for backward with offload off, for config.recompute."""
-    bh = torch.empty(0, dtype=dtype).element_size() * config.n_embd
+    bh = dtype.itemsize * config.n_embd
     per_token = {'none': _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other'), 'full': bh,
                  'selective': bh + _per_token(config, dtype, seq_len, 'attention')}[config.recompute]
     return batch * seq_len * per_token
@@ -90,7 +89,7 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     cp_size > 1: Ulysses) and those it keeps on the device (its saved tensors under MIN_BYTES)."""
     if config.offload == 0:
         return 0, 0
-    bh, S = torch.empty(0, dtype=dtype).element_size() * config.n_embd, seq_len
+    bh, S = dtype.itemsize * config.n_embd, seq_len
     n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
     pieces = [bh * S] if config.recompute == 'full' else \
         [bh * (S - n), bh * n] + ([bh * S] if cp_size > 1 and n < S else []) + \
@@ -116,7 +115,7 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
     """Memo's rule: the largest α whose b·h + qkv + attention + α·other bytes per token cross in a block's
     forward at bandwidth (bytes/s) and fit host_bytes_free; 0.0 if α = 0 doesn't; 0 or 1 unless 'none'."""
     blocks = config.n_layer - KEEP_LAST
-    whole = torch.empty(0, dtype=dtype).element_size() * config.n_embd + (
+    whole = dtype.itemsize * config.n_embd + (
         0 if config.recompute == 'full' else _per_token(config, dtype, seq_len, 'qkv', 'attention'))
     other = _per_token(config, dtype, seq_len, 'other') if config.recompute == 'none' else 0
     budget = min(bandwidth * block_forward_s, host_bytes_free / max(blocks, 1)) / (batch * seq_len)
@@ -158,7 +157,7 @@ def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None
         a.register_hook(lambda grad: last[1]() and last[1]().fetch()) if a.requires_grad else None
     hook = block.attention.register_forward_hook(on_attention) if last is not None and last[0] == i - 1 else None
     try:
-        if c.offload > 0 and i < c.n_layer - KEEP_LAST:
+        if i in offloaded_blocks(c):
             y, saved = _offload(block, inner, x, cos, sin, docs, c.recompute, c.offload, i)
         elif c.recompute == 'none':
             y = inner(x, cos, sin, docs)
@@ -215,6 +214,7 @@ def _split(attention, inner, x, cos, sin, docs, s0, saved):
         return a
 
     attend_late = lambda q, k, v, docs: _tokens(core(q, k, v, docs), S, s0, S)
+    late_block = lambda: run(attend_late, state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S), docs)
 
     def attend_early(q, k, v, docs):
         if 'replay' in state and 'a' not in state:  # backward: the early range's recompute
@@ -223,14 +223,13 @@ def _split(attention, inner, x, cos, sin, docs, s0, saved):
         with saved_tensors_hooks(saved.pack, _unpack):
             if s0 < S:  # the late range's block, whose attention runs the core
                 state['early'] = (q, k, v)
-                state['late y'] = run(attend_late, state.pop('late x'), _tokens(cos, S, s0, S), _tokens(sin, S, s0, S),
-                                      docs)
+                state['late y'] = late_block()
             else:
                 core(q, k, v, docs)
         return _tokens(state.pop('a'), S, 0, s0)
 
     if s0 == 0:
-        return run(attend_late, state.pop('late x'), cos, sin, docs)
+        return late_block()
     early = lambda x0: run(attend_early, x0, _tokens(cos, S, 0, s0), _tokens(sin, S, 0, s0), docs)
     y = checkpoint(early, x[:, :s0], use_reentrant=False)
     return y if s0 == S else torch.cat([y, state.pop('late y')], 1)
@@ -247,7 +246,7 @@ class Offloaded:
         self.host, self.buffer, self.sent, self.back, self.ready = None, None, None, None, False
 
     def pack(self, t):
-        if t.numel() * t.element_size() < MIN_BYTES or any(t.untyped_storage() is s for s in self.keep):
+        if t.nbytes < MIN_BYTES or any(t.untyped_storage() is s for s in self.keep):
             return t  # stays where it is
         for k, u in enumerate(self.tensors):  # a tensor saved twice (by a norm, by a view) goes once
             if u.untyped_storage() is t.untyped_storage() and u.dtype == t.dtype and \
@@ -261,12 +260,11 @@ class Offloaded:
     def send(self):
         if not self.tensors:
             return
-        dev, sizes = self.dev, [t.numel() * t.element_size() for t in self.tensors]
+        dev, sizes = self.dev, [t.nbytes for t in self.tensors]
         self.buffer = dev.pool.take(self.index, sum(_align(n) for n in sizes))
         ready = _mark(dev)  # after this block's forward kernels: the copies read their results
         with torch.cuda.stream(dev.d2h):  # None: a no-op
-            _wait(ready, dev.d2h)
-            _wait(self.buffer.ready, dev.d2h)  # the last host->device copy out of this buffer
+            _wait(ready, self.buffer.ready, stream=dev.d2h)  # and the last host->device copy out of this buffer
             self.host, offset = [], 0
             for t, n in zip(self.tensors, sizes):
                 # in t's memory order (attention's output is [B, S, H, hd] in memory): it comes back
@@ -278,8 +276,7 @@ class Offloaded:
                 offset += _align(n)
             self.sent = _mark(dev, dev.d2h)
         _stats['bytes_to_host'] += 0 if dev.fake else sum(sizes)  # a dry run's fake bytes are not moved
-        # the device tensors may be freed once compute has waited for the copies (MAX_IN_FLIGHT blocks on)
-        dev.in_flight.append((self.sent, self.tensors))
+        dev.in_flight.append((self.sent, self.tensors))  # freed once compute has waited for these copies (_retire)
         self.tensors = [None] * len(sizes)
         _retire(dev, MAX_IN_FLIGHT if dev.cuda else 0)
 
@@ -292,12 +289,11 @@ class Offloaded:
         self.tensors = [torch.empty_like(h, device=dev.device) for h in self.host]
         ready = _mark(dev)  # that memory may still be read by kernels queued before now
         with torch.cuda.stream(dev.h2d):
-            _wait(self.sent, dev.h2d)
-            _wait(ready, dev.h2d)
+            _wait(self.sent, ready, stream=dev.h2d)
             for t, h in zip(self.tensors, self.host):
                 t.copy_(h, non_blocking=dev.cuda)
             self.back = _mark(dev, dev.h2d)
-        _stats['bytes_to_device'] += 0 if dev.fake else sum(h.numel() * h.element_size() for h in self.host)
+        _stats['bytes_to_device'] += 0 if dev.fake else sum(h.nbytes for h in self.host)
         dev.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
         self.buffer = self.host = None
 
@@ -391,8 +387,8 @@ def _mark(dev, stream=None):  # an event after the work queued so far on stream 
     return (stream or torch.cuda.current_stream(dev.device)).record_event() if dev.cuda else None
 
 
-def _wait(event, stream=None):  # stream (default: current) waits for event; the host does not
-    if event is not None:
+def _wait(*events, stream=None):  # stream (default: current) waits for each event (not None); the host does not
+    for event in filter(None, events):
         event.wait(stream)
 
 
@@ -402,8 +398,7 @@ def _retire(dev, limit):  # compute waits for the oldest copies; then their devi
 
 
 def stats():
-    """Bytes moved each way since start (train.py logs bytes_to_host's rise per step), and the host pool:
-    reserved, in use, allocations made."""
+    """Bytes moved each way since start (train.py logs bytes_to_host's rise per step) and the host pools' sizes."""
     pools = [d.pool for d in _devices.values() if not d.fake]
     return dict(_stats, host_reserved=sum(p.reserved for p in pools), host_in_use=sum(p.in_use for p in pools),
                 host_allocations=sum(p.allocations for p in pools))

@@ -51,10 +51,9 @@ def stochastic_round(x, dtype):
 
 
 class AdamW(torch.optim.AdamW):
-    """torch's AdamW on fp32 rows: the parameters themselves when fp32 (zero=2, 3: FSDP2's ⌈rows/d⌉ of each, a
-    DTensor), or fp32 copies of bf16 ones (the masters), copied back after each step. named_params: this rank's
-    parameters; masters: make_master_weights'; groups: torch's, of masters. in_backward: the parameters are their
-    own rows, stepped by step_in_backward as their gradients are made; step() does nothing."""
+    """torch's AdamW on fp32 rows: the parameters themselves when fp32 (zero=2, 3: a DTensor's ⌈rows/d⌉), or fp32
+    copies of bf16 ones (the masters), copied back after each step. named_params: this rank's; masters and groups:
+    make_master_weights' and torch's, of them. in_backward: step_in_backward steps each as its gradient is made."""
 
     def __init__(self, named_params, masters, groups, mesh, config, in_backward=False, max_norm=math.inf, **kw):
         self.names, self.params, self.masters = [n for n, _ in named_params], [p for _, p in named_params], masters
@@ -99,8 +98,7 @@ class AdamW(torch.optim.AdamW):
         if self.in_backward:
             return
         for m, x in zip(self.masters, self.pieces):
-            if m is not x:
-                x.grad = m.grad
+            x.grad = m.grad  # (the same tensor when the parameters are fp32)
         super().step()
         for p, x in zip(self.params, self.pieces):
             if x is not p:  # the bf16 weights from their fp32 masters

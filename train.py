@@ -4,14 +4,13 @@ Train a Llama. One process on a laptop CPU, a GPU, or Apple's MPS:
     python train.py                                   # tiny model on the embedded corpus, minutes on a CPU
     python train.py config/train_tiny.py --max_iters=500 --device=cpu
 
-The loop, in the order it runs: read the config (defaults below, then a config file, then --key=value),
-prepare the data if it is missing, build or load the model, print the memory estimate (memory.py),
-shard it (parallel.py), wrap its blocks' keep / recompute / offload policy (offload.py), then step:
-sample a global batch, run the micro-steps' forward and backward with the loss normalised by the number
-of real target tokens across all of them, sync gradients, clip, AdamW, log, evaluate, checkpoint.
-Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights, fp32 master weights,
-optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an uninterrupted
-run's losses under any layout; SIGINT and SIGTERM save one and exit.
+The loop, in the order it runs: read the config (defaults below, then a config file, then --key=value), prepare
+the data if it is missing, build or load the model, print the memory estimate (memory.py), shard it (parallel.py),
+wrap its blocks' keep / recompute / offload policy (offload.py), then step: sample a global batch, run the
+micro-steps' forward and backward with the loss normalised by the number of real target tokens across all of them,
+sync gradients, clip, AdamW, log, evaluate, checkpoint. Checkpoints (checkpoint.py) hold everything needed to
+continue exactly (weights, fp32 master weights, optimizer, step, data sampler and RNG states), so
+`--init_from=resume` reproduces an uninterrupted run's losses under any layout; SIGINT and SIGTERM save one and exit.
 
 Precision: dtype='bfloat16' (CUDA's default) trains bf16 weights on fp32 gradients and master weights, 18 bytes
 per parameter, or 6 with optimizer_in_backward; dtype='float32' (the CPU's) the weights themselves (optim.py).
@@ -151,9 +150,8 @@ def read_dataset(world, rank):
 
 
 def get_batch(meta, split, n, generator, device):
-    """n random windows of seq_len + 1 tokens: inputs and next-token targets; with doc_mask also each input's
-    position in its document (a document cut by the window starts at 0 there, as if alone) and the documents'
-    starts in the flattened inputs (model.attention; on the host), a target that begins a document ignored."""
+    """n random windows of seq_len + 1 tokens: inputs and next-token targets; with doc_mask also each input's position
+    in its document (below) and the documents' starts in the flattened inputs (model.attention; on the host)."""
     # a fresh memmap per batch: numpy's memmap otherwise keeps every page it touched resident
     data = np.memmap(os.path.join(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
     ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
@@ -172,14 +170,11 @@ def get_batch(meta, split, n, generator, device):
 # ----------------------------------------------------------------------------- one optimisation step
 
 def forward_backward(model, micro_batches, autocast, mesh=None):
-    """Backward of the mean loss over every real target token of the step (not a mean of per-micro-step
-    means: micro-steps with more ignored targets must weigh less). Returns that loss, detached.
-    Under parallelism a micro-batch is this rank's (x, y, positions, docs) and the count is the whole step's,
-    over every dp × cp rank: the gradients summed over them are then the single-process ones."""
-    count = sum((y != -100).sum() for _, y, *_ in micro_batches)
-    if mesh is not None and mesh.dpcp_group is not None:
-        count = parallel.all_reduce(count, mesh.dpcp_group)
-    count = count.clamp(min=1)
+    """Backward of the mean loss over every real target token of the step, returned detached (not a mean of
+    per-micro-step means: micro-steps with more ignored targets must weigh less). Under parallelism the count is
+    the whole step's, over every dp × cp rank: the gradients summed over them are then the single-process ones."""
+    dpcp_sum = lambda t: t if mesh is None or mesh.dpcp_group is None else parallel.all_reduce(t, mesh.dpcp_group)
+    count = dpcp_sum(sum((y != -100).sum() for _, y, *_ in micro_batches)).clamp(min=1)
     total = 0.0
     for x, y, *rest in micro_batches:  # rest: positions, docs
         with autocast:
@@ -189,13 +184,11 @@ def forward_backward(model, micro_batches, autocast, mesh=None):
         weight = (y != -100).sum() / count
         (loss * weight).backward()
         total = total + loss.detach() * weight
-    if mesh is not None and mesh.dpcp_group is not None:
-        total = parallel.all_reduce(total, mesh.dpcp_group)
-    return total
+    return dpcp_sum(total)
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
-    """AdamW on fp32 master weights (optim.AdamW): with zero=2, 3 each dp·cp rank keeps FSDP2's share; or in backward."""
+    """AdamW on fp32 master weights (optim.AdamW): under zero=2, 3 FSDP2's share per dp·cp rank; or in backward."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
     decay = [m for p, m in zip(model.parameters(), masters) if p.dim() >= 2]
     no_decay = [m for p, m in zip(model.parameters(), masters) if p.dim() < 2]
@@ -221,17 +214,12 @@ def get_lr(it):
 # ----------------------------------------------------------------------------- measurement
 
 def peak_flops(device, dtype):
-    """The datasheet's dense peak FLOP/s of a known GPU (bf16; fp32 at half), to state MFU against; None
-    elsewhere. A CPU has no datasheet figure worth trusting, and a matmul timed once at start on a
-    shared machine made MFU swing from 61% to 488%: no MFU rather than a wrong one."""
-    if device.type != 'cuda':
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in (('H100', 989), ('H200', 989), ('H800', 989), ('A100', 312), ('A800', 312),
-                        ('L40S', 362), ('4090', 165), ('A10G', 70), ('A10', 125)):
-        if key in name:
-            return tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
-    return None
+    """The datasheet's dense peak FLOP/s of a known GPU (bf16; fp32 at half), to state MFU against; None elsewhere:
+    a CPU has no figure worth trusting, and a matmul timed once at start on a shared machine swung MFU 61% to 488%."""
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else ''
+    tflops = next((t for key, t in (('H100', 989), ('H200', 989), ('H800', 989), ('A100', 312), ('A800', 312),
+                                    ('L40S', 362), ('4090', 165), ('A10G', 70), ('A10', 125)) if key in name), None)
+    return tflops and tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
 
 
 def peak_memory(device, reset=False):
@@ -246,7 +234,7 @@ def peak_memory(device, reset=False):
     return next((int(line.split()[1]) * 1024 for line in status if line.startswith('VmHWM:')), 0)
 
 
-# ----------------------------------------------------------------------------- checkpoints (checkpoint.py)
+# ----------------------------------------------------------------------------- setup
 
 def model_from_config(meta, cfg, dev, ptdtype):
     """Build (or load) the model named by init_from, its config and layout checked before the model is
@@ -276,8 +264,6 @@ def model_from_config(meta, cfg, dev, ptdtype):
     return model or Llama(config), ckpt
 
 
-# ----------------------------------------------------------------------------- setup
-
 def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
     dev = torch.device(device if device != 'auto' else 'cuda' if torch.cuda.is_available() else
@@ -295,14 +281,12 @@ def check_layout(config, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
     why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size,
                                 cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask, offload_states)
-    if why:
-        die(why)
+    why and die(why)
 
 
 def train_step(model, batches, autocast, mesh, named_masters, optimizer):
-    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW: one step. A step whose loss or
-    gradient norm is not finite changes nothing (as AMP's GradScaler skips one: on the device, no host sync).
-    optimizer_in_backward: backward took every parameter's step (a non-finite gradient's skipped, optim.py)."""
+    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in backward: optim.py): one
+    step. A step whose loss or gradient norm is not finite changes nothing (as GradScaler skips one), on the device."""
     loss = forward_backward(model, batches, autocast, mesh)
     bad = (~loss.isfinite()).float()
     if not optimizer.in_backward:
@@ -332,13 +316,12 @@ def evaluate(model, meta, mesh, autocast, dev):
     """The mean val loss over eval_iters batches, the same batches at every eval."""
     model.eval()
     gen = torch.Generator().manual_seed(seed + 1)
-    losses = []
+    loss = 0
     for _ in range(eval_iters):
         x, y, *rest = parallel.shard_batch(mesh, *get_batch(meta, 'val', batch_size * mesh.dp, gen, dev))
         with autocast:  # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
-            losses.append(torch.stack([model(x, y, *rest)[1].float() * (y != -100).sum(), (y != -100).sum()]))
+            loss = loss + torch.stack([model(x, y, *rest)[1].float() * (y != -100).sum(), (y != -100).sum()])
     model.train()
-    loss = sum(losses)
     if mesh.dpcp_group is not None:
         loss = parallel.all_reduce(loss, mesh.dpcp_group)
     return (loss[0] / loss[1]).item()
@@ -382,7 +365,7 @@ def main():
     names = [n for n, _ in model.named_parameters()]
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
-    wdtype = torch.float32 if zero > 1 else ptdtype  # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
+    wdtype = torch.float32 if zero > 1 else ptdtype  # zero=2, 3: fp32 rows are the masters, FSDP2 gathers in ptdtype
     # offload_states: FSDP2 takes each block's weights to the GPU, keeps its rows and sends them back to the host
     memory.to_fake(model, wdtype) if dry_run else model.to(device='cpu' if offload_states else dev, dtype=wdtype)
     zero > 1 and parallel.shard_states(model, mesh, zero, ptdtype, offload_states)
@@ -459,13 +442,11 @@ def write_log(log, bar, row, val_loss, mem):
     """One log.jsonl row (rank 0 only: log is None elsewhere) and the progress bar's postfix."""
     if val_loss is not None:
         row['val_loss'] = val_loss
-    if log is not None and mem.measured is not None and not mem.logged:
-        # the first row after the measured step carries its bytes, as memory.json has them
-        row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}
-        mem.logged = True
     if log is not None:
-        log.write(json.dumps(row) + '\n')
-        log.flush()
+        if mem.measured is not None and not mem.logged:  # the first row after the measured step carries its bytes
+            row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}  # as memory.json has them
+            mem.logged = True
+        print(json.dumps(row), file=log, flush=True)
     bar.set_postfix_str(f"loss {row['loss']:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else '') +
                         f" {row['tokens_per_s']:,.0f} tok/s" + (f" mfu {100 * row['mfu']:.1f}%" if row['mfu'] else ''))
     if bar.disable and log is not None:  # not a terminal: a plain line per log step instead of the bar
