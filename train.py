@@ -322,6 +322,8 @@ def evaluate(model, meta, mesh, autocast, dev):
         with autocast:  # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
             loss = loss + torch.stack([model(x, y, *rest)[1].float() * (y != -100).sum(), (y != -100).sum()])
     model.train()
+    for m in (m for m in model.modules() if hasattr(m, 'reshard')):  # FSDP2: no backward came to free the gathered
+        m.reshard()
     if mesh.dpcp_group is not None:
         loss = parallel.all_reduce(loss, mesh.dpcp_group)
     return (loss[0] / loss[1]).item()
