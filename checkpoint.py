@@ -45,7 +45,6 @@ import parallel
 
 
 # ----------------------------------------------------------------------------- where each piece lies
-
 @functools.cache
 def _device_mesh(world, tp, kv_heads, device_type):
     """All ranks as a DeviceMesh (tp, dp·cp), or (K, t/K, dp·cp) to place kv heads replicated K < t ways.
@@ -113,7 +112,6 @@ def _one_line(what):
 
 
 # ----------------------------------------------------------------------------- save
-
 def _fsync_write(path, text):
     with open(path, 'w') as f:
         f.write(text)
@@ -143,7 +141,6 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
 
 
 # ----------------------------------------------------------------------------- load
-
 def latest(out_dir):
     """The newest committed checkpoint directory of out_dir, or None."""
     root = os.path.join(out_dir, 'ckpt')

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------- how many chunks
-
 # The header's floor: 16-token chunks of the LM head took 3x the time of 256-token ones (2026-11-23, a 2-core CPU),
 # and 256·V·4 bytes = 131 MB for Llama 3's vocabulary is no more than the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256
@@ -70,13 +69,7 @@ def loss_chunks(config, n_tokens):
     return config.loss_chunks or auto_loss_chunks(int(n_tokens), config.n_embd, config.vocab_size)
 
 
-def chunks_for_budget(bytes_per_token, n_tokens, budget_bytes):
-    """M such that one chunk's transient, (S/M) · bytes_per_token, fits in budget_bytes."""
-    return max(1, min(n_tokens, math.ceil(n_tokens * bytes_per_token / budget_bytes)))
-
-
 # ----------------------------------------------------------------------------- small helpers
-
 def _autocast(*tensors):
     # Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up front,
     # to what autocast would have used (as F.linear would), and switch autocast off inside.

@@ -118,7 +118,6 @@ class Tracker:
 
 
 # ----------------------------------------------------------------------------- the dry run
-
 def to_fake(model, dtype):
     """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't make
     them in place): tied parameters stay tied. (The model has no buffers: model.py makes RoPE's tables.)"""

@@ -76,7 +76,6 @@ FIT_FRACTION = 0.8  # Fujii et al. 2024
 
 
 # ----------------------------------------------------------------------------- the estimate
-
 @dataclass
 class Estimate:
     params: float = 0
@@ -193,7 +192,6 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 
 
 # ----------------------------------------------------------------------------- budget, verdict and table
-
 def device_bytes(device, budget_gb=0.0, dry_run=False):
     """memory_budget_gb if set; else 80 GiB (an H100's) for a dry run, the device's memory, or the RAM."""
     if budget_gb or dry_run:
@@ -352,7 +350,6 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
 
 
 # ----------------------------------------------------------------------------- what train.py calls
-
 class Report:
     """Made before anything is on the device: auto_memory's plan applied (rank 0 decides, every rank
     takes its knobs), the estimate printed and written to out_dir/memory.json, offload's host memory

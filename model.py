@@ -82,7 +82,6 @@ class LlamaConfig:
 
 
 # ----------------------------------------------------------------------------- RoPE
-
 # rope_scaling's types, as transformers names and computes them: each one's required fields, then its optional ones
 ROPE_SCALINGS = {'default': ((), ()), 'linear': (('factor',), ()),
                  'llama3': (('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'), ()),
@@ -184,7 +183,6 @@ apply_rope = _Rope.apply
 
 
 # ----------------------------------------------------------------------------- the block
-
 class RMSNorm(nn.Module):
     """weight · rms_norm(x in fp32) cast to x's dtype, as HF computes it (bf16 sums of squares over 4096 channels
     lose digits). Autograd on that expression keeps an fp32 copy of x and x/rms, and its backward holds five fp32
@@ -299,7 +297,6 @@ class Block(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the model
-
 class Llama(nn.Module):
     def __init__(self, config):
         super().__init__()

@@ -54,7 +54,6 @@ MAX_IN_FLIGHT = 2    # blocks whose device->host copies may still run before com
 
 
 # ----------------------------------------------------------------------------- how many bytes
-
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
     """[(what, bytes per token, the header's kind)] of each tensor a block saves with recompute='none'."""
     b, h, H = dtype.itemsize, config.n_embd, config.n_head
@@ -104,7 +103,6 @@ def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
 
 
 # ----------------------------------------------------------------------------- choosing α
-
 def block_forward_seconds(config, batch, seq_len, flops_per_s):
     """One block's forward at flops_per_s: 2 FLOPs per weight per token, and causal attention's 2·S·h."""
     h, kv, I = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size
@@ -134,7 +132,6 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
 
 
 # ----------------------------------------------------------------------------- the policy, per block
-
 def apply(model):
     """Wrap each block's forward (as torchtitan applies checkpointing): it reads model.config at every call."""
     for i, block in enumerate(model.layers):
@@ -236,7 +233,6 @@ def _split(attention, inner, x, cos, sin, docs, s0, saved):
 
 
 # ----------------------------------------------------------------------------- one block's tensors, to host and back
-
 class Offloaded:
     """One block's tensors: pack (forward), send (its end), fetch (block i+1's backward), wait and unpack."""
 
@@ -320,7 +316,6 @@ def _unpack(packed):
 
 
 # ----------------------------------------------------------------------------- host pool, streams, events
-
 def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype and for DMA
     return -(-nbytes // to) * to
 

@@ -53,7 +53,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 # ----------------------------------------------------------------------------- setup: torchrun, mesh
-
 @dataclass
 class Mesh:
     """Where this rank sits: rank = (dp_rank·cp + cp_rank)·tp + tp_rank. A group is None when of size 1;
@@ -199,7 +198,6 @@ def ring_shift(x, group):
 
 
 # ----------------------------------------------------------------------------- Megatron's f and g
-
 class _Pair(Function):
     """A collective in forward, its adjoint in backward."""
 
@@ -230,7 +228,6 @@ def leave_tp(x, mesh):
 
 
 # ----------------------------------------------------------------------------- sharding the weights
-
 TP_SPLITS = {('tok_embeddings.weight', 'output.weight'): (0, 'vocab'), ('wk.weight', 'wv.weight'): (0, 'kv'),
              ('wq.weight', 'w1.weight', 'w3.weight'): (0, 'even'), ('wo.weight', 'w2.weight'): (1, 'even')}
 
@@ -266,7 +263,6 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------- attention over c
-
 def ulysses(attend, group, q, k, v, docs=None):
     """Attention.attend under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous sequence shards -> y
     like q. One all-to-all turns sequence shards of every head into the whole sequence of H/c heads (and K/c kv
@@ -378,7 +374,6 @@ def shard_batch(mesh, x, y, positions=None, docs=None):
 
 
 # ----------------------------------------------------------------------------- the model, parallel
-
 def parallelize(model, mesh):
     """Shard a full model (every rank built the same one) in place, hook the collectives on; names stay the model's."""
     c = model.config
@@ -428,7 +423,6 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
 
 
 # ----------------------------------------------------------------------------- gradients and clipping (AdamW: optim.py)
-
 BUCKET_BYTES = 25 * 2**20  # DDP's: at most one bucket is ever copied, never the whole model's gradients
 
 

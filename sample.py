@@ -32,7 +32,6 @@ seed = 1337
 device = 'auto'
 # -----------------------------------------------------------------------------
 
-
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     """Continue idx [B, T] by max_new_tokens tokens; returns [B, T + max_new_tokens]."""

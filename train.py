@@ -122,7 +122,6 @@ _RULES = [
 
 
 # ----------------------------------------------------------------------------- data
-
 def read_dataset(world, rank):
     """data/<dataset>/meta.json, checked with its .bin files; rank 0 prepares the default corpus on first use."""
     if dry_run and vocab_size:  # a dry run reads no data: its vocabulary is all it needs
@@ -168,7 +167,6 @@ def get_batch(meta, split, n, generator, device):
 
 
 # ----------------------------------------------------------------------------- one optimisation step
-
 def forward_backward(model, micro_batches, autocast, mesh=None):
     """Backward of the mean loss over every real target token of the step, returned detached (not a mean of
     per-micro-step means: micro-steps with more ignored targets must weigh less). Under parallelism the count is
@@ -212,7 +210,6 @@ def get_lr(it):
 
 
 # ----------------------------------------------------------------------------- measurement
-
 def peak_flops(device, dtype):
     """The datasheet's dense peak FLOP/s of a known GPU (bf16; fp32 at half), to state MFU against; None elsewhere:
     a CPU has no figure worth trusting, and a matmul timed once at start on a shared machine swung MFU 61% to 488%."""
@@ -235,7 +232,6 @@ def peak_memory(device, reset=False):
 
 
 # ----------------------------------------------------------------------------- setup
-
 def model_from_config(meta, cfg, dev, ptdtype):
     """Build (or load) the model named by init_from, its config and layout checked before the model is
     allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint or None)."""
@@ -338,7 +334,6 @@ def catch_signals():
 
 
 # -----------------------------------------------------------------------------
-
 def main():
     configure(globals())
     cfg = {k: v for k, v in globals().items() if k[0] != '_' and isinstance(v, (int, float, str, dict, type(None)))}
