@@ -24,7 +24,7 @@
 # Host memory: 239.66 GiB per rank (the dry run, equal to the estimate): 119.66 of model states and 120.00 of
 # block inputs. A machine with 256 GiB of RAM is too tight for that and the OS; pinned memory can be rounded up
 # per tensor (REFERENCES: up to ~2x), so plan on 384 GiB or more.
-# Longest that fits by dry run: LONGEST1 tokens (bench/RESULTS.md).
+# Longest that fits by dry run, in steps of 8,192: 557,056 tokens (62.77 + 0.60 GiB; 565,248: 63.62 + 0.60 does not).
 out_dir = 'out-llama3-8b-host'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 3's tokenizer)
 eval_interval = 50
