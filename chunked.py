@@ -91,10 +91,7 @@ def _acc_mm_(acc, a, b):
     """acc (fp32) += a @ b. Weight gradients are sums over every token: summing chunk after chunk
     in bf16 loses the small contributions, so the running sum is fp32 whatever the weights are.
     (A bf16 a @ b is rounded once per chunk, then added in fp32.)"""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(torch.mm(a, b))
+    return acc.addmm_(a, b) if a.dtype == acc.dtype else acc.add_(torch.mm(a, b))
 
 
 # ----------------------------------------------------------------------------- mini-sequence MLP
@@ -136,8 +133,7 @@ class _ChunkedMLP(torch.autograd.Function):
                 xc, gyc = x2[s:s + n], gy2[s:s + n]
                 # Three [n, I] buffers, each reused in place: a working set of 3·n·I·b bytes.
                 # silu'(a) = sig + silu·(1 - sig) needs sig and silu(a), not a: silu overwrites a.
-                a = torch.mm(xc, w1.t())  # recompute this chunk only
-                b = torch.mm(xc, w3.t())
+                a, b = torch.mm(xc, w1.t()), torch.mm(xc, w3.t())  # recompute this chunk only
                 g = torch.sigmoid(a)
                 a.mul_(g)                             # a := silu(x W1ᵀ)
                 g.addcmul_(g, a, value=-1).add_(a)    # g := silu'(x W1ᵀ)
@@ -264,10 +260,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # drop our references so the buffers are scaled in place and handed to autograd (which can
         # then adopt dW as W.grad without a copy), and nothing outlives this backward
         ctx.count = ctx.dx = ctx.dW = None
-        if dx is not None:
-            dx.mul_(scale)
-        if dW is not None:
-            dW = dW.mul_(scale).to(ctx.w_dtype)
+        dx = dx if dx is None else dx.mul_(scale)
+        dW = dW if dW is None else dW.mul_(scale).to(ctx.w_dtype)
         return dx, dW, None, None, None, None, None, None
 
 
@@ -277,10 +271,9 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     head, possibly the tied embedding), targets [N] or [B, S]. The [N, V] logits never exist whole: ceil(N / chunks)
     tokens at a time. chunks = 0 picks auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight
     is this rank's [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
-    h = x.shape[-1]
-    x, targets = x.reshape(-1, h), targets.reshape(-1)
+    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     if chunks == 0:
-        chunks = auto_loss_chunks(x.shape[0], h, vocab_size or weight.shape[0])
+        chunks = auto_loss_chunks(x.shape[0], x.shape[1], vocab_size or weight.shape[0])
     if chunks <= 1 and group is None:
         loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
         return loss_sum / (targets != ignore_index).sum().clamp(min=1)

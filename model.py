@@ -462,8 +462,7 @@ class KVCache:
         self.len = 0
 
     def update(self, k, v):
-        n = k.shape[2]
-        self.k[:, :, self.len:self.len + n] = k
-        self.v[:, :, self.len:self.len + n] = v
-        self.len += n
-        return self.k[:, :, :self.len], self.v[:, :, :self.len]
+        end = self.len + k.shape[2]
+        self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
+        self.len = end
+        return self.k[:, :, :end], self.v[:, :, :end]

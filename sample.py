@@ -88,8 +88,7 @@ def main():
     if idx.shape[1] == 0:
         sys.exit("error: the prompt encodes to no tokens")
     for row in generate(model, idx, max_new_tokens, temperature, top_k).tolist():
-        print(decode(row))
-        print('-' * 60)
+        print(decode(row), '-' * 60, sep='\n')
 
 
 if __name__ == '__main__':
