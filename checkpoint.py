@@ -77,7 +77,7 @@ def state_dict(model, optimizer, mesh, data_gen=None):
     sd = {}
     for n, p, x, rows in zip(optimizer.names, optimizer.params, optimizer.pieces, optimizer.rows):
         dim = p.placements[0].dim if isinstance(p, DTensor) else None  # zero=2, 3: FSDP2's piece (parallel.py)
-        mine = lambda t: (t.to_local() if dim is not None else t)[:rows] if dim != 0 else t.to_local()  # no padding
+        mine = lambda t: parallel.local(t)[:rows] if dim != 0 else parallel.local(t)  # no padding rows
         sd['model.' + n] = _placed(n, mine(p.detach()), mesh, config, shapes[n], dim)
         if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
             sd['master.' + n] = _placed(n, x[:rows], mesh, config, shapes[n])

@@ -12,6 +12,7 @@ from contextlib import ExitStack
 import torch
 
 import offload
+import parallel
 
 
 class Tracker:
@@ -41,7 +42,7 @@ class Tracker:
         self.host_grads, self.all_host_grads, self.before_step = 0, 0, None
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
-        own = [p.untyped_storage() for p in self.params]
+        own = [parallel.local(p).untyped_storage() for p in self.params]
         self.state = [x for x in getattr(optimizer, 'pieces', ()) if all(x.untyped_storage() is not s for s in own)]
         self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from parallel import shard_spec
+from parallel import local, shard_spec
 
 STEP_CHUNK = 1 << 24  # elements of a parameter stepped at once in backward: seven fp32 temporaries, 448 MiB
 
@@ -60,7 +60,8 @@ class AdamW(torch.optim.AdamW):
         V, t, v = config.vocab_size, mesh.tp, math.ceil(config.vocab_size / mesh.tp)  # rows past V: padding
         self.rows = [max(0, min(v, V - mesh.tp_rank * v)) if (shard_spec(n, config, t) or (0, ''))[1] == 'vocab'
                      else p.shape[0] for n, p in named_params]
-        self.pieces = [p if p.dtype == torch.float32 or in_backward else p.detach().float() for p in self.params]
+        # FSDP2's DTensors by their local rows: torch's AdamW on DTensors of mixed placements gathers whole tensors
+        self.pieces = [local(p) if p.dtype == torch.float32 or in_backward else p.detach().float() for p in self.params]
         piece_of = {id(m): x for m, x in zip(masters, self.pieces)}
         super().__init__([{**g, 'params': [piece_of[id(m)] for m in g['params']]} for g in groups], **kw)
         for g in self.param_groups:  # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
@@ -98,10 +99,10 @@ class AdamW(torch.optim.AdamW):
         if self.in_backward:
             return
         for m, x in zip(self.masters, self.pieces):
-            x.grad = m.grad  # (the same tensor when the parameters are fp32)
+            x.grad = local(m.grad)  # (the same tensor when the parameters are fp32)
         super().step()
         for p, x in zip(self.params, self.pieces):
-            if x is not p:  # the bf16 weights from their fp32 masters
+            if x.dtype != p.dtype:  # the bf16 weights from their fp32 masters
                 p.copy_(x)
 
     def zero_grad(self, set_to_none=True):

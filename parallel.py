@@ -451,25 +451,25 @@ def sync_grads(named_params, mesh, config):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     fsdp = isinstance(named_params[0][1], DTensor)  # zero=2, 3: FSDP2 reduce-scattered over dp·cp in backward
-    grads = [(n, _local(p.grad)) for n, p in named_params]
+    grads = [(n, local(p.grad)) for n, p in named_params]
     if mesh.tp > 1 and mesh.sequence_parallel:
         all_reduce_buckets([g for n, g in grads if shard_spec(n, config, mesh.tp) is None], mesh.tp_group)
     all_reduce_buckets([g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))], mesh.kv_group)
     all_reduce_buckets([g for _, g in grads], None if fsdp else mesh.dpcp_group)
 
 
-def _local(x):  # this rank's rows of an FSDP2 tensor, or x
-    return x.to_local() if isinstance(x, DTensor) else x
+def local(x):  # this rank's rows of an FSDP2 tensor (a leaf, sharing its storage), or x
+    return x.to_local().detach() if isinstance(x, DTensor) else x
 
 
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element once."""
-    sq = sum(torch.linalg.vector_norm(_local(p.grad), dtype=torch.float32) ** 2
+    sq = sum(torch.linalg.vector_norm(local(p.grad), dtype=torch.float32) ** 2
              for n, p in named_params if not is_replica(n, mesh, config))
     for group in (mesh.tp_group, isinstance(named_params[0][1], DTensor) and mesh.dpcp_group):
         sq = all_reduce(sq, group) if group else sq
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for _, p in named_params:
-        _local(p.grad).mul_(coef.to(p.grad.dtype))
+        local(p.grad).mul_(coef.to(p.grad.dtype))
     return norm

@@ -209,9 +209,9 @@ def record_sync_buffers(step, model):
         step()
     finally:
         parallel.sync_grads, parallel.BUCKET_BYTES = real_sync, bucket
-    grads = {parallel._local(p.grad).data_ptr() for p in model.parameters()}
+    grads = {parallel.local(p.grad).data_ptr() for p in model.parameters()}
     return {'calls': len(calls), 'largest_copy': max((n for ptr, n in calls if ptr not in grads), default=0),
-            'grad_bytes': sum(parallel._local(p.grad).nbytes for p in model.parameters())}
+            'grad_bytes': sum(parallel.local(p.grad).nbytes for p in model.parameters())}
 
 
 @pytest.mark.parametrize('name', [n for n, layout in LAYOUTS.items() if (layout[0] // (layout[1] * layout[2]) > 1
