@@ -164,8 +164,7 @@ def chunked_mlp(x, w1, w3, w2, chunks):
         chunks = auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
     if chunks <= 1:
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-    x, w1, w3, w2 = _autocast(x, w1, w3, w2)
-    return _ChunkedMLP.apply(x, w1, w3, w2, chunks)
+    return _ChunkedMLP.apply(*_autocast(x, w1, w3, w2), chunks)
 
 
 # ----------------------------------------------------------------------------- chunked LM head + loss
@@ -277,6 +276,5 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     if chunks <= 1 and group is None:
         loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
         return loss_sum / (targets != ignore_index).sum().clamp(min=1)
-    x, weight = _autocast(x, weight)
-    return _ChunkedCrossEntropy.apply(x, weight, targets, max(chunks, 1), ignore_index, group, vocab_size,
+    return _ChunkedCrossEntropy.apply(*_autocast(x, weight), targets, max(chunks, 1), ignore_index, group, vocab_size,
                                       torch.is_grad_enabled())  # eval: logits only (needs_input_grad ignores no_grad)

@@ -372,9 +372,8 @@ class Llama(nn.Module):
             if hf.get('head_dim', hf['hidden_size'] // n_head) * n_head != hf['hidden_size']:
                 raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
             config = LlamaConfig(
-                n_layer=hf['num_hidden_layers'], n_head=n_head,
-                n_kv_head=hf.get('num_key_value_heads') or n_head, n_embd=hf['hidden_size'],
-                intermediate_size=hf['intermediate_size'], vocab_size=hf['vocab_size'],
+                n_layer=hf['num_hidden_layers'], n_head=n_head, n_kv_head=hf.get('num_key_value_heads') or n_head,
+                n_embd=hf['hidden_size'], intermediate_size=hf['intermediate_size'], vocab_size=hf['vocab_size'],
                 rope_theta=float(theta), rope_scaling=rope if rope['rope_type'] != 'default' else None,
                 norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False))
         config = replace(config, **overrides)  # checked again: a bad override is the user's, not the file's
@@ -443,9 +442,8 @@ def flops_per_token(config, seq_len):
 
 def _hf_names(config):
     """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too)."""
-    names = {'tok_embeddings.weight': 'model.embed_tokens.weight', 'norm.weight': 'model.norm.weight'}
-    if not config.tie_embeddings:
-        names['output.weight'] = 'lm_head.weight'
+    names = {'tok_embeddings.weight': 'model.embed_tokens.weight', 'norm.weight': 'model.norm.weight',
+             **({} if config.tie_embeddings else {'output.weight': 'lm_head.weight'})}
     ours = {f'attention.w{p}': f'self_attn.{p}_proj' for p in 'qkvo'} | {
         'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj', 'feed_forward.w2': 'mlp.down_proj',
         'attention_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm'}

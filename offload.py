@@ -267,8 +267,7 @@ class Offloaded:
                 # with t's strides, and what backward views of it stays a view, not a copy
                 order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
                 h = self.buffer.data[offset:offset + n].view(t.dtype).view([t.shape[d] for d in order])
-                self.host.append(h.permute([order.index(d) for d in range(t.dim())]))
-                self.host[-1].copy_(t, non_blocking=dev.cuda)
+                self.host.append(h.permute([order.index(d) for d in range(t.dim())]).copy_(t, non_blocking=dev.cuda))
                 offset += _align(n)
             self.sent = _mark(dev, dev.d2h)
         _stats['bytes_to_host'] += 0 if dev.fake else sum(sizes)  # a dry run's fake bytes are not moved
