@@ -81,10 +81,8 @@ def state_dict(model, optimizer, mesh, data_gen=None):
         sd['model.' + n] = _placed(n, mine(p.detach()), mesh, config, shapes[n], dim)
         if p.dtype != x.dtype:  # bf16 weights: the fp32 rows the optimizer updates are the masters
             sd['master.' + n] = _placed(n, x[:rows], mesh, config, shapes[n])
-        st = optimizer.state[x]
-        for k in ('exp_avg', 'exp_avg_sq'):
-            sd[f'optim.{n}.{k}'] = _placed(n, mine(st[k]), mesh, config, shapes[n], dim)
-        sd[f'optim.{n}.step'] = st['step']
+        for k, v in optimizer.state[x].items():  # exp_avg, exp_avg_sq: placed as the weight; step: one scalar
+            sd[f'optim.{n}.{k}'] = v if k == 'step' else _placed(n, mine(v), mesh, config, shapes[n], dim)
     sd['rng.torch'] = torch.get_rng_state()
     if data_gen is not None:
         sd['rng.data'] = data_gen.get_state()

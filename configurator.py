@@ -22,9 +22,8 @@ _BAD = object()  # fit()'s "does not fit": None can't say it, None is a legal va
 
 
 def die(msg):
-    """Stop on a user's mistake: one line, exit status 2. Under torchrun every rank meets the same mistake:
-    rank 0 alone says it, and each rank waits for the others first, since torchrun kills every rank as soon
-    as one exits, maybe before rank 0 has said anything."""
+    """Stop on a user's mistake: one line, exit status 2. Under torchrun every rank meets the same mistake: rank 0
+    alone says it, once every rank has come here (wait_for_every_rank: else torchrun could kill it before it does)."""
     if os.environ.get('RANK', '0') == '0':
         print('error: ' + ' '.join(str(msg).splitlines()), file=sys.stderr, flush=True)  # one line, whatever msg holds
     wait_for_every_rank('died')

@@ -34,12 +34,12 @@ class Tracker:
         self.inputs, self.optimizer = list(inputs), optimizer
         self.mods, self.made, self.top, self.at_peak, self.moment = ModTracker() if anatomy else None, {}, -1, [], ''
         self.params = list(model.parameters())
-        # offload_states: FSDP2's rows, AdamW's moments (local: a DTensor's storage is the whole tensor's), the
-        # gradients' bytes at the device's peak and in all are host memory; the device's peak is before AdamW's step
+        # offload_states: FSDP2's rows, their gradients (the host's at the device's peak) and AdamW's moments (local: a
+        # DTensor's storage is the whole tensor's) are host memory; the device's peak is before AdamW's step
         self.on_host = [p.to_local() for p in self.params] if states_on_host else []
         self.moments = [v.to_local() if hasattr(v, 'to_local') else v for st in getattr(optimizer, 'state', {}).values()
                         for v in st.values()] * states_on_host
-        self.host_grads, self.all_host_grads, self.before_step = 0, 0, None
+        self.host_grads, self.before_step = 0, None
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [parallel.local(p).untyped_storage() for p in self.params]
@@ -97,9 +97,8 @@ class Tracker:
                                    and k not in host), key=lambda x: -x['bytes'])
         return out
 
-    def stop_at_step(self):  # every gradient's rows are on the host now: the host's peak
+    def stop_at_step(self):
         self.before_step = self.mt.get_tracker_snapshot('peak')
-        self.all_host_grads = sum(p.grad.to_local().nbytes for p in self.params if p.grad is not None)
 
     def breakdown(self):
         snap = self.before_step or self.mt.get_tracker_snapshot('peak')
@@ -108,7 +107,7 @@ class Tracker:
         nbytes = lambda ts: sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in ts]}.values())
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
         pool, rows, moments = nbytes(offload.host_buffers()), nbytes(self.on_host), nbytes(self.moments)
-        self.host = pool + rows + moments + self.all_host_grads
+        self.host = pool + 2 * rows + moments  # the rows and, by the step, every gradient's
         cpu = self.device.type == 'cpu'  # then MemTracker counted the host's tensors with ours: taken out
         out = {'params': snap.get('Parameter', 0) + snap.get('Buffer', 0) - rows * cpu,
                'grads': snap.get('Gradient', 0) + snap.get('Other', 0) - masters - inputs - self.host_grads * cpu,

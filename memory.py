@@ -130,10 +130,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
     if zero > 1:  # FSDP2: every gradient's rows from the start (parallel.shard_states)
         root = N - L * g_layer / 4  # the embedding, final norm, LM head: gathered for the whole step
-        params = 4 * N / d + b * (root + g_layer / 4 * (L if zero == 2 else 1))
-        grads_all = g_head = 4 * N / d
-        g_emb = g_layer = 0
-        optimizer = 8 * N / d
+        params, optimizer = 4 * N / d + b * (root + g_layer / 4 * (L if zero == 2 else 1)), 8 * N / d
+        grads_all, g_head, g_emb, g_layer = 4 * N / d, 4 * N / d, 0, 0
     if states_on_host:  # offload_states: the rows in host memory; on the device only what FSDP2 gathered
         params, grads_all, g_head, optimizer = params - 4 * N / d, 0, 0, 0
 
@@ -331,9 +329,9 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
         if n == 1:
             alone.setdefault(next(iter(knobs(v, config))), (describe(knobs(v, config)), e, x))
     out = list(alone.values()) or [(describe(knobs(v, config)), e, x) for x, _, _, v, e in fit[:1]]
-    if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero'):
-        if fits(e := estimate(config, batch_size, seq_len, **{**layout, 'zero': 2}), budget, overhead):
-            out.append(('--zero=2', e, 0.0))  # a reduce-scatter and an all-gather: the all-reduce's traffic
+    if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero') and \
+            fits(e := estimate(config, batch_size, seq_len, **{**layout, 'zero': 2}), budget, overhead):
+        out.append(('--zero=2', e, 0.0))  # a reduce-scatter and an all-gather: the all-reduce's traffic
     device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
     for key in ('tp_size', 'cp_size') if not layout.get('in_backward') else ():  # in backward: one GPU

@@ -299,8 +299,7 @@ class Offloaded:
         _wait(self.back)
 
     def unpack(self, k):
-        if not self.ready:
-            self.wait()
+        self.ready or self.wait()
         t = self.tensors[k]
         if t is None:
             raise RuntimeError("offload: a saved tensor was unpacked twice (retain_graph is not supported)")

@@ -71,7 +71,7 @@ class Mesh:
     cp_group: object = None
     dpcp_group: object = None
     kv_group: object = None
-    dpcp_mesh: object = None  # the dp·cp ranks as a DeviceMesh (make_mesh)
+    dpcp_mesh: object = None  # FSDP2's DeviceMesh of them (of one rank too: offload_states), made before fake tensors
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
@@ -94,8 +94,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
          "gradients too)" * (zero == 1)),
         (zero > 1 and world == tp and not states_on_host,
          f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
-        (states_on_host and zero != 3, "offload_states=True streams each block's weights in from the host: it needs "
-         f"zero=3, got zero={zero}"),
+        (states_on_host and zero != 3, "offload_states=True streams each block's weights in from the host: zero=3"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
         (uly and h % cp, f"n_head / tp_size = {h} heads per rank are not divisible by cp_size={cp} (Ulysses)"),
         (uly and k % cp and cp % k, f"{k} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
@@ -112,9 +111,8 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
 
 
 def init_distributed(device_type, fake=False, timeout_s=300, one=False):
-    """Under torchrun: join the process group (NCCL on CUDA, gloo on CPU); (world, rank, local_rank). one: a group
-    of one rank without torchrun too (FSDP2's, for offload_states). fake (memory.py's dry run): be rank 0 of
-    WORLD_SIZE ranks whose collectives return at once."""
+    """(world, rank, local_rank), in torchrun's process group (NCCL on CUDA, gloo on CPU) or one: a group of one rank
+    (FSDP2's, offload_states); fake (the dry run): rank 0 of WORLD_SIZE ranks whose collectives return at once."""
     world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
     if world == 1 and not one or fake:
         if fake and (world > 1 or one):
@@ -146,7 +144,6 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     m.tp_group = groups(grid.reshape(-1, tp))
     m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))
     m.dpcp_group = groups(dpcp := grid.permute(2, 0, 1).reshape(tp, -1))
-    # FSDP2's (zero=2, 3), of one rank too (offload_states on one GPU); made before a dry run's fake tensors
     m.dpcp_mesh = DeviceMesh.from_group(m.dpcp_group or groups(dpcp, one=True), device_type)
     if n_kv_head is not None and n_kv_head < tp:  # kv head h on tp ranks h·g .. h·g + g-1, g = t/K
         m.kv_group = groups(grid.reshape(-1, tp // n_kv_head))

@@ -363,9 +363,8 @@ def main():
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
     wdtype = torch.float32 if zero > 1 else ptdtype  # zero=2, 3: fp32 rows are the masters, FSDP2 gathers in ptdtype
-    # offload_states: FSDP2 takes each block's weights to the GPU, keeps its rows and sends them back to the host
     memory.to_fake(model, wdtype) if dry_run else model.to(device='cpu' if offload_states else dev, dtype=wdtype)
-    zero > 1 and parallel.shard_states(model, mesh, zero, ptdtype, offload_states)
+    zero > 1 and parallel.shard_states(model, mesh, zero, ptdtype, offload_states)  # block by block via the GPU
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)
