@@ -9,9 +9,10 @@
 #
 # The layout, and why (per rank; P = 8.03e9 parameters, S = 131,072 tokens, h = 4096, 32 layers, 8 kv heads):
 # - tp_size = 4 (tensor + sequence parallelism over NVLink) and cp_size = 2 (Ulysses: 32 heads / tp 4 = 8 per
-#   rank, divisible by 2; 8 kv heads / 4 = 2 per rank, split over cp): states are 18 bytes per parameter
-#   (bf16 weights, fp32 grads, fp32 master + Adam m, v), a quarter of them here, and zero = 1 splits the
-#   masters and moments over the 2 cp ranks (2 + 4 + 12/2 bytes): 22.4 GiB; replicated (tp 1) they are 134.6 GiB.
+#   rank, divisible by 2; 8 kv heads / 4 = 2 per rank, split over cp): a quarter of the parameters per rank, and
+#   zero = 2 (FSDP2) splits their fp32 rows (weights, the masters; gradients; Adam m, v) over the 2 cp ranks:
+#   16/2 bytes per parameter, 14.96 GiB, plus every block gathered in bf16 from forward to backward (3.49 GiB);
+#   Megatron's 18 bytes per parameter, replicated (tp 1), would be 134.6 GiB.
 # - recompute = 'selective': each block keeps its input and attention's output (S/8 tokens each per rank,
 #   128 MiB each in bf16) and recomputes the MLP and the projections in backward, not attention. No offload:
 #   at 128K there is room, and offload's copies are not free (offload.py).
@@ -19,10 +20,10 @@
 #   document: flash on CUDA, no S x S mask); Ulysses sees whole documents, ring attention would not.
 # - rope_scaling: Llama 3.1's recipe (factor 8 over the original 8,192 positions, high frequencies kept);
 #   exported into config.json. A larger rope_theta alone, 'linear' or 'yarn' are the alternatives (README).
-# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23, after issue 14's cuts):
-# params 3.74, grads 7.48, optimizer 11.22, activations 8.94, transient 2.25 GiB (peak in block 31's backward):
-# 33.63 GiB on fake tensors, + 0.75 GiB of flash attention's workspace (the formula's) = 34.38 GiB (the estimate's
-# formula: 34.75) + 2.60 GiB overhead = 36.98 GiB, under 80% of 80 GiB: it fits.
+# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-24, zero = 2):
+# params 7.23, grads 3.82, optimizer 7.48, activations 9.18, transient 2.49 GiB (peak in block 31's backward):
+# 30.22 GiB on fake tensors, + 0.75 GiB of flash attention's workspace (the formula's) = 30.97 GiB (the estimate's
+# formula: 31.01) + 2.60 GiB overhead = 33.57 GiB, under 80% of 80 GiB: it fits (zero = 1 was 34.38 GiB).
 # One 80 GB GPU at 18 bytes per parameter: no length fits. The states alone are 134.6 GiB (params 14.96, grads
 # 29.92, optimizer 89.75 GiB); at 8K tokens the dry run is 140.06 GiB + 0.6 overhead against 64 GiB (with 6 bytes
 # per parameter, optimizer_in_backward, 128K fits one GPU: config/llama3_8b_one_gpu.py):
@@ -55,7 +56,7 @@ gradient_accumulation_steps = 8  # 1M tokens per step
 tp_size = 4
 cp_size = 2
 cp_impl = 'ulysses'
-zero = 2          # FSDP2 over the 2 cp ranks: half of every fp32 row (weights, gradients, AdamW's moments)
+zero = 2          # FSDP2 over the 2 cp ranks: half of every fp32 row (weights, gradients, Adam m, v)
 
 mlp_chunks = 0    # automatic: ceil(3I / h) mini-sequences
 loss_chunks = 0   # automatic: ceil(V / h) chunks, vocabulary-parallel over the 4 tp ranks
