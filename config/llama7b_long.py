@@ -6,9 +6,9 @@
 # The layout, and why (per rank; P = 6.74e9 parameters, S = 1,048,576 tokens, h = 4096, 32 layers):
 # - tp_size = 4 (Megatron tensor + sequence parallelism over NVLink): model states are 18 bytes per
 #   parameter (bf16 weights, fp32 grads, fp32 master + Adam m, v); tp = 4 leaves 18·P/4 = 30 GB, and
-#   zero = 1 splits the fp32 masters and Adam moments over the 2 cp ranks (2 + 4 + 12/2 bytes per
-#   parameter): 18.8 GiB. 7B can't be replicated: tp = 1 keeps
-#   18·P = 121 GB of states on every rank.
+#   zero = 2 (FSDP2) splits the fp32 rows (weights, the masters; gradients; Adam m, v) over the 2 cp ranks,
+#   16/2 bytes per parameter: 12.56 GiB, plus every block gathered in bf16 from its forward to its backward
+#   (3.08 GiB). 7B can't be replicated: tp = 1 keeps 18·P = 121 GB of states on every rank.
 # - cp_size = 2 with Ulysses (cp_impl = 'ulysses': an all-to-all turns sequence shards into head
 #   shards around attention; 32 heads / tp 4 = 8 per rank, divisible by cp): each rank holds S/2 tokens,
 #   so the whole-sequence tensors of sequence parallelism (the all-gathered input of the column-parallel
@@ -22,11 +22,11 @@
 # - the transient working set is one recomputed block in backward at S/2 tokens: the all-gathered input
 #   and the row-parallel partial sums (4 GiB each), q, k, v for 8 heads, the MLP in mini-sequences and
 #   the loss in vocabulary-parallel chunks (chunked.py, automatic).
-# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-23, after issue 14's cuts):
-# params 3.14, grads 6.28, optimizer 9.41 GiB, activations and transient 27.13 GiB (peak in block 31's backward):
-# 45.96 GiB on fake tensors, + 4.02 GiB of flash attention's workspace (the formula's: 4 heads of the whole
-# sequence) = 49.97 GiB (the estimate's formula: 49.38, -1.2%) + 2.60 GiB overhead = 52.57 GiB, under 80%
-# of 80 GiB: it fits.
+# The dry run (memory.py, rank 0 of 8, CPU kernels standing in for CUDA's; 2026-11-24, zero = 2):
+# params 6.22, grads 3.14, optimizer 6.28 GiB, activations and transient 27.25 GiB (peak in block 31's backward):
+# 42.87 GiB on fake tensors, + 4.02 GiB of flash attention's workspace (the formula's: 4 heads of the whole
+# sequence) = 46.89 GiB (the estimate's formula: 46.24, -1.4%) + 2.60 GiB overhead = 49.49 GiB, under 80%
+# of 80 GiB: it fits (zero = 1 was 49.97 GiB).
 # 512K tokens without offload: --seq_len=524288 --tp_size=8 --cp_size=1 --offload=0 (check it with --dry_run=True).
 out_dir = 'out-llama7b-long'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama-2's 32,000-token vocabulary)
