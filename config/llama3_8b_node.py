@@ -14,7 +14,7 @@
 #   moments over the 8 ranks (FSDP2, parallel.shard_states) and offload_states = True keeps each rank's share in
 #   host memory: 16 bytes per parameter / 8 = 14.96 GiB per rank, 119.66 GiB for the node; AdamW steps on the CPU.
 #   Replicated on the GPUs at Megatron's 18 bytes per parameter they would be 134.6 GiB per GPU; ZeRO-3 on the GPUs
-#   (offload_states = False) fits up to ZERO3_TOKENS tokens (bench/RESULTS.md).
+#   (offload_states = False) fits up to 2,621,440 tokens (bench/RESULTS.md).
 # - params 1.38 GiB on the GPU: what FSDP2 gathered in bf16, the embedding, final norm and LM head for the whole
 #   step and one block at a time.
 # - activations: recompute = 'full' keeps each block's input only, S/8 · h · 2 bytes per block; offload = 1.0
