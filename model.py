@@ -302,12 +302,14 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # by index, not a list: a pipeline stage (parallel.py) drops the blocks it doesn't own, the names stay
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.vocab_group = None  # parallel.py: the tensor-parallel group the vocabulary is split over
+        self.pipelined = False  # parallel.py: a pipeline stage returns its activations; the schedule applies the head
         for m in self.modules():  # (a tied matrix twice, as nanoGPT's self.apply does)
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
@@ -324,10 +326,11 @@ class Llama(nn.Module):
         inv_freq, scale = rope_frequencies(self.config)
         with torch.autocast(idx.device.type, enabled=False):
             cos, sin = rope_tables(inv_freq.float(), positions, scale)
-        x = self.tok_embeddings(idx)
-        for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[i])
-        return self.head(self.norm(x), targets)
+        x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)  # (a later pipeline stage: activations)
+        for i, block in self.layers.items():
+            x = block(x, cos, sin, docs) if kv_caches is None else block(x, cos, sin, kv_cache=kv_caches[int(i)])
+        x = x if self.norm is None else self.norm(x)
+        return x if self.pipelined else self.head(x, targets)
 
     def head(self, x, targets=None):
         """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism (vocab_group set)

@@ -134,9 +134,9 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
 # ----------------------------------------------------------------------------- the policy, per block
 def apply(model):
     """Wrap each block's forward (as torchtitan applies checkpointing): it reads model.config at every call."""
-    for i, block in enumerate(model.layers):
+    for i, block in model.layers.items():
         if 'forward' not in vars(block):
-            block.forward = partial(_block_forward, model, i, block, block.forward)
+            block.forward = partial(_block_forward, model, int(i), block, block.forward)
     return model
 
 

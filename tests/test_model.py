@@ -194,8 +194,8 @@ def test_init_residual_projections_scaled():
     torch.manual_seed(0)
     m = Llama(LlamaConfig(n_layer=8, n_embd=256, n_head=4, n_kv_head=4, intermediate_size=512))
     std = lambda p: p.detach().std().item()
-    assert abs(std(m.layers[0].attention.wq.weight) - 0.02) < 1e-3
-    assert abs(std(m.layers[0].feed_forward.w2.weight) - 0.02 / 4) < 5e-4  # 1/sqrt(2*8)
+    assert abs(std(m.layers['0'].attention.wq.weight) - 0.02) < 1e-3
+    assert abs(std(m.layers['0'].feed_forward.w2.weight) - 0.02 / 4) < 5e-4  # 1/sqrt(2*8)
 
 
 def test_kv_cache_decoding_matches_full_forward():
@@ -220,7 +220,7 @@ def test_rope_angles_stay_fp32_in_a_bf16_model():
     tables = []
     for dtype in (torch.float32, torch.bfloat16):
         model = Llama(config).to(dtype=dtype)
-        model.layers[0].register_forward_pre_hook(lambda m, args: tables.append(args[1:3]))
+        model.layers['0'].register_forward_pre_hook(lambda m, args: tables.append(args[1:3]))
         model(torch.zeros(1, 8, dtype=torch.long), positions=torch.arange(100_000, 100_008))
     (cos32, sin32), (cos16, sin16) = tables
     assert cos16.dtype == torch.float32 and torch.equal(cos16, cos32) and torch.equal(sin16, sin32)
@@ -253,7 +253,7 @@ def test_doc_mask_equals_each_document_alone():
         assert rel_err(grads[n], p.grad) <= 1e-5, n
     m.zero_grad()
     m(x, y)[1].backward()  # without the mask: other gradients
-    assert rel_err(m.layers[0].attention.wq.weight.grad, grads['layers.0.attention.wq.weight']) > 0.05
+    assert rel_err(m.layers['0'].attention.wq.weight.grad, grads['layers.0.attention.wq.weight']) > 0.05
 
 
 # ----------------------------------------------------------------------------- RMSNorm and RoPE, a chunk at a time

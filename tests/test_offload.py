@@ -150,7 +150,7 @@ def kept_after_forward(cfg, dtype, mlp_chunks):
     """Bytes of the tensors one block's forward created (its input included) that are still alive when
     it has returned, but its output: what the block keeps for backward, measured."""
     torch.manual_seed(0)
-    block = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype)).layers[0]  # wrapped
+    block = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype)).layers['0']  # wrapped
     cos, sin = rope_tables(rope_frequencies(cfg)[0], torch.arange(S))
     x0 = torch.randn(B, S, cfg.n_embd, dtype=dtype, requires_grad=True)
     created = _Created()
@@ -324,7 +324,7 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
     events.clear()
     monkeypatch.setattr(offload, 'KEEP_LAST', 2)
     model = same_model(cfg)
-    for p in model.layers[3].parameters():
+    for p in model.layers['3'].parameters():
         p.register_post_accumulate_grad_hook(lambda p: events.append(('grad', 3)))
     step(model, *batch())
     last_grad_of_block_3 = max(i for i, e in enumerate(events) if e == ('grad', 3))

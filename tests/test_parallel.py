@@ -709,7 +709,7 @@ def _rope_worker(rank, world, port, out):
     model = offload.apply(new_model(dict(recompute='full')))
     parallel.shard_states(model, parallel.make_mesh(1, 1), 3, torch.bfloat16)
     seen = []
-    model.layers[0].register_forward_pre_hook(lambda m, args: seen.append((args[1].dtype, args[2].dtype)))
+    model.layers['0'].register_forward_pre_hook(lambda m, args: seen.append((args[1].dtype, args[2].dtype)))
     x, y = global_batch()
     model(x[rank::2], y[rank::2])[1].backward()
     if rank == 0:
