@@ -46,14 +46,14 @@ import parallel
 
 # ----------------------------------------------------------------------------- where each piece lies
 @functools.cache
-def _device_mesh(world, tp, kv_heads, device_type):
-    """All ranks as a DeviceMesh (tp, dp·cp), or (K, t/K, dp·cp) to place kv heads replicated K < t ways.
-    tp comes first: an FSDP2 share is rows of this rank's tp shard, not the other way round."""
-    ranks = torch.arange(world).view(world // tp, tp)   # rank = (dp_rank·cp + cp_rank)·tp + tp_rank
+def _device_mesh(world, tp, kv_heads, device_type, pp=1):
+    """All ranks as a DeviceMesh (pp, tp, dp·cp), or (pp, K, t/K, dp·cp) to place kv heads replicated K < t ways. tp
+    comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names are its own: pp replicates.)"""
+    ranks = torch.arange(world).view(-1, pp, world // pp // tp, tp).permute(1, 3, 0, 2)  # [pp, tp, dp, cp]
     if kv_heads:
-        return DeviceMesh(device_type, ranks.view(-1, kv_heads, tp // kv_heads).permute(1, 2, 0),
-                          mesh_dim_names=('kv', 'kv_copy', 'dpcp'))
-    return DeviceMesh(device_type, ranks.T, mesh_dim_names=('tp', 'dpcp'))
+        return DeviceMesh(device_type, ranks.reshape(pp, kv_heads, tp // kv_heads, -1),
+                          mesh_dim_names=('pp', 'kv', 'kv_copy', 'dpcp'))
+    return DeviceMesh(device_type, ranks.reshape(pp, tp, -1), mesh_dim_names=('pp', 'tp', 'dpcp'))
 
 
 def _placed(name, local, mesh, config, shape, fsdp_dim=None):
@@ -64,8 +64,8 @@ def _placed(name, local, mesh, config, shape, fsdp_dim=None):
         return local  # every rank holds the same tensor: DCP's one copy is right
     kv = spec is not None and spec[1] == 'kv' and config.n_kv_head < mesh.tp
     on_tp = [Replicate()] if spec is None else [Shard(0), Replicate()] if kv else [Shard(spec[0])]
-    dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type)
-    return DTensor.from_local(local, dm, on_tp + [Replicate() if fsdp_dim is None else Shard(fsdp_dim)],
+    dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type, mesh.pp)
+    return DTensor.from_local(local, dm, [Replicate()] + on_tp + [Replicate() if fsdp_dim is None else Shard(fsdp_dim)],
                               shape=shape, stride=torch.empty(shape, device='meta').stride())
 
 

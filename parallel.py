@@ -72,15 +72,18 @@ class Mesh:
     dpcp_group: object = None
     kv_group: object = None
     dpcp_mesh: object = None  # FSDP2's DeviceMesh of them (of one rank too: offload_states), made before fake tensors
+    pp: int = 1  # pipeline stages: rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank
+    pp_rank: int = 0
+    pp_group: object = None
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
-                 dtype=torch.float32, doc_mask=False, states_on_host=False):
+                 dtype=torch.float32, doc_mask=False, states_on_host=False, pp=1, microbatches=1, schedule='1f1b'):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules."""
     c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
-    if tp < 1 or cp < 1 or world % (tp * cp):
-        return f"world size {world} is not divisible by tp_size * cp_size = {tp} * {cp}"
+    if tp < 1 or cp < 1 or pp < 1 or world % (tp * cp * pp):
+        return f"world size {world} is not divisible by pp_size * cp_size * tp_size = {pp} * {cp} * {tp}"
     uly, ring = cp > 1 and cp_impl == 'ulysses', cp > 1 and cp_impl == 'ring'
     h, k, s = H // tp, K // tp or 1, S // cp  # heads, kv heads per tp rank; tokens per cp rank
     # offload.py's token-wise recompute replays attention's saved output: the ring's is merged from several calls
@@ -92,7 +95,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (cp_impl not in ('ulysses', 'ring'), f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
         (zero not in (0, 2, 3), f"zero must be 0, 2 or 3, got {zero!r}" + " (zero=1 became 2: FSDP2 shards the "
          "gradients too)" * (zero == 1)),
-        (zero > 1 and world == tp and not states_on_host,
+        (zero > 1 and world == tp * pp and not states_on_host,
          f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
         (states_on_host and zero != 3, "offload_states=True streams each block's weights in from the host: zero=3"),
         (uly and S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
@@ -106,18 +109,29 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
          "output can't be replayed in a recompute (offload.py); use recompute='full'"
          + (", cp_impl='ulysses' or offload=1" if c.recompute == 'none' else " or cp_impl='ulysses'")),
         (tp > 1 and s % tp, f"seq_len / cp_size = {s} is not divisible by tp_size={tp} (sequence parallelism)"),
+        (schedule not in ('1f1b', 'gpipe'), f"pp_schedule must be '1f1b' or 'gpipe', got {schedule!r}"),
+        (pp > c.n_layer, f"pp_size={pp} stages need a block each: n_layer={c.n_layer}"),
+        (pp > 1 and schedule == '1f1b' and microbatches < pp, f"pp_schedule='1f1b' runs gradient_accumulation_steps="
+         f"{microbatches} micro-batches through {pp} stages: it needs at least as many (or pp_schedule='gpipe')"),
+        (pp > 1 and c.tie_embeddings, "tie_embeddings=True with pp_size > 1: the first stage's embedding and the "
+         "last's LM head would be one weight on two ranks"),
+        (pp > 1 and doc_mask, "doc_mask=True with pp_size > 1: the documents' starts are per micro-batch rows, and "
+         "torch's schedule splits only tensors by rows"),
+        (pp > 1 and c.offload > 0, f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
+         "micro-batch's blocks, and a stage keeps up to pp_size in flight; use recompute"),
     ]
     return next((why for bad, why in rules if bad and why), None)
 
 
 def init_distributed(device_type, fake=False, timeout_s=300, one=False):
     """(world, rank, local_rank), in torchrun's process group (NCCL on CUDA, gloo on CPU) or one: a group of one rank
-    (FSDP2's, offload_states); fake (the dry run): rank 0 of WORLD_SIZE ranks whose collectives return at once."""
+    (FSDP2's, offload_states); fake (the dry run): rank RANK (0) of WORLD_SIZE ranks whose collectives return at once,
+    reporting as rank 0."""
     world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
     if world == 1 and not one or fake:
         if fake and (world > 1 or one):
             from torch.testing._internal.distributed.fake_pg import FakeStore
-            dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=world)
+            dist.init_process_group('fake', store=FakeStore(), rank=int(os.environ.get('RANK', 0)), world_size=world)
         return world, 0, 0
     if device_type == 'cuda':
         torch.cuda.set_device(local_rank)
@@ -127,13 +141,15 @@ def init_distributed(device_type, fake=False, timeout_s=300, one=False):
     return world, dist.get_rank(), local_rank
 
 
-def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None, device_type='cpu'):
-    """The d × c × t mesh of the current process group. Every rank creates every group, in order."""
+def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None, device_type='cpu',
+              pp=1):
+    """The d × p × c × t mesh of the current process group. Every rank creates every group, in order."""
     if not dist.is_initialized():
         return Mesh(cp_impl=cp_impl, sequence_parallel=sequence_parallel)
     world, rank = dist.get_world_size(), dist.get_rank()
-    grid = torch.arange(world).view(-1, cp, tp)  # [dp, cp, tp]
-    m = Mesh(world, rank, len(grid), cp, tp, rank // (cp * tp), rank // tp % cp, rank % tp, cp_impl, sequence_parallel)
+    grid = torch.arange(world).view(-1, pp, cp, tp)  # [dp, pp, cp, tp]
+    m = Mesh(world, rank, len(grid), cp, tp, rank // (pp * cp * tp), rank // tp % cp, rank % tp, cp_impl,
+             sequence_parallel, pp=pp, pp_rank=rank // (cp * tp) % pp)
 
     timeout = timeout_s and timedelta(seconds=timeout_s)  # a group's own default is 30 minutes, not the world's
 
@@ -142,8 +158,9 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
                 for ranks in sets.tolist()]
         return next(g for g, ranks in made if rank in ranks)
     m.tp_group = groups(grid.reshape(-1, tp))
-    m.cp_group = groups(grid.transpose(1, 2).reshape(-1, cp))
-    m.dpcp_group = groups(dpcp := grid.permute(2, 0, 1).reshape(tp, -1))
+    m.cp_group = groups(grid.transpose(2, 3).reshape(-1, cp))
+    m.pp_group = groups(grid.permute(0, 2, 3, 1).reshape(-1, pp))
+    m.dpcp_group = groups(dpcp := grid.permute(1, 3, 0, 2).reshape(pp * tp, -1))  # one pp stage, one tp shard
     m.dpcp_mesh = DeviceMesh.from_group(m.dpcp_group or groups(dpcp, one=True), device_type)
     if n_kv_head is not None and n_kv_head < tp:  # kv head h on tp ranks h·g .. h·g + g-1, g = t/K
         m.kv_group = groups(grid.reshape(-1, tp // n_kv_head))
@@ -374,6 +391,13 @@ def shard_batch(mesh, x, y, positions=None, docs=None):
 def parallelize(model, mesh):
     """Shard a full model (every rank built the same one) in place, hook the collectives on; names stay the model's."""
     c = model.config
+    if mesh.pp > 1:  # this rank's stage: blocks [lo, hi), the embedding on the first, norm and LM head on the last
+        lo, hi = mesh.pp_rank * c.n_layer // mesh.pp, (mesh.pp_rank + 1) * c.n_layer // mesh.pp
+        for i in [i for i in model.layers if not lo <= int(i) < hi]:
+            del model.layers[i]
+        model.tok_embeddings = model.tok_embeddings if lo == 0 else None
+        model.norm, model.output = (model.norm, model.output) if hi == c.n_layer else (None, None)
+        model.pipelined = True
     if mesh.tp > 1:
         for name, p in list(model.named_parameters()):
             dim, kind, t, full = *(shard_spec(name, c, mesh.tp) or (0, None)), mesh.tp, p.data
@@ -386,14 +410,15 @@ def parallelize(model, mesh):
             model.get_submodule(name.rsplit('.', 1)[0]).weight = nn.Parameter(full.clone())
         if c.tie_embeddings:
             model.output.weight = model.tok_embeddings.weight
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
-        for block in model.layers:
+        if model.tok_embeddings is not None:
+            model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
+        for block in model.layers.values():
             for m in (block.attention, block.feed_forward):
                 m.register_forward_pre_hook(lambda m, args: (enter_tp(args[0], mesh), *args[1:]))
                 m.register_forward_hook(lambda m, args, y: leave_tp(y, mesh))
-        model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))  # the LM head's input
+        model.norm and model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))  # the LM head's input
         model.vocab_group = mesh.tp_group  # Llama.head: chunked.py's loss over our rows of the vocabulary
-    for attn in [block.attention for block in model.layers if mesh.cp > 1]:
+    for attn in [block.attention for block in model.layers.values() if mesh.cp > 1]:
         attn.attend = functools.partial(ulysses, attn.attend, mesh.cp_group) if mesh.cp_impl == 'ulysses' else \
             lambda q, k, v, docs: RingAttention.apply(mesh.cp_group, q, k, v)  # docs: refused by check_layout
     model.mesh = mesh
@@ -404,19 +429,83 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
     """ZeRO-2 or 3 through FSDP2 over the d = dp·cp ranks holding the same weights (the header: what moves, when):
     ⌈rows/d⌉ rows of every fp32 tensor of this tp shard, gathered in dtype; on_host: the rows in host memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    vocab = {id(model.output.weight), id(model.tok_embeddings.weight)}  # their tp shards end in padding rows:
-    by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)  # FSDP2 splits them by column, the rows stay whole
+    # the vocabulary's tp shards end in padding rows: FSDP2 splits them by column, the rows stay whole
+    vocab = {id(m.weight) for m in (model.output, model.tok_embeddings) if m is not None}
+    by_column = lambda p: Shard(1) if id(p) in vocab else Shard(0)
     # cast_forward_inputs=False: else each block keeps a bf16 copy of RoPE's fp32 tables (wrong at long context)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on_host else OffloadPolicy()
     kw = dict(mesh=mesh.dpcp_mesh, mp_policy=mp, shard_placement_fn=by_column, offload_policy=host)
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, reshard_after_forward=zero == 3, **kw)
     fully_shard(model, reshard_after_forward=False, **kw)
-    for m in (*model.layers, model):
+    for m in (*model.layers.values(), model):
         m.set_gradient_divide_factor(1.0)  # a sum: forward_backward weighs each rank's loss by the step's tokens
         m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+class Pipeline(nn.Module):
+    """This rank's stage (parallelize kept its blocks) as torch's pipeline schedule drives it over the micro-batches.
+    Every stage runs its forward under autocast with the positions (RoPE's; the cp shard's); the last stage's loss
+    is the LM head and loss of each micro-batch, weighted as train.forward_backward weighs micro-steps."""
+
+    def __init__(self, model, mesh, schedule, microbatches, autocast, device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        super().__init__()
+        self.model, self.mesh, self.autocast, self.count = model, mesh, autocast, 1
+        self.dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32  # what moves
+        # in flight: micro-batches between their forward and backward; 1F1B: stage r forwards pp - r before its first
+        # backward, then alternates; GPipe all of them (the first stage holds the most: its activations never shrink)
+        self.in_flight = min(microbatches, mesh.pp - mesh.pp_rank) if schedule == '1f1b' else microbatches
+        stage = PipelineStage(self, mesh.pp_rank, mesh.pp, device, group=mesh.pp_group)
+        # scale_grads=False: the weights below already make the sum of the micro-batches' losses the step's mean
+        kind = Schedule1F1B if schedule == '1f1b' else ScheduleGPipe
+        self.schedule = kind(stage, microbatches, loss_fn=lambda h, y: self(h, targets=y), scale_grads=False)
+
+    def forward(self, x, positions=None, targets=None):
+        """The stage's forward; targets (the last stage's loss_fn): the LM head and loss of a micro-batch, weighted to
+        make the micro-batches' sum the step's mean over its real targets."""
+        with self.autocast:
+            if targets is None:
+                return self.model(x, positions=positions)
+            return self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
+
+    def step(self, micro_batches, count, fake=False):
+        """Every micro-batch's forward and backward; the sum of their weighted losses on the last stage, 0 before it.
+        fake (the dry run: torch's schedule can't start on fake tensors and a fake process group) runs this stage's
+        part itself, in the schedule's order: micro-batch i's backward after the forward of i + in_flight - 1."""
+        first, last, self.count = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1, count
+        x, y = (torch.cat(t) for t in list(zip(*micro_batches))[:2])
+        pos = micro_batches[0][2]  # the same for every micro-batch (doc_mask is refused); torch splits tensors by rows
+        pos = (torch.arange(x.shape[1], device=x.device) if pos is None else pos).expand(len(x), -1)
+        losses, kept = [], []
+        if not fake:
+            self.schedule.step(*[x] * first, target=y if last else None, losses=losses if last else None, positions=pos)
+        for i, (x_i, y_i, *_) in enumerate(micro_batches if fake else []):
+            h = x_i if first else self.received(x_i).requires_grad_()
+            kept.append(self(self(h, pos[:len(h)]), targets=y_i) if last else self(h, pos[:len(h)]))
+            while len(kept) == self.in_flight or kept and i == len(micro_batches) - 1:
+                out = kept.pop(0)
+                out.backward(None if last else torch.empty_like(out))  # (the next stage's gradient)
+                last and losses.append(out.detach())
+        return sum(losses) if last else torch.zeros((), device=x.device)
+
+    def received(self, x):  # what the stage before sends for tokens x: its activations, sp's shard of them under tp
+        return torch.empty(*x.shape[:-1], x.shape[-1] // self.mesh.tp, self.model.config.n_embd, dtype=self.dtype,
+                           device=x.device)
+
+    @torch.no_grad()
+    def evaluate(self, x, y, positions=None):
+        """The loss of one batch, on every stage: forward only, the stages in turn (a schedule of one micro-batch)."""
+        r, group = self.mesh.pp_rank, self.mesh.pp_group
+        h = x if r == 0 else self.received(x)
+        r == 0 or dist.recv(h, group_src=r - 1, group=group)
+        out = self(h, positions)
+        r == self.mesh.pp - 1 or dist.send(out.contiguous(), group_dst=r + 1, group=group)
+        with self.autocast:
+            loss = self.model.head(out, y)[1].float() if r == self.mesh.pp - 1 else torch.zeros((), device=x.device)
+        return all_reduce(loss, group)
 
 
 # ----------------------------------------------------------------------------- gradients and clipping (AdamW: optim.py)
@@ -463,7 +552,7 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element once."""
     sq = sum(torch.linalg.vector_norm(local(p.grad), dtype=torch.float32) ** 2
              for n, p in named_params if not is_replica(n, mesh, config))
-    for group in (mesh.tp_group, isinstance(named_params[0][1], DTensor) and mesh.dpcp_group):
+    for group in (mesh.tp_group, mesh.pp_group, isinstance(named_params[0][1], DTensor) and mesh.dpcp_group):
         sq = all_reduce(sq, group) if group else sq
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -20,6 +20,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import fields
@@ -71,10 +73,12 @@ mlp_chunks = 1
 loss_chunks = 1
 recompute = 'none'
 offload = 0.0  # Memo's alpha (offload.py): > 0 sends block inputs, attention and this fraction of the rest to host
-# parallelism under torchrun (parallel.py): world = dp x cp x tp ranks, dp = world / (tp_size * cp_size)
+# parallelism under torchrun (parallel.py): world = dp x pp x cp x tp ranks, dp = world / (pp_size * cp_size * tp_size)
 tp_size = 1
 cp_size = 1
 cp_impl = 'ulysses'  # 'ulysses' | 'ring'
+pp_size = 1  # pipeline stages, each a run of blocks; its micro-batches: gradient_accumulation_steps
+pp_schedule = '1f1b'  # '1f1b' | 'gpipe' (every micro-batch's forward, then every backward: more in flight)
 zero = 0  # FSDP2 over the dp x cp ranks: 2 shards AdamW's states and the gradients, 3 the weights too
 offload_states = False  # True (zero=3): weights, gradients and AdamW's states in host memory, AdamW on the CPU
 timeout_s = 300  # a collective waiting this long for a rank that died or hangs ends the job (README.md)
@@ -105,7 +109,7 @@ auto_memory = False  # let memory.py pick recompute / mlp_chunks / loss_chunks /
 # model.LlamaConfig; the rules between the layout keys: parallel.check_layout)
 _RULES = [
     (('batch_size', 'seq_len', 'gradient_accumulation_steps', 'eval_interval', 'log_interval', 'eval_iters',
-      'tp_size', 'cp_size'), 'must be >= 1', lambda v: v >= 1),
+      'tp_size', 'cp_size', 'pp_size'), 'must be >= 1', lambda v: v >= 1),
     (('max_iters', 'warmup_iters', 'lr_decay_iters', 'vocab_size', 'learning_rate', 'min_lr', 'weight_decay',
       'grad_clip', 'memory_budget_gb', 'host_memory_budget_gb'), 'must be >= 0', lambda v: 0 <= v < math.inf),
     (('beta1', 'beta2'), 'must be in [0, 1)', lambda v: 0 <= v < 1),
@@ -167,12 +171,14 @@ def get_batch(meta, split, n, generator, device):
 
 
 # ----------------------------------------------------------------------------- one optimisation step
-def forward_backward(model, micro_batches, autocast, mesh=None):
+def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
     """Backward of the mean loss over every real target token of the step, returned detached (not a mean of
     per-micro-step means: micro-steps with more ignored targets must weigh less). Under parallelism the count is
     the whole step's, over every dp × cp rank: the gradients summed over them are then the single-process ones."""
     dpcp_sum = lambda t: t if mesh is None or mesh.dpcp_group is None else parallel.all_reduce(t, mesh.dpcp_group)
     count = dpcp_sum(sum((y != -100).sum() for _, y, *_ in micro_batches)).clamp(min=1)
+    if pipe is not None:  # torch's schedule runs them, in its order (parallel.Pipeline); the last stage has the loss
+        return dpcp_sum(parallel.all_reduce(pipe.step(micro_batches, count, fake=dry_run), mesh.pp_group))
     total = 0.0
     for x, y, *rest in micro_batches:  # rest: positions, docs
         with autocast:
@@ -265,7 +271,8 @@ def device_and_dtype():
     dev = torch.device(device if device != 'auto' else 'cuda' if torch.cuda.is_available() else
                        'mps' if torch.backends.mps.is_available() else 'cpu')
     if dry_run:  # memory.py: rank 0 of WORLD_SIZE (else tp x cp) ranks; this CPU (fake tensors) stands in for CUDA
-        dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), os.environ.get('WORLD_SIZE', str(tp_size * cp_size))
+        world = os.environ.get('WORLD_SIZE', str(tp_size * cp_size * pp_size))
+        dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), world
     ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
                'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on CUDA only
@@ -275,15 +282,16 @@ def device_and_dtype():
 
 def check_layout(config, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
-    why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size,
-                                cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask, offload_states)
+    why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size, cp_size, cp_impl, seq_len, zero,
+                                dev.type, ptdtype, doc_mask, offload_states, pp_size, gradient_accumulation_steps,
+                                pp_schedule)
     why and die(why)
 
 
-def train_step(model, batches, autocast, mesh, named_masters, optimizer):
+def train_step(model, batches, autocast, mesh, named_masters, optimizer, pipe=None):
     """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in backward: optim.py): one
     step. A step whose loss or gradient norm is not finite changes nothing (as GradScaler skips one), on the device."""
-    loss = forward_backward(model, batches, autocast, mesh)
+    loss = forward_backward(model, batches, autocast, mesh, pipe)
     bad = (~loss.isfinite()).float()
     if not optimizer.in_backward:
         max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
@@ -308,7 +316,7 @@ def check_finite(optimizer, iter_num, lr):
 
 
 @torch.no_grad()
-def evaluate(model, meta, mesh, autocast, dev):
+def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     """The mean val loss over eval_iters batches, the same batches at every eval."""
     model.eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -316,7 +324,8 @@ def evaluate(model, meta, mesh, autocast, dev):
     for _ in range(eval_iters):
         x, y, *rest = parallel.shard_batch(mesh, *get_batch(meta, 'val', batch_size * mesh.dp, gen, dev))
         with autocast:  # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
-            loss = loss + torch.stack([model(x, y, *rest)[1].float() * (y != -100).sum(), (y != -100).sum()])
+            part = model(x, y, *rest)[1].float() if pipe is None else pipe.evaluate(x, y, rest[0])  # (pp: the last's)
+            loss = loss + torch.stack([part * (y != -100).sum(), (y != -100).sum()])
     model.train()
     for m in (m for m in model.modules() if hasattr(m, 'reshard')):  # FSDP2: no backward came to free the gathered
         m.reshard()
@@ -349,7 +358,7 @@ def main():
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
         model, ckpt = model_from_config(meta, cfg, dev, ptdtype)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s,
-                              device_type='cpu' if dry_run else dev.type)
+                              device_type='cpu' if dry_run else dev.type, pp=pp_size)
     try:  # the last check, and the first thing written: a run stopped by any check before leaves no out_dir
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -359,8 +368,8 @@ def main():
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
     check_layout(model.config, dev, ptdtype)  # the knobs as auto_memory left them
     n_params, (mfu_flops, hfu_flops) = num_params(model.config), flops_per_token(model.config, seq_len)
+    parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded (and staged) for this rank
     names = [n for n, _ in model.named_parameters()]
-    parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded for this rank
     offload_policy.apply(model)  # keep, recompute or offload each block's activations (offload.py)
     wdtype = torch.float32 if zero > 1 else ptdtype  # zero=2, 3: fp32 rows are the masters, FSDP2 gathers in ptdtype
     memory.to_fake(model, wdtype) if dry_run else model.to(device='cpu' if offload_states else dev, dtype=wdtype)
@@ -373,14 +382,19 @@ def main():
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     raw_model, model = model, torch.compile(model) if compile else model
-    step = lambda batches: train_step(model, batches, autocast, mesh, list(zip(names, masters)), optimizer)
+    pipe = parallel.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev) \
+        if pp_size > 1 else None  # torch's pipeline schedule over this rank's stage
+    step = lambda batches: train_step(model, batches, autocast, mesh, list(zip(names, masters)), optimizer, pipe)
     save = lambda it: checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=it,
                                       best_val_loss=best_val_loss, config=cfg)
     if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
         fake = lambda: memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size, doc_mask)
-        batches = [parallel.shard_batch(mesh, *fake()) for _ in range(min(gradient_accumulation_steps, 2))]
-        with mem.measure(raw_model, masters, optimizer):  # the table and the verdict
-            return step(batches)
+        n = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)  # (pp: as many as in flight)
+        with mem.measure(pipe or raw_model, masters, optimizer):  # the table and the verdict
+            step([parallel.shard_batch(mesh, *fake()) for _ in range(n)])
+        if mesh.pp > 1 and mesh.pp_rank == 0:  # the last stage (LM head and loss, fewest in flight): a fresh dry run
+            subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(world - 1)}, check=True)
+        return
 
     device_flops = (peak := peak_flops(dev, ptdtype)) and peak * world  # MFU is per device: against all of them
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
@@ -396,7 +410,7 @@ def main():
         val_loss = None
         if iter_num % eval_interval == 0 or iter_num == max_iters - 1:
             t_eval = time.perf_counter()
-            val_loss = evaluate(model, meta, mesh, autocast, dev)
+            val_loss = evaluate(model, meta, mesh, autocast, dev, pipe)
             best_val_loss = min(best_val_loss, val_loss)
             if always_save_checkpoint and iter_num > 0:
                 save(iter_num)
@@ -408,7 +422,7 @@ def main():
         batches = [parallel.shard_batch(mesh, *get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev))
                    for _ in range(gradient_accumulation_steps)]
         sent = offload_policy.stats()['bytes_to_host']
-        with mem.measure(raw_model, masters, optimizer, compiled=compile):  # the first step only
+        with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step only
             loss = step(batches)
         tokens_since += tokens_per_iter
         iter_num += 1
