@@ -109,9 +109,10 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
 
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
              tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False, in_backward=False,
-             states_on_host=False):
-    """Per-rank peak bytes of one training step of model.Llama(config): the header's formula."""
-    c, t, L = config, tp_size, config.n_layer
+             states_on_host=False, pp=1, stage=0, schedule='1f1b'):
+    """Per-rank peak bytes of one training step of model.Llama(config) (of pipeline stage `stage`): the header's."""
+    c, t, lo, hi = config, tp_size, stage * config.n_layer // pp, (stage + 1) * config.n_layer // pp
+    L, first, last = hi - lo, stage == 0, stage == pp - 1  # this stage's blocks [lo, hi) (parallel.py)
     b, dt = (2, torch.bfloat16) if dtype in ('bfloat16', torch.bfloat16) else (4, torch.float32)
     bf16 = b == 2
     h, kv, I, V = c.n_embd, c.n_kv_head * c.head_dim, c.intermediate_size, c.vocab_size
@@ -120,14 +121,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     sp = t > 1                      # tensor parallelism comes with sequence parallelism
 
     # model states: this rank's parameters, 18 (16) bytes each, or 16/d with FSDP2 (zero=2, 3)
-    norms = (2 * L + 1) * h
-    N = (num_params(c, non_embedding=False) - norms) / t + norms
+    block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h  # its matrices split over tp, 2 norms not
+    N = L * block + V * h / t * (first + last * (not c.tie_embeddings)) + h * last
     d = dp * cp_size if zero else 1
     params, grads_all = b * N, 4 * N
     optimizer = (2 * b if in_backward else 12 if bf16 else 8) * N
-    g_emb = 4 * V * h / t           # the embedding's gradient, made last
-    g_head = 4 * V * h / t + 4 * h  # the LM head's (tied: its share, waiting for the embedding's)
-    g_layer = 4 * (N - V * h / t * (1 if c.tie_embeddings else 2) - h) / L  # one block's, made in its backward
+    g_emb = 4 * V * h / t * first              # the embedding's gradient, made last
+    g_head = (4 * V * h / t + 4 * h) * last    # the LM head's (tied: its share, waiting for the embedding's)
+    g_layer = 4 * block                        # one block's, made in its backward
     if zero > 1:  # FSDP2: every gradient's rows from the start (parallel.shard_states)
         root = N - L * g_layer / 4  # the embedding, final norm, LM head: gathered for the whole step
         params, optimizer = 4 * N / d + b * (root + g_layer / 4 * (L if zero == 2 else 1)), 8 * N / d
@@ -146,10 +147,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     P = host / n_off if n_off else 0  # one offloaded block's bytes in host memory
     host += 16 * N / d if states_on_host else 0
     stays = offload.block_bytes(c, batch_size, S // t, dt, cp_size)[1] / T  # an offloaded block's, on the device
-    acts = ((L - n_off) * k + n_off * stays) * T + 8 * c.head_dim * (T if doc_mask else S)
+    acts = ((L - n_off) * k + n_off * stays) * T + 8 * c.head_dim * (T if doc_mask or pp > 1 else S)
+    # pp: F micro-batches in flight (1F1B: pp - stage; GPipe: all), each keeping its activations and the stage's
+    # output (sent, kept for its backward); gradients exist at a forward only once a backward ran before it
+    F = (min(grad_accum, pp - stage) if schedule == '1f1b' else grad_accum) if pp > 1 else 1
+    sent = b * h / t * T * (not last)
+    held, g_acc = (F - 1) * (acts + sent), grads_all if grad_accum > F else 0
 
-    # the LM head and loss; gradients exist at its forward only from the second micro-step on
-    g_acc = grads_all if grad_accum > 1 else 0
+    # the LM head and loss
     head_kept = 2 * b * h / t * T   # the final norm: its input and output
     M = chunked.loss_chunks(c, T)
     if M > 1 or sp:   # chunked.py: dh and the fp32 dW made in forward; one chunk of fp32 logits
@@ -174,12 +179,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 
     W = workspace(c, batch_size, seq_len, b, t, cp_size, cp_impl) if device_type == 'cuda' and bf16 else 0
     moments = {  # (grads, activations, transient, workspace): the workspace only where attention's backward runs
-        'forward and backward: LM head and loss': (g_acc, acts + head_kept, head_tr, 0),
-        f'backward: block {L - 1}': (max(g_head, g_acc), acts, ws, W),
-        'backward: block 0': (max(grads_all - g_emb - g_layer, g_acc), (stays if n_off else k) * T,
-                              ws_off if n_off else ws, W),
-        'optimizer step': (grads_all, 0, 2 * V * h / t if bf16 else 0, 0),
+        'forward and backward: LM head and loss': (g_acc, held + acts + head_kept, head_tr, 0),
+        f'backward: block {hi - 1}': (max(g_head, g_acc), held + acts + sent, ws, W),
+        f'backward: block {lo}': (max(grads_all - g_emb - g_layer, g_acc), held + (stays if n_off else k) * T + sent,
+                                  ws_off if n_off else ws, W),
+        'optimizer step': (grads_all, 0, 2 * V * h / t * first if bf16 else 0, 0),
     }
+    if not last:  # the LM head is the last stage's
+        del moments['forward and backward: LM head and loss']
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
         moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T,
                                          stages(full / t + gathered_in - stays, P), W)
@@ -285,7 +292,7 @@ def variants(c, batch_size, seq_len, host, layout):
         for m in mlps:
             for lc in sorted({c.loss_chunks, 0, max(1, min(batch_size * S, 4 * auto_l))}):
                 yield (v := replace(c, recompute=rc, mlp_chunks=m, loss_chunks=lc, offload=0.0))
-                if not host or c.n_layer <= offload.KEEP_LAST:
+                if not host or c.n_layer <= offload.KEEP_LAST or layout.get('pp', 1) > 1:  # (pp refuses offload)
                     continue
                 alpha = offload.choose_alpha(replace(v, offload=1.0), batch_size, tokens, torch.bfloat16,
                                              offload.block_forward_seconds(v, batch_size, tokens, FLOPS), PCIE, host)
@@ -359,23 +366,24 @@ class Report:
     def __init__(self, model, cfg, world=1, rank=0, mesh=None, device=torch.device('cpu'), dtype=torch.float32):
         self.cfg, self.world, self.rank, self.device, self.config = cfg, world, rank, device, model.config
         self.dry, self.B, self.S = bool(cfg.get('dry_run')), cfg['batch_size'], cfg['seq_len']
-        self.measured, self.logged = None, False
-        tp, cp, dp = (getattr(mesh, k, 1) for k in ('tp', 'cp', 'dp'))
+        self.measured, self.logged, self.at = None, False, getattr(mesh, 'rank', 0)  # at: the dry run's rank
+        tp, cp, dp, pp = (getattr(mesh, k, 1) for k in ('tp', 'cp', 'dp', 'pp'))
         self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
                            device_type='cuda' if self.dry else device.type, cp_impl=cfg.get('cp_impl', 'ulysses'),
                            grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
                            zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False),
                            in_backward=cfg.get('optimizer_in_backward', False),
-                           states_on_host=(states := cfg.get('offload_states', False)))
+                           states_on_host=(states := cfg.get('offload_states', False)), pp=pp,
+                           stage=getattr(mesh, 'pp_rank', 0), schedule=cfg.get('pp_schedule', '1f1b'))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
-        groups = sum(n > 1 for n in (tp, cp, dp, cp * dp)) + (world > 1)  # NCCL communicators
+        groups = sum(n > 1 for n in (tp, cp, dp, pp, cp * dp)) + (world > 1)  # NCCL communicators
         self.overhead = overhead_bytes(self.layout['device_type'], groups)
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
         if cfg.get('auto_memory'):
             self.auto_memory(model)
         self.est = estimate(self.config, self.B, self.S, **self.layout)
         if rank == 0:
-            where = f"rank 0 of {world}" + (f" (dp {dp} x cp {cp} x tp {tp})" if world > 1 else '')
+            where = f"rank {self.at} of {world}" + (f" (dp {dp} x pp {pp} x cp {cp} x tp {tp})" if world > 1 else '')
             print(table(self.est, self.budget, self.overhead, title=f"memory estimate per rank, {where}, "
                         f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
                         f"batch {self.B} x {self.S} tokens:"))
@@ -426,7 +434,7 @@ class Report:
                 'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
                 'tp_size': self.layout['tp_size'], 'cp_size': self.layout['cp_size'], 'seq_len': self.S}
         extra = {'peak_at': self.est.moment, 'fits': fits(self.est, self.budget, self.overhead), **extra}
-        path = os.path.join(self.cfg.get('out_dir', '.'), 'memory.json')
+        path = os.path.join(self.cfg.get('out_dir', '.'), f"memory{f'.rank{self.at}' * (self.at > 0)}.json")
         with open(path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
             json.dump({'ranks': [rank], **extra}, f, indent=1)
         os.replace(path + '.tmp', path)
