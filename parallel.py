@@ -467,8 +467,8 @@ class Pipeline(nn.Module):
         """The stage's forward; targets (the last stage's loss_fn): the LM head and loss of a micro-batch, weighted to
         make the micro-batches' sum the step's mean over its real targets."""
         with self.autocast:
-            if targets is None:
-                return self.model(x, positions=positions)
+            if targets is None:  # (contiguous: what a stage sends and receives is flat memory)
+                return self.model(x, positions=positions).contiguous()
             return self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
 
     def step(self, micro_batches, count, fake=False):
@@ -502,7 +502,7 @@ class Pipeline(nn.Module):
         h = x if r == 0 else self.received(x)
         r == 0 or dist.recv(h, group_src=r - 1, group=group)
         out = self(h, positions)
-        r == self.mesh.pp - 1 or dist.send(out.contiguous(), group_dst=r + 1, group=group)
+        r == self.mesh.pp - 1 or dist.send(out, group_dst=r + 1, group=group)
         with self.autocast:
             loss = self.model.head(out, y)[1].float() if r == self.mesh.pp - 1 else torch.zeros((), device=x.device)
         return all_reduce(loss, group)

@@ -546,7 +546,7 @@ def test_resume_under_tp_cp_equals_an_uninterrupted_run_and_exports(tmp_path):
 
 
 @pytest.mark.parametrize('layout,reason', [
-    (['--tp_size=3'], 'not divisible by tp_size * cp_size'),
+    (['--tp_size=3'], 'not divisible by pp_size * cp_size * tp_size'),
     # offload.py can't replay ring attention in a token-wise recompute
     (['--cp_size=2', '--cp_impl=ring', '--offload=0.5'], "offload=0.5 with recompute='none' and cp_impl='ring'"),
 ])
@@ -559,7 +559,7 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
 
 
 @pytest.mark.parametrize('layout,reason', [
-    (dict(world=6, tp=4), 'not divisible by tp_size * cp_size'),
+    (dict(world=6, tp=4), 'not divisible by pp_size * cp_size * tp_size'),
     (dict(world=3, tp=3), 'n_head=4 is not divisible by tp_size=3'),
     (dict(world=4, tp=4, n_kv_head=1, n_head=8), None),  # kv heads replicated
     (dict(world=4, tp=4, n_kv_head=3, n_head=12, n_embd=48), 'n_kv_head=3 and tp_size=4: one must divide the other'),
@@ -586,12 +586,23 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, cp=2, cp_impl='ring', offload=1.0), None),
     (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='full'), None),
     (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='selective'), "recompute='full' or cp_impl='ulysses'"),
+    (dict(world=6, pp=4), 'not divisible by pp_size * cp_size * tp_size = 4 * 1 * 1'),
+    (dict(world=16, pp=2, cp=2, tp=2, microbatches=2), None),  # dp 2 x pp 2 x cp 2 x tp 2
+    (dict(world=4, pp=4, microbatches=4), 'pp_size=4 stages need a block each: n_layer=2'),
+    (dict(world=2, pp=2), "pp_schedule='1f1b' runs gradient_accumulation_steps=1 micro-batches through 2 stages"),
+    (dict(world=2, pp=2, schedule='gpipe'), None),
+    (dict(world=2, pp=2, microbatches=2, schedule='zb'), "pp_schedule must be '1f1b' or 'gpipe'"),
+    (dict(world=2, pp=2, microbatches=2, tie_embeddings=True), 'tie_embeddings=True with pp_size > 1'),
+    (dict(world=2, pp=2, microbatches=2, doc_mask=True), 'doc_mask=True with pp_size > 1'),
+    (dict(world=2, pp=2, microbatches=2, offload=0.5), 'offload=0.5 with pp_size > 1'),
+    (dict(world=4, pp=2, microbatches=2, zero=3), None),  # FSDP2 over the dp ranks of each stage
+    (dict(world=2, pp=2, microbatches=2, zero=3), 'zero=3 shards over the dp x cp ranks: there is one'),
 ])
 def test_check_layout_owns_every_rule(layout, reason):
     """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
     fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
     run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32,
-               states_on_host=False)
+               states_on_host=False, doc_mask=False, pp=1, microbatches=1, schedule='1f1b')
     run.update({k: layout.pop(k) for k in list(layout) if k in run})
     why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
     assert why is None if reason is None else (reason in why and '\n' not in why), why
@@ -722,3 +733,89 @@ def test_fsdp_keeps_the_rope_tables_fp32(tmp_path):
     bf16 positions, wrong at long context (and a copy kept per block). The block sees the fp32 tables."""
     mp.spawn(_rope_worker, args=(2, free_port(), str(tmp_path / 'seen.pt')), nprocs=2)
     assert torch.load(tmp_path / 'seen.pt') == [(torch.float32, torch.float32)]
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+# name: (world, pp, tp, cp, cp_impl, zero, pp_schedule, model overrides); PP_M micro-batches of 2 rows each
+PP_LAYOUTS = {
+    'pp2_1f1b':      (2, 2, 1, 1, 'ulysses', 0, '1f1b', dict(recompute='selective')),
+    'pp2_gpipe':     (2, 2, 1, 1, 'ulysses', 0, 'gpipe', {}),
+    'pp4_1f1b':      (4, 4, 1, 1, 'ulysses', 0, '1f1b', dict(n_layer=4)),
+    'pp4_gpipe':     (4, 4, 1, 1, 'ulysses', 0, 'gpipe', dict(n_layer=4, recompute='full')),
+    'pp2_tp2':       (4, 2, 2, 1, 'ulysses', 0, '1f1b', {}),
+    'pp2_cp2':       (4, 2, 1, 2, 'ulysses', 0, '1f1b', dict(recompute='selective')),
+    'pp2_ring2':     (4, 2, 1, 2, 'ring', 0, 'gpipe', dict(recompute='full')),
+    'pp2_dp2_zero3': (4, 2, 1, 1, 'ulysses', 3, '1f1b', {}),
+}
+PP_M = 4
+
+
+def pp_step(model, mesh, config, pipe=None):
+    """A train.py step of PP_M micro-batches of 2 rows (dp: 1 each), some targets ignored: (loss, grad norm, grads)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randint(0, config.vocab_size, (2 * PP_M, S), generator=g) for _ in range(2))
+    y[0, :11], y[5, 3:9] = -100, -100
+    micro = [parallel.shard_batch(mesh, x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for i in range(PP_M)]
+    loss = train.forward_backward(model, micro, nullcontext(), mesh, pipe)
+    named = list(model.named_parameters())
+    parallel.sync_grads(named, mesh, config)
+    norm = parallel.clip_grad_norm_(named, 0.5, mesh, config)
+    return loss.item(), norm.item(), gather_full(named, mesh, config, grads=True)
+
+
+def _pp_worker(rank, world, port, names, out_dir):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo')
+    for name in names:
+        _, pp, tp, cp, cp_impl, zero, schedule, overrides = PP_LAYOUTS[name]
+        config = model_config(overrides)
+        mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, pp=pp)
+        model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
+        if zero > 1:
+            parallel.shard_states(model, mesh, zero, torch.float32)
+        pipe = parallel.Pipeline(model, mesh, schedule, PP_M, nullcontext(), torch.device('cpu'))
+        result = pp_step(model, mesh, config, pipe)
+        if mesh.dp_rank == mesh.cp_rank == mesh.tp_rank == 0:  # one rank per stage: its blocks' gradients
+            torch.save(result, os.path.join(out_dir, f'{name}.{mesh.pp_rank}.pt'))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def pp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp('pipeline')
+    for world in (2, 4):
+        names = [n for n, layout in PP_LAYOUTS.items() if layout[0] == world]
+        mp.spawn(_pp_worker, args=(world, free_port(), names, str(out)), nprocs=world)
+    return {name: [torch.load(out / f'{name}.{r}.pt') for r in range(PP_LAYOUTS[name][1])] for name in PP_LAYOUTS}
+
+
+@pytest.mark.parametrize('name', list(PP_LAYOUTS))
+def test_a_pipeline_step_equals_single_process(pp_results, name):
+    """torch's schedule over our stages (parallel.Pipeline), with tp, Ulysses or the ring, FSDP2: every stage's loss
+    and gradient norm are one process's, and the stages' gradients together are its gradients, each once."""
+    overrides = PP_LAYOUTS[name][-1]
+    ref_loss, ref_norm, ref_grads = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(), model_config(overrides))
+    grads = {}
+    for loss, norm, stage_grads in pp_results[name]:
+        assert abs(loss - ref_loss) <= RTOL * ref_loss and abs(norm - ref_norm) <= RTOL * ref_norm, (loss, ref_loss)
+        assert not grads.keys() & stage_grads.keys()  # a stage holds its own blocks only
+        grads.update(stage_grads)
+    assert ref_norm > 0.5 and grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        assert rel(grads[n], ref_grads[n]) <= RTOL, (n, rel(grads[n], ref_grads[n]))
+
+
+def test_a_pipeline_trains_as_one_process_and_resumes_on_other_stage_counts(tmp_path):
+    """train.py with pp 2 (1F1B, 4 micro-batches): the losses and val losses of one process; its checkpoint (each
+    stage's own blocks) resumes in one process and on pp 4, both as the uninterrupted run."""
+    run = [*TINY, '--batch_size=2', '--gradient_accumulation_steps=4', '--eval_interval=3']
+    ref, pp2 = str(tmp_path / 'ref'), str(tmp_path / 'pp2')
+    torchrun(1, *run, '--max_iters=6', f'--out_dir={ref}')
+    torchrun(2, *run, '--pp_size=2', '--max_iters=4', f'--out_dir={pp2}')
+    assert_close_losses(read_log(pp2), read_log(ref)[:4])
+    for nproc in (1, 4):
+        out = str(tmp_path / f'resumed{nproc}')
+        shutil.copytree(pp2, out)
+        torchrun(nproc, *run, f'--pp_size={nproc}', '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
+        assert_close_losses(read_log(out), read_log(ref))
