@@ -148,11 +148,6 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     host += 16 * N / d if states_on_host else 0
     stays = offload.block_bytes(c, batch_size, S // t, dt, cp_size)[1] / T  # an offloaded block's, on the device
     acts = ((L - n_off) * k + n_off * stays) * T + 8 * c.head_dim * (T if doc_mask or pp > 1 else S)
-    # pp: F micro-batches in flight (1F1B: pp - stage; GPipe: all), each keeping its activations and the stage's
-    # output (sent, kept for its backward); gradients exist at a forward only once a backward ran before it
-    F = (min(grad_accum, pp - stage) if schedule == '1f1b' else grad_accum) if pp > 1 else 1
-    sent = b * h / t * T * (not last)
-    held, g_acc = (F - 1) * (acts + sent), grads_all if grad_accum > F else 0
 
     # the LM head and loss
     head_kept = 2 * b * h / t * T   # the final norm: its input and output
@@ -163,6 +158,12 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     else:             # F.cross_entropy: the fp32 log-softmax kept, its two gradients in backward
         head_kept += 4 * V * T
         head_tr = 8 * V * T
+    # pp: F micro-batches in flight (1F1B: pp - stage; GPipe: all), each keeping its activations, the stage's output
+    # (sent, kept for its backward) or its loss's; gradients exist at a forward only once a backward ran before it
+    F = (min(grad_accum, pp - stage) if schedule == '1f1b' else grad_accum) if pp > 1 else 1
+    sent = b * h / t * T * (not last)
+    one = acts + sent + head_kept * last
+    held, g_acc = (F - 1) * one, grads_all if grad_accum > F else 0
 
     # a block's backward at its MLP or at attention, plus what recompute or offload brings back
     gathered = b * h if sp else 0  # under sp the incoming gradient of a column-parallel matmul is whole
@@ -187,6 +188,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     }
     if not last:  # the LM head is the last stage's
         del moments['forward and backward: LM head and loss']
+    if 1 < F == grad_accum:  # no forward after the first backward: the second has every gradient, one less in flight
+        moments[f'backward: block {hi - 1}, the second micro-batch'] = (grads_all, held - one + acts + sent, ws, W)
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
         moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T,
                                          stages(full / t + gathered_in - stays, P), W)

@@ -222,6 +222,33 @@ def test_dry_run_with_the_states_on_the_host(tmp_path, config, world, seq_len):
     assert abs(est['total'] - measured['total']) < 0.07 * measured['total'], (est, measured)
 
 
+def test_dry_run_of_a_pipeline_measures_the_first_and_the_last_stage(tmp_path):
+    """pp 2 over 4 blocks, 4 micro-batches: rank 0's stage (blocks 0-1: 2 micro-batches in flight under 1F1B, all 4
+    under GPipe) and, in a process of its own, the last stage's (blocks 2-3 and the LM head: memory.rank1.json), each
+    as the estimate says; the first stage's activations are the in-flight micro-batches'."""
+    runs = {}
+    for schedule in ('1f1b', 'gpipe'):
+        out = tmp_path / schedule
+        p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--n_layer=4', '--n_head=8', '--n_kv_head=8',
+                            '--n_embd=512', '--intermediate_size=1376', '--vocab_size=32000', '--seq_len=8192',
+                            '--batch_size=1', '--gradient_accumulation_steps=4', '--pp_size=2', '--recompute=full',
+                            f'--pp_schedule={schedule}', '--dry_run=True', f'--out_dir={out}'], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env={**os.environ, 'WORLD_SIZE': '2'})
+        assert p.returncode == 0 and p.stdout.count('verdict: fits') == 2, p.stderr[-3000:]
+        assert 'rank 0 of 2 (dp 1 x pp 2 x cp 1 x tp 1)' in p.stdout and 'rank 1 of 2' in p.stdout
+        runs[schedule] = [json.loads((out / name).read_text())['ranks'][0] for name in ('memory.json',
+                                                                                       'memory.rank1.json')]
+        for rank in runs[schedule]:
+            est, measured = rank['estimate'], rank['measured']
+            assert abs(est['total'] - measured['total']) < 0.05 * measured['total'], (schedule, est, measured)
+    # 1F1B's peak: the steady state, one micro-batch held beside the current one (gradients made); GPipe's: its
+    # second backward, two held (every forward ran first). Each holds 2 block inputs, its output sent on (bf16) and
+    # RoPE's fp32 tables
+    one = 3 * 8192 * 512 * 2 + 8 * 64 * 8192
+    (f1, _), (f4, _) = runs['1f1b'], runs['gpipe']
+    assert f4['measured']['activations'] - f1['measured']['activations'] == pytest.approx(one, rel=0.02)
+
+
 def test_dry_run_fits_when_it_should(tmp_path):
     """A 1B-ish model at 16K tokens with full recompute fits one 80 GB GPU, and says so."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--n_layer=16', '--n_head=32',
