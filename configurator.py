@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import suppress
 from datetime import timedelta
 from types import ModuleType
 
@@ -38,14 +39,12 @@ def wait_for_every_rank(what, timeout=60):
         return
     import torch.distributed as dist  # (only a multi-rank job needs torch here, and has it imported already)
     key = f"nanolong/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{what}"
-    try:
+    with suppress(RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
         store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
                               timeout=timedelta(seconds=timeout))
         store.add(key, 1)
         while store.add(key, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
-    except (RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
-        pass
 
 
 def collective_failed(e, timeout_s):
@@ -96,9 +95,8 @@ def fit(value, default, raw=None):
 
 def override(g, defaults, key, value, raw, where=''):
     if key not in defaults:
-        close = difflib.get_close_matches(key, list(defaults), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ''
-        die(f"{where}unknown config key {key!r}{hint}")
+        close = difflib.get_close_matches(key, defaults, n=1)
+        die(f"{where}unknown config key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ''))
     new = fit(value, defaults[key], raw)
     if new is _BAD:
         name, got = (key, value) if raw is None else ('--' + key, raw)
@@ -130,9 +128,8 @@ def configure(g, argv=None):
     # the defaults, before any override: every later value is checked against these types
     defaults = {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
     if '-h' in argv or '--help' in argv:
-        print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:")
-        for k, v in defaults.items():
-            print(f"  --{k}={v!r}")
+        print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:",
+              *[f"  --{k}={v!r}" for k, v in defaults.items()], sep='\n')
         sys.exit(0)
     for arg in argv:
         if not arg.startswith('-'):
@@ -141,8 +138,7 @@ def configure(g, argv=None):
         key, eq, raw = arg[2:].partition('=')  # the first '=': values may hold more
         if not arg.startswith('--') or not key or not eq:
             die(f"malformed argument {arg!r}: expected --key=value or a config file path")
-        try:
+        value = raw  # --init_from=resume: a bare string, unless it parses as a literal
+        with suppress(Exception):  # SyntaxError, ValueError, ...: not a literal
             value = ast.literal_eval(raw)
-        except Exception:  # SyntaxError, ValueError, ...: not a literal, so a bare string
-            value = raw  # --init_from=resume
         override(g, defaults, key, value, raw)

@@ -15,25 +15,24 @@ import offload
 import parallel
 
 
-class Tracker:
+class Tracker(ExitStack):  # entered, it enters MemTracker and hooks (a hook's handle removes it): left, last first
     """The header's MemTracker (.breakdown()) and anatomy (.at_peak, if anatomy). masters: train.py's fp32 gradient
     holders when they are not the parameters; inputs: tensors made before the step that it uses (the batch)."""
 
     def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'), anatomy=False,
                  states_on_host=False):
+        super().__init__()
         from torch.distributed._tools.mem_tracker import MemTracker
         from torch.distributed._tools.mod_tracker import ModTracker  # MemTracker's own: holds no tensor alive
 
         class Anatomy(MemTracker):  # it updates its peak as an op returns: look then
             def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
-                out = super().__torch_dispatch__(func, types, args, kwargs)
-                return self.look(func, [*args, *(kwargs or {}).values()], out)
+                return self.look(func, super().__torch_dispatch__(func, types, args, kwargs), args, kwargs)
         if device.type == 'cuda' and device.index is None:  # MemTracker's keys are the tensors' devices: cuda:N
             device = torch.device('cuda', torch.cuda.current_device())
         self.mt, self.root, self.device = (Anatomy if anatomy or states_on_host else MemTracker)(), model, device
-        self.inputs, self.optimizer = list(inputs), optimizer
+        self.inputs, self.optimizer, self.params = list(inputs), optimizer, list(model.parameters())
         self.mods, self.made, self.top, self.at_peak, self.moment = ModTracker() if anatomy else None, {}, -1, [], ''
-        self.params = list(model.parameters())
         # offload_states: FSDP2's rows, their gradients (the host's at the device's peak) and AdamW's moments (local: a
         # DTensor's storage is the whole tensor's) are host memory; the device's peak is before AdamW's step
         self.on_host = [p.to_local() for p in self.params] if states_on_host else []
@@ -47,43 +46,39 @@ class Tracker:
         self.mt.track_external(model, *self.state, *self.inputs, *([optimizer] if optimizer is not None else []))
 
     def __enter__(self):
-        self.stack = ExitStack()
-        enter = self.stack.enter_context  # each leaves with the stack, last first; a hook's handle removes the hook
         # train.py writes a master's .grad after autograd's hook: register it then
         for p, m in zip(self.params, self.masters):
-            enter(p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad)))
+            self.enter_context(p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad)))
         # MemTracker refuses a second forward of the model (gradient accumulation) unless its
         # per-module statistics, which we don't read, are reset first; this hook runs before its own
-        enter(torch.nn.modules.module.register_module_forward_pre_hook(
+        self.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(
             lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
-        enter(warnings.catch_warnings())
+        self.enter_context(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
-        self.mods and enter(self.mods)
+        self.mods and self.enter_context(self.mods)
         if self.on_host:  # AdamW steps on the host (torch's AdamW.step fires the hook too: the first call counts)
-            enter(self.optimizer.register_step_pre_hook(lambda *_: self.before_step or self.stop_at_step()))
-        enter(self.mt)
+            self.enter_context(self.optimizer.register_step_pre_hook(  # the device's peak: MemTracker's before it
+                lambda *_: self.before_step or setattr(self, 'before_step', self.mt.get_tracker_snapshot('peak'))))
+        self.enter_context(self.mt)
         return self
 
-    def __exit__(self, *exc):
-        self.stack.__exit__(*exc)
-
-    def look(self, func, args, out):
+    def look(self, func, out, args, kwargs):
         """Note each storage on our device an op makes (not one of its inputs': a view, in place), what made it
         and its category (made in forward: activations; in backward, a recompute's too, or by the optimizer:
         transient; or grads); at a new peak of MemTracker's, the one breakdown reads, keep those alive, and
         the bytes of the host gradients then (offload_states)."""
         total = self.mt.get_tracker_snapshot().get(self.device, {}).get('Total', 0)
         peak = total > self.top and self.before_step is None  # (offload_states: AdamW's step is on the host)
+        self.top = max(self.top, total)
         if peak and self.on_host:
             self.host_grads = sum(p.grad.to_local().nbytes for p in self.params if p.grad is not None)
         if self.mods is None:  # no anatomy
-            self.top = max(self.top, total)
             return out
         ours = lambda xs: {id(t.untyped_storage()): t for x in xs for t in (x if isinstance(x, (tuple, list)) else [x])
                            if isinstance(t, torch.Tensor) and t.device == self.device}
         where = max(self.mods.parents, key=lambda m: (m.count('.'), m)) + (' (backward)' if self.mods.is_bw else '')
         step = 'transient' if self.mods.is_bw or not torch.is_grad_enabled() else 'activations'
-        given = ours(args)
+        given = ours([*args, *(kwargs or {}).values()])
         for k, t in ours([out]).items():
             if k not in given and k not in self.made:  # dropped as it is freed: a freed storage's id is reused
                 info = dict(category=step, dtype=str(t.dtype)[6:], shape=list(t.shape), op=str(func), module=where)
@@ -91,14 +86,11 @@ class Tracker:
         if peak:
             grads = {id(p.grad.untyped_storage()) for p in self.params + self.masters if p.grad is not None}
             host = {id(b.untyped_storage()) for b in offload.host_buffers()}  # host memory, even on a CPU
-            self.top, self.moment = total, f"{func} in {where}"
+            self.moment = f"{func} in {where}"
             self.at_peak = sorted(({**info, 'bytes': st.nbytes()} | ({'category': 'grads'} if k in grads else {})
                                    for k, (ref, info) in list(self.made.items()) if (st := ref()) is not None
                                    and k not in host), key=lambda x: -x['bytes'])
         return out
-
-    def stop_at_step(self):
-        self.before_step = self.mt.get_tracker_snapshot('peak')
 
     def breakdown(self):
         snap = self.before_step or self.mt.get_tracker_snapshot('peak')
