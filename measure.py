@@ -49,10 +49,10 @@ class Tracker(ExitStack):  # entered, it enters MemTracker and hooks (a hook's h
         # train.py writes a master's .grad after autograd's hook: register it then
         for p, m in zip(self.params, self.masters):
             self.enter_context(p.register_post_accumulate_grad_hook(lambda p, m=m: self.mt.track_external(m.grad)))
-        # MemTracker refuses a second forward of the model (gradient accumulation) unless its
-        # per-module statistics, which we don't read, are reset first; this hook runs before its own
-        self.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, args: self.mt.reset_mod_stats() if m is self.root else None))
+        # MemTracker refuses a second forward of the model (gradient accumulation) unless the model's statistics,
+        # which we don't read, are dropped first (its blocks' stay: pp's backward of an earlier one finds them)
+        self.enter_context(torch.nn.modules.module.register_module_forward_pre_hook(  # (returns None: the args stay)
+            lambda m, args: self.mt.memory_tracking.pop(m, None) and None if m is self.root else None))
         self.enter_context(warnings.catch_warnings())
         warnings.filterwarnings('ignore', message='Expected a tensor')  # its own hook sees .grad = None after ours
         self.mods and self.enter_context(self.mods)

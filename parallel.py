@@ -1,7 +1,7 @@
 """
-Tensor, sequence, context and data parallelism over torchrun, as hooks on the model's own modules.
+Tensor, sequence, context, pipeline and data parallelism over torchrun, as hooks on the model's own modules.
 
-A mesh of world = d × c × t ranks (t fastest: a tp group is neighbouring GPUs on one node). S tokens
+A mesh of world = d × p × c × t ranks (t fastest: a tp group is neighbouring GPUs on one node). S tokens
 per sequence, B sequences per rank, h width, H heads, K kv heads, I the MLP's width, V vocabulary,
 N parameters, b bytes per element. What each dimension saves, per rank:
 
@@ -14,6 +14,9 @@ N parameters, b bytes per element. What each dimension saves, per rank:
   c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
+  p   pipeline parallel (GPipe, Huang 2019; 1F1B, Narayanan 2021): stage r keeps blocks [r·L/p, (r+1)·L/p), the
+      embedding on the first, the LM head on the last: states N -> N/p with no collective inside a layer. Not
+      the activations: the first stage holds p micro-batches in flight under 1F1B (pipeline.py).
   d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never one flat copy
       of them all; or FSDP2 (shard_states: torch's fully_shard, ZeRO, Rajbhandari 2020) keeps 1/d of every fp32
       row of the tp shard over the d = dp·c ranks holding the same weights: zero=2 the gradients and AdamW's
@@ -33,9 +36,13 @@ the five functions below (chunked.py's loss makes its own):
   d, zero=2       1 all-gather of its rows in bf16 before its forward (2·N_block/t bytes), kept to its backward,
                   1 reduce-scatter of its fp32 gradients after it (4·N_block/t); zero=3 gathers again for backward
   offload_states  its fp32 rows come in from the host before each all-gather, its gradients' rows go out after
+  p, per stage    1 send of its output to the next stage, B·S·h/(c·t) elements, point to point (1 gradient back)
 Per step: embedding 1 (g), LM head input 1 (f), per loss chunk one all-gather of [B·S/chunks]
 log-sum-exps, 1 all-reduce of the target logits. FSDP2 gathers the embedding, final norm and LM head once
 (before the forward, kept to the end of the backward) and reduce-scatters their gradients last.
+A pipeline of p stages over M micro-batches (gradient_accumulation_steps) idles (p - 1)/(M + p - 1) of a step, its
+bubble, 1F1B and GPipe alike: M >= 4p keeps it under 20%. It pays where the states don't fit t × d sharding on
+one node's fast links: its sends are small and few, fit for the slower links between nodes.
 """
 import functools
 import math
@@ -443,69 +450,6 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
         m.set_gradient_divide_factor(1.0)  # a sum: forward_backward weighs each rank's loss by the step's tokens
         m.set_force_sum_reduction_for_comms(True)
     return model
-
-
-class Pipeline(nn.Module):
-    """This rank's stage (parallelize kept its blocks) as torch's pipeline schedule drives it over the micro-batches.
-    Every stage runs its forward under autocast with the positions (RoPE's; the cp shard's); the last stage's loss
-    is the LM head and loss of each micro-batch, weighted as train.forward_backward weighs micro-steps."""
-
-    def __init__(self, model, mesh, schedule, microbatches, autocast, device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        super().__init__()
-        self.model, self.mesh, self.autocast, self.count = model, mesh, autocast, 1
-        self.dtype = autocast.fast_dtype if isinstance(autocast, torch.autocast) else torch.float32  # what moves
-        # in flight: micro-batches between their forward and backward; 1F1B: stage r forwards pp - r before its first
-        # backward, then alternates; GPipe all of them (the first stage holds the most: its activations never shrink)
-        self.in_flight = min(microbatches, mesh.pp - mesh.pp_rank) if schedule == '1f1b' else microbatches
-        stage = PipelineStage(self, mesh.pp_rank, mesh.pp, device, group=mesh.pp_group)
-        # scale_grads=False: the weights below already make the sum of the micro-batches' losses the step's mean
-        kind = Schedule1F1B if schedule == '1f1b' else ScheduleGPipe
-        self.schedule = kind(stage, microbatches, loss_fn=lambda h, y: self(h, targets=y), scale_grads=False)
-
-    def forward(self, x, positions=None, targets=None):
-        """The stage's forward; targets (the last stage's loss_fn): the LM head and loss of a micro-batch, weighted to
-        make the micro-batches' sum the step's mean over its real targets."""
-        with self.autocast:
-            if targets is None:  # (contiguous: what a stage sends and receives is flat memory)
-                return self.model(x, positions=positions).contiguous()
-            return self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
-
-    def step(self, micro_batches, count, fake=False):
-        """Every micro-batch's forward and backward; the sum of their weighted losses on the last stage, 0 before it.
-        fake (the dry run: torch's schedule can't start on fake tensors and a fake process group) runs this stage's
-        part itself, in the schedule's order: micro-batch i's backward after the forward of i + in_flight - 1."""
-        first, last, self.count = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1, count
-        x, y = (torch.cat(t) for t in list(zip(*micro_batches))[:2])
-        pos = micro_batches[0][2]  # the same for every micro-batch (doc_mask is refused); torch splits tensors by rows
-        pos = (torch.arange(x.shape[1], device=x.device) if pos is None else pos).expand(len(x), -1)
-        losses, kept = [], []
-        if not fake:
-            self.schedule.step(*[x] * first, target=y if last else None, losses=losses if last else None, positions=pos)
-        for i, (x_i, y_i, *_) in enumerate(micro_batches if fake else []):
-            h = x_i if first else self.received(x_i).requires_grad_()
-            kept.append(self(self(h, pos[:len(h)]), targets=y_i) if last else self(h, pos[:len(h)]))
-            while len(kept) == self.in_flight or kept and i == len(micro_batches) - 1:
-                out = kept.pop(0)
-                out.backward(None if last else torch.empty_like(out))  # (the next stage's gradient)
-                last and losses.append(out.detach())
-        return sum(losses) if last else torch.zeros((), device=x.device)
-
-    def received(self, x):  # what the stage before sends for tokens x: its activations, sp's shard of them under tp
-        return torch.empty(*x.shape[:-1], x.shape[-1] // self.mesh.tp, self.model.config.n_embd, dtype=self.dtype,
-                           device=x.device)
-
-    @torch.no_grad()
-    def evaluate(self, x, y, positions=None):
-        """The loss of one batch, on every stage: forward only, the stages in turn (a schedule of one micro-batch)."""
-        r, group = self.mesh.pp_rank, self.mesh.pp_group
-        h = x if r == 0 else self.received(x)
-        r == 0 or dist.recv(h, group_src=r - 1, group=group)
-        out = self(h, positions)
-        r == self.mesh.pp - 1 or dist.send(out, group_dst=r + 1, group=group)
-        with self.autocast:
-            loss = self.model.head(out, y)[1].float() if r == self.mesh.pp - 1 else torch.zeros((), device=x.device)
-        return all_reduce(loss, group)
 
 
 # ----------------------------------------------------------------------------- gradients and clipping (AdamW: optim.py)

@@ -35,6 +35,7 @@ import checkpoint
 from configurator import collective_failed, configure, die, has_device, writable
 from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
+import pipeline
 import memory
 import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -177,7 +178,7 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
     the whole step's, over every dp × cp rank: the gradients summed over them are then the single-process ones."""
     dpcp_sum = lambda t: t if mesh is None or mesh.dpcp_group is None else parallel.all_reduce(t, mesh.dpcp_group)
     count = dpcp_sum(sum((y != -100).sum() for _, y, *_ in micro_batches)).clamp(min=1)
-    if pipe is not None:  # torch's schedule runs them, in its order (parallel.Pipeline); the last stage has the loss
+    if pipe is not None:  # torch's schedule runs them, in its order (pipeline.py); the last stage has the loss
         return dpcp_sum(parallel.all_reduce(pipe.step(micro_batches, count, fake=dry_run), mesh.pp_group))
     total = 0.0
     for x, y, *rest in micro_batches:  # rest: positions, docs
@@ -382,7 +383,7 @@ def main():
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     raw_model, model = model, torch.compile(model) if compile else model
-    pipe = parallel.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev) \
+    pipe = pipeline.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev) \
         if pp_size > 1 else None  # torch's pipeline schedule over this rank's stage
     step = lambda batches: train_step(model, batches, autocast, mesh, list(zip(names, masters)), optimizer, pipe)
     save = lambda it: checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=it,

@@ -30,6 +30,7 @@ import checkpoint  # noqa: E402
 import offload  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
+import pipeline  # noqa: E402
 import train  # noqa: E402
 import model as model_py  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
@@ -774,7 +775,7 @@ def _pp_worker(rank, world, port, names, out_dir):
         model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32)
-        pipe = parallel.Pipeline(model, mesh, schedule, PP_M, nullcontext(), torch.device('cpu'))
+        pipe = pipeline.Pipeline(model, mesh, schedule, PP_M, nullcontext(), torch.device('cpu'))
         result = pp_step(model, mesh, config, pipe)
         if mesh.dp_rank == mesh.cp_rank == mesh.tp_rank == 0:  # one rank per stage: its blocks' gradients
             torch.save(result, os.path.join(out_dir, f'{name}.{mesh.pp_rank}.pt'))
