@@ -335,6 +335,18 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     return (loss[0] / loss[1]).item()
 
 
+def dry_run_step(step, mem, model, masters, optimizer, mesh, pipe):
+    """One step on fake tensors, measured: the table and the verdict. Two micro-steps show what gradient accumulation
+    adds; under pp one more than rank 0's stage keeps in flight, then the last stage's dry run in a fresh process."""
+    n, V = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1), model.config.vocab_size
+    batches = [parallel.shard_batch(mesh, *memory.fake_batch(batch_size * mesh.dp, seq_len, V, doc_mask))
+               for _ in range(n)]  # made before the step: not the step's
+    with mem.measure(pipe or model, masters, optimizer):
+        step(batches)
+    if mesh.pp > 1 and mesh.pp_rank == 0:  # the LM head and loss, the fewest in flight
+        subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)}, check=True)
+
+
 def catch_signals():
     """SIGINT / SIGTERM: the loop finishes its step, saves and exits 0; a second signal interrupts at once."""
     stop = []
@@ -388,18 +400,13 @@ def main():
     step = lambda batches: train_step(model, batches, autocast, mesh, list(zip(names, masters)), optimizer, pipe)
     save = lambda it: checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=it,
                                       best_val_loss=best_val_loss, config=cfg)
-    if dry_run:  # one step on fake tensors (two micro-steps show what gradient accumulation adds), then exit
-        fake = lambda: memory.fake_batch(batch_size * mesh.dp, seq_len, raw_model.config.vocab_size, doc_mask)
-        n = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)  # (pp: as many as in flight)
-        with mem.measure(pipe or raw_model, masters, optimizer):  # the table and the verdict
-            step([parallel.shard_batch(mesh, *fake()) for _ in range(n)])
-        if mesh.pp > 1 and mesh.pp_rank == 0:  # the last stage (LM head and loss, fewest in flight): a fresh dry run
-            subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(world - 1)}, check=True)
-        return
+    if dry_run:
+        return dry_run_step(step, mem, raw_model, masters, optimizer, mesh, pipe)
 
     device_flops = (peak := peak_flops(dev, ptdtype)) and peak * world  # MFU is per device: against all of them
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
-    layout = f", {world} ranks: dp {mesh.dp} x cp {mesh.cp} ({cp_impl}) x tp {mesh.tp}" if world > 1 else ''
+    layout = f", {world} ranks: dp {mesh.dp} x pp {mesh.pp} ({pp_schedule}) x cp {mesh.cp} ({cp_impl}) x tp {mesh.tp}" \
+        if world > 1 else ''
     rank == 0 and print(f"{n_params / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} tokens per step, "
                         f"device {dev} {str(ptdtype).removeprefix('torch.')}{layout}")
     signals, stop = catch_signals(), False  # signals this rank received; stop: what every rank agreed on
