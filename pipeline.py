@@ -77,7 +77,7 @@ class Pipeline(nn.Module):
         r, group = self.mesh.pp_rank, self.mesh.pp_group
         h = x if r == 0 else self.received(x)
         r == 0 or dist.recv(h, group_src=r - 1, group=group)
-        out = self(h, positions)
+        out = self(h, torch.arange(x.shape[1], device=x.device) if positions is None else positions)  # x's, not h's
         r == self.mesh.pp - 1 or dist.send(out, group_dst=r + 1, group=group)
         with self.autocast:
             loss = self.model.head(out, y)[1].float() if r == self.mesh.pp - 1 else torch.zeros((), device=x.device)

@@ -752,7 +752,8 @@ PP_M = 4
 
 
 def pp_step(model, mesh, config, pipe=None):
-    """A train.py step of PP_M micro-batches of 2 rows (dp: 1 each), some targets ignored: (loss, grad norm, grads)."""
+    """A train.py step of PP_M micro-batches of 2 rows (dp: 1 each), some targets ignored, then the evaluation of the
+    first (train.evaluate's call): (loss, grad norm, grads, its val loss)."""
     g = torch.Generator().manual_seed(2)
     x, y = (torch.randint(0, config.vocab_size, (2 * PP_M, S), generator=g) for _ in range(2))
     y[0, :11], y[5, 3:9] = -100, -100
@@ -761,7 +762,11 @@ def pp_step(model, mesh, config, pipe=None):
     named = list(model.named_parameters())
     parallel.sync_grads(named, mesh, config)
     norm = parallel.clip_grad_norm_(named, 0.5, mesh, config)
-    return loss.item(), norm.item(), gather_full(named, mesh, config, grads=True)
+    with torch.no_grad():  # weighted by its real targets, summed over dp x cp (train.evaluate)
+        val = model(*micro[0][:3])[1] if pipe is None else pipe.evaluate(*micro[0][:3])
+        val = torch.stack([val * (micro[0][1] != -100).sum(), (micro[0][1] != -100).sum().float()])
+        val = val if mesh.dpcp_group is None else parallel.all_reduce(val, mesh.dpcp_group)
+    return loss.item(), norm.item(), gather_full(named, mesh, config, grads=True), (val[0] / val[1]).item()
 
 
 def _pp_worker(rank, world, port, names, out_dir):
@@ -796,10 +801,12 @@ def test_a_pipeline_step_equals_single_process(pp_results, name):
     """torch's schedule over our stages (parallel.Pipeline), with tp, Ulysses or the ring, FSDP2: every stage's loss
     and gradient norm are one process's, and the stages' gradients together are its gradients, each once."""
     overrides = PP_LAYOUTS[name][-1]
-    ref_loss, ref_norm, ref_grads = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(), model_config(overrides))
+    ref_loss, ref_norm, ref_grads, ref_val = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(),
+                                                     model_config(overrides))
     grads = {}
-    for loss, norm, stage_grads in pp_results[name]:
+    for loss, norm, stage_grads, val in pp_results[name]:
         assert abs(loss - ref_loss) <= RTOL * ref_loss and abs(norm - ref_norm) <= RTOL * ref_norm, (loss, ref_loss)
+        assert abs(val - ref_val) <= RTOL * ref_val, (val, ref_val)
         assert not grads.keys() & stage_grads.keys()  # a stage holds its own blocks only
         grads.update(stage_grads)
     assert ref_norm > 0.5 and grads.keys() == ref_grads.keys()
