@@ -14,9 +14,9 @@ N parameters, b bytes per element. What each dimension saves, per rank:
   c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023; zigzag halves balance the mask).
-  p   pipeline parallel (GPipe, Huang 2019; 1F1B, Narayanan 2021): stage r keeps blocks [r·L/p, (r+1)·L/p), the
-      embedding on the first, the LM head on the last: states N -> N/p with no collective inside a layer. Not
-      the activations: the first stage holds p micro-batches in flight under 1F1B (pipeline.py).
+  p   pipeline parallel (GPipe, Huang 2019; 1F1B, Narayanan 2021): stage r keeps blocks [r·L/p, (r+1)·L/p) (the
+      embedding on the first, the LM head on the last): states N -> N/p, no collective inside a layer. Not the
+      activations: the first stage holds p micro-batches in flight under 1F1B (pipeline.py).
   d   data parallel: other sequences. Gradients are summed over dp × cp in ~25 MB buckets (DDP's), never one flat copy
       of them all; or FSDP2 (shard_states: torch's fully_shard, ZeRO, Rajbhandari 2020) keeps 1/d of every fp32
       row of the tp shard over the d = dp·c ranks holding the same weights: zero=2 the gradients and AdamW's
@@ -62,8 +62,8 @@ from torch.distributed.tensor import DTensor, Shard
 # ----------------------------------------------------------------------------- setup: torchrun, mesh
 @dataclass
 class Mesh:
-    """Where this rank sits: rank = (dp_rank·cp + cp_rank)·tp + tp_rank. A group is None when of size 1;
-    dpcp_group: the ranks holding the same weights; kv_group: the tp ranks sharing one kv head (K < t)."""
+    """Where this rank sits: rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank. A group is None when of
+    size 1; dpcp_group: the ranks holding the same weights; kv_group: the tp ranks sharing one kv head (K < t)."""
     world: int = 1
     rank: int = 0
     dp: int = 1
@@ -79,7 +79,7 @@ class Mesh:
     dpcp_group: object = None
     kv_group: object = None
     dpcp_mesh: object = None  # FSDP2's DeviceMesh of them (of one rank too: offload_states), made before fake tensors
-    pp: int = 1  # pipeline stages: rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank
+    pp: int = 1  # (after the others: a Mesh(...) by position predates pp)
     pp_rank: int = 0
     pp_group: object = None
 
@@ -120,20 +120,17 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (pp > c.n_layer, f"pp_size={pp} stages need a block each: n_layer={c.n_layer}"),
         (pp > 1 and schedule == '1f1b' and microbatches < pp, f"pp_schedule='1f1b' runs gradient_accumulation_steps="
          f"{microbatches} micro-batches through {pp} stages: it needs at least as many (or pp_schedule='gpipe')"),
-        (pp > 1 and c.tie_embeddings, "tie_embeddings=True with pp_size > 1: the first stage's embedding and the "
-         "last's LM head would be one weight on two ranks"),
-        (pp > 1 and doc_mask, "doc_mask=True with pp_size > 1: the documents' starts are per micro-batch rows, and "
-         "torch's schedule splits only tensors by rows"),
+        (pp > 1 and c.tie_embeddings, "tie_embeddings=True with pp_size > 1: one weight on the first and last stage"),
+        (pp > 1 and doc_mask, "doc_mask=True with pp_size > 1: torch's schedule can't split the documents' starts"),
         (pp > 1 and c.offload > 0, f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
-         "micro-batch's blocks, and a stage keeps up to pp_size in flight; use recompute"),
+         "micro-batch's blocks, a stage keeps up to pp_size; use recompute"),
     ]
     return next((why for bad, why in rules if bad and why), None)
 
 
 def init_distributed(device_type, fake=False, timeout_s=300, one=False):
     """(world, rank, local_rank), in torchrun's process group (NCCL on CUDA, gloo on CPU) or one: a group of one rank
-    (FSDP2's, offload_states); fake (the dry run): rank RANK (0) of WORLD_SIZE ranks whose collectives return at once,
-    reporting as rank 0."""
+    (FSDP2's, offload_states); fake (the dry run): rank RANK (0) of WORLD_SIZE whose collectives return at once."""
     world, local_rank = int(os.environ.get('WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0))
     if world == 1 and not one or fake:
         if fake and (world > 1 or one):
@@ -157,7 +154,6 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     grid = torch.arange(world).view(-1, pp, cp, tp)  # [dp, pp, cp, tp]
     m = Mesh(world, rank, len(grid), cp, tp, rank // (pp * cp * tp), rank // tp % cp, rank % tp, cp_impl,
              sequence_parallel, pp=pp, pp_rank=rank // (cp * tp) % pp)
-
     timeout = timeout_s and timedelta(seconds=timeout_s)  # a group's own default is 30 minutes, not the world's
 
     def groups(sets, one=False):  # new_group is collective: every rank builds every group, in order; keep ours
@@ -400,10 +396,9 @@ def parallelize(model, mesh):
     c = model.config
     if mesh.pp > 1:  # this rank's stage: blocks [lo, hi), the embedding on the first, norm and LM head on the last
         lo, hi = mesh.pp_rank * c.n_layer // mesh.pp, (mesh.pp_rank + 1) * c.n_layer // mesh.pp
-        for i in [i for i in model.layers if not lo <= int(i) < hi]:
-            del model.layers[i]
-        model.tok_embeddings = model.tok_embeddings if lo == 0 else None
-        model.norm, model.output = (model.norm, model.output) if hi == c.n_layer else (None, None)
+        model.layers = nn.ModuleDict({i: block for i, block in model.layers.items() if lo <= int(i) < hi})
+        for name in ['tok_embeddings'] * (lo > 0) + ['norm', 'output'] * (hi < c.n_layer):
+            setattr(model, name, None)
         model.pipelined = True
     if mesh.tp > 1:
         for name, p in list(model.named_parameters()):
