@@ -46,10 +46,10 @@ import parallel
 
 # ----------------------------------------------------------------------------- where each piece lies
 @functools.cache
-def _device_mesh(world, tp, kv_heads, device_type, pp=1):
+def _device_mesh(world, tp, kv_heads, device_type, pp=1, cp=1):
     """All ranks as a DeviceMesh (pp, tp, dp·cp), or (pp, K, t/K, dp·cp) to place kv heads replicated K < t ways. tp
     comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names are its own: pp replicates.)"""
-    ranks = torch.arange(world).view(-1, pp, world // pp // tp, tp).permute(1, 3, 0, 2)  # [pp, tp, dp, cp]
+    ranks = torch.arange(world).view(-1, pp, cp, tp).permute(1, 3, 0, 2)  # [dp, pp, cp, tp] -> [pp, tp, dp, cp]
     if kv_heads:
         return DeviceMesh(device_type, ranks.reshape(pp, kv_heads, tp // kv_heads, -1),
                           mesh_dim_names=('pp', 'kv', 'kv_copy', 'dpcp'))
@@ -64,7 +64,7 @@ def _placed(name, local, mesh, config, shape, fsdp_dim=None):
         return local  # every rank holds the same tensor: DCP's one copy is right
     kv = spec is not None and spec[1] == 'kv' and config.n_kv_head < mesh.tp
     on_tp = [Replicate()] if spec is None else [Shard(0), Replicate()] if kv else [Shard(spec[0])]
-    dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type, mesh.pp)
+    dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type, mesh.pp, mesh.cp)
     return DTensor.from_local(local, dm, [Replicate()] + on_tp + [Replicate() if fsdp_dim is None else Shard(fsdp_dim)],
                               shape=shape, stride=torch.empty(shape, device='meta').stride())
 

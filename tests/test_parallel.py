@@ -474,6 +474,8 @@ def single_run(tmp_path_factory):
     (2, ['--batch_size=2', '--zero=3'], 'in one process'),  # dp = 2, half the rows each: same global batch
     (1, ['--zero=3', '--offload_states=True'], 'in one process'),  # FSDP2 over one rank, its states on the host
     (2, ['--batch_size=2', '--zero=3', '--offload_states=True'], None),
+    # pp 2 x dp 2, FSDP2 per stage (GPipe: one micro-batch is enough), its states on the host, read whole
+    (4, ['--batch_size=2', '--pp_size=2', '--pp_schedule=gpipe', '--zero=3', '--offload_states=True'], 'in one process'),
 ])
 def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, nproc, layout, resume):
     ref, single_at4 = single_run
