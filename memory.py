@@ -1,13 +1,11 @@
 """
-Memory, accounted: a per-rank estimate you can follow on paper, the measured breakdown of the first
-step, a dry run on fake tensors, a fit check and a planner. It saves nothing; it tells you before you
-run out.
+Memory, accounted: a per-rank estimate you can follow on paper, the measured breakdown of the first step, a dry run on
+fake tensors, a fit check and a planner. It saves nothing; it tells you before you run out.
 
-Six categories, bytes per rank: params, grads, optimizer, activations (made by forward, kept for
-backward), transient (every other tensor alive at that moment), workspace (what a CUDA kernel allocates
-inside itself: no tensor shows it). `overhead` (CUDA context, NCCL buffers) is added to the total for
-the verdict: it must be under 80% of the device (Fujii et al. 2024, arXiv 2411.06465: in 454 runs on
-A100/H100 estimates under 80% never ran out).
+Six categories, bytes per rank: params, grads, optimizer, activations (made by forward, kept for backward),
+transient (every other tensor alive at that moment), workspace (what a CUDA kernel allocates inside itself: no
+tensor shows it). `overhead` (CUDA context, NCCL buffers) is added to the total for the verdict: it must be under
+80% of the device (Fujii et al. 2024, arXiv 2411.06465: in 454 runs on A100/H100 estimates under 80% never ran out).
 
 The estimate (S tokens per sequence, B batch, h width, H heads, kv = K·hd, I MLP width, V vocabulary,
 L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
@@ -48,11 +46,10 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
                call: a = H/t, Sa = S (sp gathers the sequence); Ulysses a = H/(t·c); the ring Sa = S/c, its kv
                heads already repeated (a tensor). Alive in one attention backward: in the block-backward moments.
 
-Measured (measure.py): torch's MemTracker over the first step, read as our categories; on CUDA its peak is
-the total, workspace what it holds beyond MemTracker's tensors. The dry run (`--dry_run=True`): the same on rank
-0 of the configured world, a fake process group, FakeTensors (shapes, no data) and CPU autocast in bf16 standing
-in for CUDA: the exact answer for tensors; a kernel's workspace is the formula's, at the formula's peak moment.
-`--dry_run_anatomy=N` lists the N largest tensors alive at its peak, and what made them.
+Measured (measure.py): MemTracker over the first step in our categories; on CUDA its peak is the total, workspace what
+it holds beyond the tensors. The dry run (`--dry_run=True`): the same on rank 0 of the configured world with a fake
+process group, FakeTensors (shapes, no data) and CPU autocast in bf16 for CUDA: exact for tensors, a kernel's workspace
+the formula's at its peak. `--dry_run_anatomy=N` lists the N largest tensors alive at the peak, and what made them.
 """
 import json
 import math
@@ -124,8 +121,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h  # its matrices split over tp, 2 norms not
     N = L * block + V * h / t * (first + last * (not c.tie_embeddings)) + h * last
     d = dp * cp_size if zero else 1
-    params, grads_all = b * N, 4 * N
-    optimizer = (2 * b if in_backward else 12 if bf16 else 8) * N
+    params, grads_all, optimizer = b * N, 4 * N, (2 * b if in_backward else 12 if bf16 else 8) * N
     g_emb = 4 * V * h / t * first              # the embedding's gradient, made last
     g_head = (4 * V * h / t + 4 * h) * last    # the LM head's (tied: its share, waiting for the embedding's)
     g_layer = 4 * block                        # one block's, made in its backward
@@ -142,22 +138,18 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     full = offload.kept_bytes(replace(c, recompute='none', offload=0.0), 1, S, dt) / S  # all a block saves
     k = offload.kept_bytes(replace(c, offload=0.0), 1, S, dt) / S / t + (gathered_in if c.recompute == 'none' else 0)
     rebuilt = full / t + gathered_in - k  # what backward rebuilds (recompute), per token
-    n_off = len(offload.offloaded_blocks(c))
-    host = offload.host_bytes(c, batch_size, S // t, dt, cp_size)
+    n_off, host = len(offload.offloaded_blocks(c)), offload.host_bytes(c, batch_size, S // t, dt, cp_size)
     P = host / n_off if n_off else 0  # one offloaded block's bytes in host memory
     host += 16 * N / d if states_on_host else 0
     stays = offload.block_bytes(c, batch_size, S // t, dt, cp_size)[1] / T  # an offloaded block's, on the device
     acts = ((L - n_off) * k + n_off * stays) * T + 8 * c.head_dim * (T if doc_mask or pp > 1 else S)
 
-    # the LM head and loss
-    head_kept = 2 * b * h / t * T   # the final norm: its input and output
+    # the LM head and loss, kept: the final norm's input and output, + chunked.py's dh and fp32 dW made in forward or
+    # F.cross_entropy's fp32 log-softmax; transient: one chunk of fp32 logits (+ sp's gathered input) or its 2 gradients
     M = chunked.loss_chunks(c, T)
-    if M > 1 or sp:   # chunked.py: dh and the fp32 dW made in forward; one chunk of fp32 logits
-        head_kept += b * h * T + 4 * V * h / t
-        head_tr = (4 + b) * V / t * math.ceil(T / M) + (b * h * T if sp else 0)  # + the gathered input
-    else:             # F.cross_entropy: the fp32 log-softmax kept, its two gradients in backward
-        head_kept += 4 * V * T
-        head_tr = 8 * V * T
+    chunks = M > 1 or sp
+    head_kept = 2 * b * h / t * T + (b * h * T + 4 * V * h / t if chunks else 4 * V * T)
+    head_tr = (4 + b) * V / t * math.ceil(T / M) + (b * h * T if sp else 0) if chunks else 8 * V * T
     # pp: F micro-batches in flight (1F1B: pp - stage; GPipe: all), each keeping its activations, the stage's output
     # (sent, kept for its backward) or its loss's; gradients exist at a forward only once a backward ran before it
     F = (min(grad_accum, pp - stage) if schedule == '1f1b' else grad_accum) if pp > 1 else 1
@@ -176,14 +168,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     mlp_saved = (full - offload.kept_bytes(replace(c, recompute='none', offload=0.0, mlp_chunks=2), 1, S, dt) / S) / t
     # (back: what comes back from host for the block before, once the MLP's backward is done: offload.py)
     stages = lambda alive, back=0: max(mlp + alive * T, max(attn, norm) + max(0, alive - mlp_saved) * T + back)
-    ws, ws_off = stages(rebuilt), stages(full / t + gathered_in - stays)  # offloaded: all back or recomputed
+    ws, off = stages(rebuilt), full / t + gathered_in - stays  # off: an offloaded block's, all back or recomputed
 
     W = workspace(c, batch_size, seq_len, b, t, cp_size, cp_impl) if device_type == 'cuda' and bf16 else 0
     moments = {  # (grads, activations, transient, workspace): the workspace only where attention's backward runs
         'forward and backward: LM head and loss': (g_acc, held + acts + head_kept, head_tr, 0),
         f'backward: block {hi - 1}': (max(g_head, g_acc), held + acts + sent, ws, W),
         f'backward: block {lo}': (max(grads_all - g_emb - g_layer, g_acc), held + (stays if n_off else k) * T + sent,
-                                  ws_off if n_off else ws, W),
+                                  stages(off) if n_off else ws, W),
         'optimizer step': (grads_all, 0, 2 * V * h / t * first if bf16 else 0, 0),
     }
     if not last:  # the LM head is the last stage's
@@ -191,8 +183,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     if 1 < F == grad_accum:  # no forward after the first backward: the second has every gradient, one less in flight
         moments[f'backward: block {hi - 1}, the second micro-batch'] = (grads_all, held - one + acts + sent, ws, W)
     if n_off > 1:  # block 1's backward: its own tensors back, block 0's host part prefetched
-        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T,
-                                         stages(full / t + gathered_in - stays, P), W)
+        moments['backward: block 1'] = (max(grads_all - g_emb - 2 * g_layer, g_acc), 2 * stays * T, stages(off, P), W)
     if in_backward:  # a gradient lives from its accumulation to its step, beside the step's fp32 chunks
         moments = {k: (min(g, b * V * h / t + 28 * STEP_CHUNK), *rest) for k, (g, *rest) in moments.items()}
     name, (g, a, tr, w) = max(moments.items(), key=lambda m: sum(m[1]))
@@ -244,43 +235,39 @@ def gib(n, width=8):
 def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=False):
     """A row per category, estimate and (when given) measured with the error in percent (a category's
     relative to the measured total), a bar each (the device is 40 characters, 80% at 32), the verdict."""
-    e = est.as_dict()
+    e, measured = est.as_dict(), measured or {}
     label = 'dry run' if dry else 'measured'  # a dry run's figure is the verdict's, the estimate otherwise
     lines = [title, f"  {'':12s}{'estimate':>12s}" + (f"{label:>13s}{'error':>8s}" if measured else '')]
-    mt = measured.get('total') if measured else None
-    for k in [k for k in CATEGORIES + ('total',) if k != 'workspace' or e[k] or (measured or {}).get(k)]:
-        row = f"  {k:12s}{gib(e[k]):>12s}"
-        if measured:
-            m = measured.get(k)
-            err = '' if m is None or not mt else f"{100 * (e[k] - m) / (m if k == 'total' else mt):+7.1f}%"
-            row += f"{gib(m):>13s}{err:>8s}"
+    mt = measured.get('total')
+    for k in [k for k in CATEGORIES + ('total',) if k != 'workspace' or e[k] or measured.get(k)]:
+        m = measured.get(k)
+        err = '' if m is None or not mt else f"{100 * (e[k] - m) / (m if k == 'total' else mt):+7.1f}%"
+        row = f"  {k:12s}{gib(e[k]):>12s}" + (f"{gib(m):>13s}{err:>8s}" if measured else '')
         lines.append(row + '  ' + '█' * min(80, round(40 * e[k] / budget)) if budget else row)
     if dry and e['workspace']:
         lines.append("  (the dry run's workspace is the formula's: fake tensors can't see inside a CUDA kernel)")
     total = (mt if dry else e['total']) + overhead
-    lines.append(f"  {'+ overhead':12s}{gib(overhead):>12s}   (CUDA context, NCCL buffers: not in tensors)")
-    lines.append(f"  {'device':12s}{gib(budget):>12s}   80% rule: {gib(total, 0)} of "
-                 f"{gib(FIT_FRACTION * budget, 0)} -> {'fits' if total <= FIT_FRACTION * budget else 'DOES NOT FIT'}")
-    lines.append(f"  peak at: {est.moment}" + (f"; {gib(est.host, 0)} offloaded to host" if est.host else ''))
-    return '\n'.join(lines)
+    return '\n'.join(lines + [
+        f"  {'+ overhead':12s}{gib(overhead):>12s}   (CUDA context, NCCL buffers: not in tensors)",
+        f"  {'device':12s}{gib(budget):>12s}   80% rule: {gib(total, 0)} of "
+        f"{gib(FIT_FRACTION * budget, 0)} -> {'fits' if total <= FIT_FRACTION * budget else 'DOES NOT FIT'}",
+        f"  peak at: {est.moment}" + (f"; {gib(est.host, 0)} offloaded to host" if est.host else '')])
 
 
 # ----------------------------------------------------------------------------- the planner
-# What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
-# FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
-# nothing under 'full', which re-runs them anyway); loss_chunks nothing; offload offload.extra_time.
-# A stand-in for the machine: 40% of an H100's 989 TFLOP/s, PCIe at 25 GB/s each way.
-FLOPS, PCIE = 0.4 * 989e12, 25e9
+# What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the FLOPs it re-runs;
+# mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer, nothing under 'full', which re-runs
+# them anyway); loss_chunks nothing; offload offload.extra_time.
+FLOPS, PCIE = 0.4 * 989e12, 25e9  # a stand-in for the machine: 40% of an H100's 989 TFLOP/s, PCIe 25 GB/s each way
 
 
 def cost(c, base, batch_size, seq_len):
     """Extra step time of config c over base (the same model, other knobs), as a fraction of compute."""
     def extra(c):
         mfu, hfu = flops_per_token(c, seq_len)
-        x = (hfu - mfu) / mfu
-        if chunked.mlp_chunks(c, seq_len) > 1 and c.recompute != 'full':
-            x += 4 * c.n_layer * c.n_embd * c.intermediate_size / mfu
-        return x + (offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE) if c.offload > 0 else 0)
+        mlp = chunked.mlp_chunks(c, seq_len) > 1 and c.recompute != 'full'
+        return (hfu - mfu) / mfu + (4 * c.n_layer * c.n_embd * c.intermediate_size / mfu if mlp else 0) + \
+            (offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE) if c.offload > 0 else 0)
     return extra(c) - extra(base)
 
 
@@ -300,8 +287,7 @@ def variants(c, batch_size, seq_len, host, layout):
                 alpha = offload.choose_alpha(replace(v, offload=1.0), batch_size, tokens, torch.bfloat16,
                                              offload.block_forward_seconds(v, batch_size, tokens, FLOPS), PCIE, host)
                 for a in sorted({round(alpha, 3), 1.0} - {0.0}):
-                    w = replace(v, offload=a)
-                    if offload.host_bytes(w, batch_size, tokens, torch.bfloat16) <= host and \
+                    if offload.host_bytes(w := replace(v, offload=a), batch_size, tokens, torch.bfloat16) <= host and \
                             not parallel.check_layout(w, tp * cp, tp, cp, layout.get('cp_impl', 'ulysses'), seq_len):
                         yield w
 
@@ -311,16 +297,14 @@ def knobs(c, base):
 
 
 def describe(changes):
-    return ' '.join(f"--{k}={v!r}" if isinstance(v, str) else f"--{k}={v}" for k, v in changes.items())
+    return ' '.join(f"--{k}={v!r}" for k, v in changes.items())  # strings quoted; a number's repr is its str
 
 
 def options(config, budget, overhead, host, batch_size, seq_len, layout):
     """Every variant that fits, (cost, knobs changed, total, config, estimate), cheapest first."""
-    out = []
-    for v in variants(config, batch_size, seq_len, host, layout):
-        if fits(e := estimate(v, batch_size, seq_len, **layout), budget, overhead):
-            out.append((round(cost(v, config, batch_size, seq_len), 9), len(knobs(v, config)), e.total, v, e))
-    return sorted(out, key=lambda o: o[:3])
+    return sorted([(round(cost(v, config, batch_size, seq_len), 9), len(knobs(v, config)), e.total, v, e)
+                   for v in variants(config, batch_size, seq_len, host, layout)
+                   if fits(e := estimate(v, batch_size, seq_len, **layout), budget, overhead)], key=lambda o: o[:3])
 
 
 def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
@@ -347,10 +331,9 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
     for key in ('tp_size', 'cp_size') if not layout.get('in_backward') else ():  # in backward: one GPU
         for factor in (2, 4, 8):
             bigger = {**layout, key: layout.get(key, 1) * factor}
-            if parallel.check_layout(config, world * factor, bigger.get('tp_size', 1), bigger.get('cp_size', 1),
-                                     layout.get('cp_impl', 'ulysses'), seq_len):
-                continue
-            if p := plan(config, budget, overhead + comm, host, batch_size, seq_len, **bigger):
+            if not parallel.check_layout(config, world * factor, bigger.get('tp_size', 1), bigger.get('cp_size', 1),
+                                         layout.get('cp_impl', 'ulysses'), seq_len) and \
+                    (p := plan(config, budget, overhead + comm, host, batch_size, seq_len, **bigger)):
                 change = f"--{key}={bigger[key]} {describe(knobs(p[0], config))}".strip()
                 out.append((change + f" ({world * factor} GPUs)", p[1], p[2]))
                 break
@@ -359,37 +342,33 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
 
 # ----------------------------------------------------------------------------- what train.py calls
 class Report:
-    """Made before anything is on the device: auto_memory's plan applied (rank 0 decides, every rank
-    takes its knobs), the estimate printed and written to out_dir/memory.json, offload's host memory
-    checked, and a run that can't fit stopped with the changes that would fit (a dry run gives its
-    verdict instead). `with report.measure(...)` around the first step adds the measured peak.
-    memory.json: {"ranks": [{"rank", "estimate", "measured", "overhead", "device_bytes", "world_size",
-    "tp_size", "cp_size", "seq_len"}], "peak_at", "fits", ...}."""
+    """Made before anything is on the device: auto_memory's plan applied (rank 0 decides, every rank takes its knobs),
+    the estimate printed and written to out_dir/memory.json, offload's host memory checked, and a run that can't fit
+    stopped with the changes that would fit (a dry run gives its verdict instead). `with report.measure(...)` around
+    the first step adds the measured peak. memory.json: {"ranks": [{"rank", "estimate", "measured", "overhead",
+    "device_bytes", "world_size", "tp_size", "cp_size", "seq_len"}], "peak_at", "fits", ...}."""
 
     def __init__(self, model, cfg, world=1, rank=0, mesh=None, device=torch.device('cpu'), dtype=torch.float32):
         self.cfg, self.world, self.rank, self.device, self.config = cfg, world, rank, device, model.config
         self.dry, self.B, self.S = bool(cfg.get('dry_run')), cfg['batch_size'], cfg['seq_len']
         self.measured, self.logged, self.at = None, False, getattr(mesh, 'rank', 0)  # at: the dry run's rank
         tp, cp, dp, pp = (getattr(mesh, k, 1) for k in ('tp', 'cp', 'dp', 'pp'))
-        self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
+        self.layout = dict(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32', tp_size=tp, cp_size=cp, dp=dp,
                            device_type='cuda' if self.dry else device.type, cp_impl=cfg.get('cp_impl', 'ulysses'),
-                           grad_accum=cfg.get('gradient_accumulation_steps', 1), tp_size=tp, cp_size=cp, dp=dp,
-                           zero=cfg.get('zero', 0), doc_mask=cfg.get('doc_mask', False),
-                           in_backward=cfg.get('optimizer_in_backward', False),
-                           states_on_host=(states := cfg.get('offload_states', False)), pp=pp,
+                           grad_accum=cfg.get('gradient_accumulation_steps', 1), zero=cfg.get('zero', 0), pp=pp,
+                           doc_mask=cfg.get('doc_mask', False), in_backward=cfg.get('optimizer_in_backward', False),
+                           states_on_host=(states := cfg.get('offload_states', False)),
                            stage=getattr(mesh, 'pp_rank', 0), schedule=cfg.get('pp_schedule', '1f1b'))
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
         groups = sum(n > 1 for n in (tp, cp, dp, pp, cp * dp)) + (world > 1)  # NCCL communicators
         self.overhead = overhead_bytes(self.layout['device_type'], groups)
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
-        if cfg.get('auto_memory'):
-            self.auto_memory(model)
+        cfg.get('auto_memory') and self.auto_memory(model)
         self.est = estimate(self.config, self.B, self.S, **self.layout)
-        if rank == 0:
-            where = f"rank {self.at} of {world}" + (f" (dp {dp} x pp {pp} x cp {cp} x tp {tp})" if world > 1 else '')
-            print(table(self.est, self.budget, self.overhead, title=f"memory estimate per rank, {where}, "
-                        f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
-                        f"batch {self.B} x {self.S} tokens:"))
+        where = f"rank {self.at} of {world}" + (f" (dp {dp} x pp {pp} x cp {cp} x tp {tp})" if world > 1 else '')
+        rank == 0 and print(table(self.est, self.budget, self.overhead, title=f"memory estimate per rank, {where}, "
+                                  f"{self.layout['dtype']} on {'the target (dry run)' if self.dry else device}, "
+                                  f"batch {self.B} x {self.S} tokens:"))
         if self.config.offload > 0 or states:  # this rank's offloaded blocks (offload.host_bytes), the states' rows
             line = (f"offload={self.config.offload}{', offload_states=True' * states}: {self.est.host / GiB:.2f} GiB "
                     f"of host memory per rank ({len(offload.offloaded_blocks(self.config))} blocks"
@@ -408,8 +387,7 @@ class Report:
 
     def auto_memory(self, model):
         # rank 0 plans and every rank takes its knobs: no rank's own free memory can make it differ
-        p = plan(self.config, self.budget, self.overhead, self.host, self.B, self.S, **self.layout) \
-            if self.rank == 0 else None
+        p = self.rank == 0 and plan(self.config, self.budget, self.overhead, self.host, self.B, self.S, **self.layout)
         chosen = [knobs(p[0], self.config) if p else None]
         if self.world > 1 and not self.dry and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(chosen, src=0)
@@ -451,9 +429,8 @@ class Report:
             return
         cuda, n, extra = self.device.type == 'cuda', self.cfg.get('dry_run_anatomy', 0), {}
         cuda and torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0,
-                                                         states_on_host=self.layout['states_on_host'])
-        with tracker as tr:
+        with nullcontext() if compiled else Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0,
+                                                    states_on_host=self.layout['states_on_host']) as tr:
             yield
         m = self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tr.breakdown()
         if cuda:  # its peak holds what kernels allocate beside the tensors: the total, the rest of it workspace
@@ -466,8 +443,7 @@ class Report:
         print(table(self.est, self.budget, self.overhead, m, dry=self.dry,
                     title="dry run: one step on fake tensors (CPU kernels standing in for CUDA's):" if self.dry
                     else "memory after the first step (measured: tensors alive at the step's peak):"))
-        if cuda:
-            print(f"  cuda: peak allocated {gib(peak, 0)}, reserved {gib(extra['cuda']['peak_reserved'], 0)}")
+        cuda and print(f"  cuda: peak allocated {gib(peak, 0)}, reserved {gib(extra['cuda']['peak_reserved'], 0)}")
         if self.est.host and not compiled:  # offloaded blocks and offload_states' rows, apart from the device's
             extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
             print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} measured")
@@ -480,11 +456,10 @@ class Report:
                             f"{x['op']} in {x['module']}" for x in tr.at_peak[:n]))
             extra['anatomy'] = {'moment': tr.moment, 'made_bytes': made, 'largest': tr.at_peak[:n]}
         if self.dry:
-            ok = fits(self.measured['total'], self.budget, self.overhead)
-            host_ok = self.host is None or tr.host <= self.host
+            ok, host_ok = fits(m['total'], self.budget, self.overhead), self.host is None or tr.host <= self.host
             extra['fits'] = ok and host_ok  # the host's budget too, where given
-            extra['verdict'] = (f"verdict: {'fits' if ok and host_ok else 'DOES NOT FIT'} on a {gib(self.budget, 0)} "
-                                f"device: dry run {gib(self.measured['total'], 0)} + {gib(self.overhead, 0)} overhead "
+            extra['verdict'] = (f"verdict: {'fits' if extra['fits'] else 'DOES NOT FIT'} on a {gib(self.budget, 0)} "
+                                f"device: dry run {gib(m['total'], 0)} + {gib(self.overhead, 0)} overhead "
                                 f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget, 0)})" +
                                 ('' if host_ok else f"; host {gib(tr.host, 0)} > {gib(self.host, 0)}"))
             print('\n'.join([extra['verdict']] + ([] if extra['fits'] else self.suggest())))
