@@ -8,7 +8,10 @@ tensor shows it). `overhead` (CUDA context, NCCL buffers) is added to the total 
 80% of the device (Fujii et al. 2024, arXiv 2411.06465: in 454 runs on A100/H100 estimates under 80% never ran out).
 
 The estimate (S tokens per sequence, B batch, h width, H heads, kv = K·hd, I MLP width, V vocabulary,
-L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload):
+L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = offload, M micro-batches). Under pp
+it is stage r's: its L/pp blocks, the embedding only on the first, the LM head only on the last; F = min(M, pp − r)
+micro-batches in flight (1F1B; GPipe: M) each keep their activations, the stage's output (b·h/t per token) and on
+the last stage their loss's kept bytes, all but the current one's "held" beside every moment (pipeline.py):
 
   states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed precision:
                  bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v); fp32: 4 + 4 + 8
@@ -49,7 +52,8 @@ L layers, b bytes per element, N parameters, t = tp, c = cp, d = dp·c, α = off
 Measured (measure.py): MemTracker over the first step in our categories; on CUDA its peak is the total, workspace what
 it holds beyond the tensors. The dry run (`--dry_run=True`): the same on rank 0 of the configured world with a fake
 process group, FakeTensors (shapes, no data) and CPU autocast in bf16 for CUDA: exact for tensors, a kernel's workspace
-the formula's at its peak. `--dry_run_anatomy=N` lists the N largest tensors alive at the peak, and what made them.
+the formula's at its peak; under pp the last stage's then, in a process of its own. `--dry_run_anatomy=N` lists
+the N largest tensors alive at the peak, and what made them.
 """
 import json
 import math
