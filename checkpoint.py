@@ -2,25 +2,22 @@
 Checkpoints through torch.distributed.checkpoint (DCP): one format for one process and for every
 torchrun layout, and any layout loads any other's.
 
-out_dir/ckpt/<k>/ is the k-th save: DCP's files (each rank writes the pieces it holds), meta.json
-(iter_num, best_val_loss, config, model_args) and, last of all, rank 0's COMMITTED. A directory
-without COMMITTED is never loaded, so a crash mid-save leaves the previous checkpoint; once the new
-one is committed the older ones are removed. What is saved, by parameter name n (per parameter:
-b bytes of weights + 4 of fp32 master with bf16 weights + 8 of AdamW moments, each element once):
+out_dir/ckpt/<k>/ is the k-th save: DCP's files (each rank writes its pieces), meta.json (iter_num, best_val_loss,
+config, model_args) and, last, rank 0's COMMITTED. A directory without COMMITTED is never loaded: a crash mid-save
+leaves the previous checkpoint; the older ones are removed once the new one is committed. Saved, by parameter name n
+(b bytes of weights + 4 of fp32 master with bf16 weights + 8 of AdamW moments per parameter, each element once):
 
   model.n                                          the weights, as the model holds them (bf16 or fp32)
   master.n                                         fp32 master weights, when the weights are bf16
   optim.n.exp_avg, optim.n.exp_avg_sq, optim.n.step AdamW's state
   rng.torch, rng.data                              torch's and the data sampler's RNG states
 
-Every piece goes to DCP as a DTensor whose placement says where it lies in the full tensor: which tp
-shard (vocabulary rows ⌈V/t⌉ per rank, the padding left out; kv heads replicated over a kv group when
-K < t) and, with zero=2 or 3, which of FSDP2's rows of the dp·cp share. DCP keys by name and keeps one copy of equal
-pieces: tp shards saved as plain tensors would keep one rank's and load back wrong, silently. With
-placements a checkpoint reshards: tp 2 loads on tp 1 or 4, zero=3 over dp 2 in one process, and the
-optimizer's state is keyed by parameter name in every layout. Loading unpickles no code: DCP reads
-tensors with weights_only, and its metadata goes through an unpickler that admits data classes only.
-A file that fails to read or write (a crafted pickle, a damaged file, a full disk) raises Error, one line.
+Each piece goes to DCP as a DTensor placed in the full tensor: its tp shard (vocabulary rows ⌈V/t⌉ a rank, the
+padding left out; kv heads replicated over a kv group when K < t) and, with zero=2 or 3, its FSDP2 rows of the dp·cp
+share. DCP keys by name and keeps one copy of equal pieces: tp shards as plain tensors would keep one rank's and load
+back wrong, silently. Placed, a checkpoint reshards (tp 2 loads on tp 1 or 4, zero=3 over dp 2 in one process), the
+optimizer's state keyed by parameter name in every layout. Loading unpickles no code: DCP reads tensors with
+weights_only, and its metadata goes through an unpickler that admits data classes only.
 
     python checkpoint.py export OUT_DIR HF_DIR     # a Hugging Face directory from any checkpoint
 """
@@ -50,10 +47,8 @@ def _device_mesh(world, tp, kv_heads, device_type, pp=1, cp=1):
     """All ranks as a DeviceMesh (pp, tp, dp·cp), or (pp, K, t/K, dp·cp) to place kv heads replicated K < t ways. tp
     comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names are its own: pp replicates.)"""
     ranks = torch.arange(world).view(-1, pp, cp, tp).permute(1, 3, 0, 2)  # [dp, pp, cp, tp] -> [pp, tp, dp, cp]
-    if kv_heads:
-        return DeviceMesh(device_type, ranks.reshape(pp, kv_heads, tp // kv_heads, -1),
-                          mesh_dim_names=('pp', 'kv', 'kv_copy', 'dpcp'))
-    return DeviceMesh(device_type, ranks.reshape(pp, tp, -1), mesh_dim_names=('pp', 'tp', 'dpcp'))
+    tp_dims, names = ((kv_heads, tp // kv_heads), ('kv', 'kv_copy')) if kv_heads else ((tp,), ('tp',))
+    return DeviceMesh(device_type, ranks.reshape(pp, *tp_dims, -1), mesh_dim_names=('pp', *names, 'dpcp'))
 
 
 def _placed(name, local, mesh, config, shape, fsdp_dim=None):

@@ -3,24 +3,22 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
 
     token embedding -> n_layer x [ x + attention(RMSNorm(x)),  x + SwiGLU(RMSNorm(x)) ] -> RMSNorm -> LM head
 
-- RMSNorm in fp32 with the config's eps, RoPE with `rope_theta` and an optional `rope_scaling` (`linear`,
-  `llama3`, `yarn`: transformers' formulas, a checkpoint's context extended), angles computed in fp64 and kept
-  in fp32 (in bf16 the positions of a long sequence are wrong), in the rotate-half convention of HF checkpoints.
-  Both compute in fp32 a chunk of positions at a time, as autograd Functions that keep no fp32 copy of x, q or k.
-- grouped-query attention through F.scaled_dot_product_attention (flash on a GPU) with
-  `enable_gqa=True`: the kv heads are never repeated in memory. Packed documents (train.py's doc_mask, as
-  Llama 3's long-context stage trains): one causal call per document, positions restarting at each.
-- no biases anywhere; optional tied embeddings.
-- weight init as GPT-2/nanoGPT do for Llama-shaped models: every weight N(0, 0.02) (Llama's
-  `initializer_range`), with the two projections that write into the residual stream (wo, w2)
-  scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow with depth; norms at 1.
+- RMSNorm in fp32 with the config's eps, RoPE with `rope_theta` and an optional `rope_scaling` (`linear`, `llama3`,
+  `yarn`: transformers' formulas, a checkpoint's context extended), angles computed in fp64 and kept in fp32 (in bf16
+  the positions of a long sequence are wrong), in the rotate-half convention of HF checkpoints. Both compute in fp32 a
+  chunk of positions at a time, as autograd Functions that keep no fp32 copy of x, q or k.
+- grouped-query attention: F.scaled_dot_product_attention (flash on a GPU), `enable_gqa=True` (kv heads never repeated
+  in memory). Packed documents (train.py's doc_mask, as Llama 3 trains long contexts): one causal call per document,
+  positions restarting at each.
+- no biases; optional tied embeddings; weight init as GPT-2/nanoGPT do for Llama-shaped models: every weight
+  N(0, 0.02) (Llama's `initializer_range`), the two projections writing into the residual stream (wo, w2) scaled by
+  1/sqrt(2·n_layer) so the residual's variance does not grow with depth; norms at 1.
 
-The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward runs, never what
-it computes. Chunking happens inside MLP and the LM head (chunked.py); keep / recompute / offload wraps each block at
-build time (`offload.apply(model)`), so forward below is a plain loop over blocks; tensor and context parallelism
-shard the weights and wrap `Attention.attend` (parallel.py), and a new attention variant changes `attention()` alone.
-`Llama.from_pretrained(dir)` reads a local HF directory; `save_pretrained(dir)` writes one that transformers loads
-back to the same logits.
+The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward runs, never what it
+computes: MLP and the LM head chunk (chunked.py), and `offload.apply(model)` wraps each block to keep, recompute or
+offload at build time, so forward is a plain loop over blocks. Tensor and context parallelism shard the weights and
+wrap `Attention.attend` (parallel.py): a new attention variant changes `attention()` alone. `Llama.from_pretrained()`
+reads a local HF directory; `save_pretrained()` writes one that transformers loads back to the same logits.
 """
 
 import json
@@ -165,10 +163,9 @@ def _rotate(x, cos, sin, transpose=False):
 
 
 class _Rope(torch.autograd.Function):
-    # apply_rope: x [B, H, S, hd] -> x·cos + R(x)·sin, R(x) = (x2, x1) its halves swapped, in fp32, cast back to x's
-    # dtype. Autograd on that expression makes five fp32 tensors the size of q, in forward and in backward; here a
-    # chunk's, and only the tables (every layer's) are saved. R is its own transpose: backward is g·cos + R(g·sin),
-    # the rotation by -θ, with autograd's own ops (the same bits)
+    # apply_rope: x [B, H, S, hd] -> x·cos + R(x)·sin (R swaps x's halves) in fp32, cast to x's dtype. Autograd
+    # on that makes five fp32 tensors of q's size in forward and backward; here a chunk's, and only the tables (which
+    # all layers share) are saved. R is its own transpose: backward, g·cos + R(g·sin), rotates by -θ (autograd's bits)
     @staticmethod
     def forward(ctx, x, cos, sin):
         ctx.save_for_backward(cos, sin)
@@ -348,12 +345,10 @@ class Llama(nn.Module):
                                                    vocab_size=self.config.vocab_size)
 
     # ------------------------------------------------------------------------- Hugging Face checkpoints
-
     @classmethod
     def from_pretrained(cls, hf_dir, **overrides):
-        """Load a local HF Llama directory: config.json + model.safetensors, or shards with an index.
-        Both config forms are read: `rope_theta`/`rope_scaling` and the newer `rope_parameters`.
-        `overrides` set LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling extends its context."""
+        """Load a local HF Llama directory: config.json + model.safetensors, or shards with an index. `overrides` set
+        LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling extends its context."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -365,10 +360,9 @@ class Llama(nn.Module):
                 raise ValueError(f"{path}: {'missing ' * isinstance(e, KeyError)}{getattr(e, 'strerror', 0) or e}") \
                     from None
 
-        path = os.path.join(hf_dir, 'config.json')
-        with reading(path), open(path) as f:
+        with reading(path := os.path.join(hf_dir, 'config.json')), open(path) as f:
             hf = json.load(f)
-            rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+            rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})  # transformers 5's form, or older
             theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
             rope = {'rope_type': rope.pop('type', 'default'), **rope}  # (the older form's 'type')
             n_head = hf['num_attention_heads']
@@ -380,15 +374,14 @@ class Llama(nn.Module):
                 rope_theta=float(theta), rope_scaling=rope if rope['rope_type'] != 'default' else None,
                 norm_eps=hf.get('rms_norm_eps', 1e-6), tie_embeddings=hf.get('tie_word_embeddings', False))
         config = replace(config, **overrides)  # checked again: a bad override is the user's, not the file's
-        index = os.path.join(hf_dir, 'model.safetensors.index.json')
         files = ['model.safetensors']
-        if os.path.exists(index):
+        if os.path.exists(index := os.path.join(hf_dir, 'model.safetensors.index.json')):
             with reading(index), open(index) as f:
                 files = sorted(set(json.load(f)['weight_map'].values()))
         hf_state = {}
         for name in files:
-            with reading(os.path.join(hf_dir, name)):
-                hf_state.update(load_file(os.path.join(hf_dir, name)))
+            with reading(path := os.path.join(hf_dir, name)):
+                hf_state.update(load_file(path))
         model = cls(config)
         params, state = dict(model.named_parameters()), {}
         for ours, theirs in _hf_names(config).items():
@@ -403,19 +396,17 @@ class Llama(nn.Module):
         return model
 
     def save_pretrained(self, out_dir):
-        """Write config.json + model.safetensors in HF's Llama format (the older rope_scaling form,
-        which every transformers version reads)."""
+        """HF's Llama config.json (rope_scaling's older form, read by every transformers) + model.safetensors."""
         from safetensors.torch import save_file
         c, s = self.config, self.config.rope_scaling or {}
         os.makedirs(out_dir, exist_ok=True)
         state = {theirs: self.get_parameter(ours).detach().cpu().contiguous() for ours, theirs in _hf_names(c).items()}
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
         hf = dict(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
-                  num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-                  num_key_value_heads=c.n_kv_head, hidden_size=c.n_embd, head_dim=c.head_dim,
-                  intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, rms_norm_eps=c.norm_eps,
-                  tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False,
+                  num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+                  hidden_size=c.n_embd, head_dim=c.head_dim, intermediate_size=c.intermediate_size,
+                  vocab_size=c.vocab_size, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                  rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False,
                   # the context scaled to: transformers checks that YaRN's factor is this over the original's
                   max_position_embeddings=int(s.get('factor', 1) * s.get('original_max_position_embeddings', 8192)),
                   torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
@@ -426,11 +417,10 @@ class Llama(nn.Module):
 def num_params(config, non_embedding=True):
     """Parameters of Llama(config), without the embedding table by default (a lookup, not a matmul). The one
     parameter count: train.py's MFU and memory.py's model states read it."""
-    h, kv, I, V, L = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size, \
-        config.vocab_size, config.n_layer
+    h, kv, I, V = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size, config.vocab_size
     per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I  # two norms, wq wo, wk wv, w1 w2 w3
     embedding = 0 if non_embedding or config.tie_embeddings else V * h  # a tied matrix counts once, as the head
-    return L * per_layer + h + V * h + embedding
+    return config.n_layer * per_layer + h + V * h + embedding
 
 
 def flops_per_token(config, seq_len):
