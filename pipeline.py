@@ -14,7 +14,7 @@ in flight on a stage (forwarded, their activations kept, not yet backward):
 So pp divides the model states by p but not the activations: the first stage keeps p micro-batches of L/p blocks,
 one micro-batch's worth of all L blocks, as a rank without pp (Korthikanti et al. 2022). memory.py counts F in flight;
 the dry run runs a stage's forwards and backwards in the schedule's order itself (Pipeline.step(fake=True)): torch's
-schedule can't start on fake tensors, its warm-up exchanges shapes with the other stages.
+schedule can't start on fake tensors or a fake process group: its warm-up exchanges shapes with the other stages.
 """
 import torch
 import torch.distributed as dist
@@ -25,9 +25,8 @@ import parallel
 
 
 class Pipeline(nn.Module):
-    """This rank's stage (parallelize kept its blocks) as torch's pipeline schedule drives it over the micro-batches.
-    Every stage runs its forward under autocast with the positions (RoPE's; the cp shard's); the last stage's loss
-    is the LM head and loss of each micro-batch, weighted as train.forward_backward weighs micro-steps."""
+    """This rank's stage for torch's schedule: its forwards under autocast with the positions (RoPE's; the cp shard's);
+    the last stage's loss_fn: the LM head and loss of a micro-batch, weighted as train.forward_backward weighs one."""
 
     def __init__(self, model, mesh, schedule, microbatches, autocast, device):
         super().__init__()
@@ -39,9 +38,7 @@ class Pipeline(nn.Module):
         kind = Schedule1F1B if schedule == '1f1b' else ScheduleGPipe
         self.schedule = kind(stage, microbatches, loss_fn=lambda h, y: self(h, targets=y), scale_grads=False)
 
-    def forward(self, x, positions=None, targets=None):
-        """The stage's forward; targets (the last stage's loss_fn): the LM head and loss of a micro-batch, weighted to
-        make the micro-batches' sum the step's mean over its real targets."""
+    def forward(self, x, positions=None, targets=None):  # targets: the last stage's loss_fn (above)
         with self.autocast:
             if targets is None:  # (contiguous: what a stage sends and receives is flat memory)
                 return self.model(x, positions=positions).contiguous()
@@ -49,8 +46,7 @@ class Pipeline(nn.Module):
 
     def step(self, micro_batches, count, fake=False):
         """Every micro-batch's forward and backward; the sum of their weighted losses on the last stage, 0 before it.
-        fake (the dry run: torch's schedule can't start on fake tensors and a fake process group) runs this stage's
-        part itself, in the schedule's order: micro-batch i's backward after the forward of i + in_flight - 1."""
+        fake (the dry run, header) runs this stage's part itself: i's backward after forward i + in_flight - 1."""
         first, last, self.count = self.mesh.pp_rank == 0, self.mesh.pp_rank == self.mesh.pp - 1, count
         x, y = (torch.cat(t) for t in list(zip(*micro_batches))[:2])
         pos = micro_batches[0][2]  # the same for every micro-batch (doc_mask is refused); torch splits tensors by rows

@@ -136,8 +136,7 @@ def read_dataset(world, rank):
     if rank == 0 and dataset == 'stdlib' and not os.path.exists(path):
         import runpy  # prepare.py is a script in a folder, not a module of a package
         runpy.run_path(os.path.join(data_dir, 'prepare.py'))['prepare'](data_dir)
-    if world > 1:
-        torch.distributed.barrier()
+    world > 1 and torch.distributed.barrier()
     if not os.path.exists(path):
         die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py (see README.md)")
     try:  # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
@@ -164,8 +163,7 @@ def get_batch(meta, split, n, generator, device):
         starts = read_docs(meta, split)
         for t in (np.arange(i, i + seq_len + 1) for i in ix):
             xyp.append(t - np.maximum(starts[np.searchsorted(starts, t, 'right') - 1], t[0]))
-    xyp = torch.from_numpy(np.stack(xyp))
-    # pinned host memory lets the copy overlap the previous step
+    xyp = torch.from_numpy(np.stack(xyp))  # pinned below on CUDA: the copy overlaps the previous step
     xy, pos = (xyp.pin_memory() if device.type == 'cuda' else xyp).to(device, non_blocking=True).tensor_split([n])
     y = xy[:, 1:].masked_fill(pos[:, 1:] == 0, -100) if doc_mask else xy[:, 1:]  # a document's first: not predicted
     return (xy[:, :-1], y) + ((pos[:, :-1], (xyp[n:, :-1].flatten() == 0).nonzero()[:, 0]) if doc_mask else ())
@@ -182,13 +180,10 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
         return dpcp_sum(parallel.all_reduce(pipe.step(micro_batches, count, fake=dry_run), mesh.pp_group))
     total = 0.0
     for x, y, *rest in micro_batches:  # rest: positions, docs
-        with autocast:
-            # the mean over this micro-step's real targets; the logits of the plain path are
-            # dropped here, or they would live through backward (memory.py counts on it)
-            loss = model(x, y, *rest)[1]
-        weight = (y != -100).sum() / count
-        (loss * weight).backward()
-        total = total + loss.detach() * weight
+        with autocast:  # the logits are dropped here, or they would live through backward (memory.py counts on it)
+            loss = model(x, y, *rest)[1] * ((y != -100).sum() / count)  # this micro-step's mean, weighted
+        loss.backward()
+        total = total + loss.detach()
     return dpcp_sum(total)
 
 
@@ -239,7 +234,7 @@ def peak_memory(device, reset=False):
 
 
 # ----------------------------------------------------------------------------- setup
-def model_from_config(meta, cfg, dev, ptdtype):
+def model_from_config(meta, cfg, world, dev, ptdtype):
     """Build (or load) the model named by init_from, its config and layout checked before the model is
     allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint or None)."""
     knobs = {k: cfg[k] for k in _KNOBS if k in cfg}  # how forward runs: free to change on resume
@@ -260,7 +255,7 @@ def model_from_config(meta, cfg, dev, ptdtype):
             config = model.config
     except ValueError as e:
         die(e)
-    check_layout(config, dev, ptdtype)
+    check_layout(config, world, dev, ptdtype)
     if meta['vocab_size'] > config.vocab_size:
         die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta.get('tokenizer')}), more than "
             f"the model's {config.vocab_size}: prepare it with the model's tokenizer")
@@ -271,21 +266,19 @@ def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
     dev = torch.device(device if device != 'auto' else 'cuda' if torch.cuda.is_available() else
                        'mps' if torch.backends.mps.is_available() else 'cpu')
-    if dry_run:  # memory.py: rank 0 of WORLD_SIZE (else tp x cp) ranks; this CPU (fake tensors) stands in for CUDA
-        world = os.environ.get('WORLD_SIZE', str(tp_size * cp_size * pp_size))
-        dev, os.environ['WORLD_SIZE'] = torch.device('cpu'), world
-    ptdtype = {'auto': torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32,
-               'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
+    if dry_run:  # memory.py: rank 0 of WORLD_SIZE (else tp x cp x pp) ranks; this CPU (fake tensors) stands in for CUDA
+        dev = torch.device('cpu')
+        os.environ.setdefault('WORLD_SIZE', str(tp_size * cp_size * pp_size))
+    ptdtype = getattr(torch, dtype if dtype != 'auto' else 'bfloat16' if dev.type == 'cuda' or dry_run else 'float32')
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on CUDA only
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
     return dev, ptdtype, autocast
 
 
-def check_layout(config, dev, ptdtype):
+def check_layout(config, world, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
-    why = parallel.check_layout(config, int(os.environ.get('WORLD_SIZE', 1)), tp_size, cp_size, cp_impl, seq_len, zero,
-                                dev.type, ptdtype, doc_mask, offload_states, pp_size, gradient_accumulation_steps,
-                                pp_schedule)
+    why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask,
+                                offload_states, pp_size, gradient_accumulation_steps, pp_schedule)
     why and die(why)
 
 
@@ -295,9 +288,9 @@ def train_step(model, batches, autocast, mesh, named_masters, optimizer, pipe=No
     loss = forward_backward(model, batches, autocast, mesh, pipe)
     bad = (~loss.isfinite()).float()
     if not optimizer.in_backward:
-        max_norm = grad_clip if grad_clip > 0 else math.inf  # the norm even unclipped, to see a non-finite one
         parallel.sync_grads(named_masters, mesh, model.config)  # (one process: nothing to sync)
-        norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)  # every shard's
+        # every shard's norm, even unclipped (grad_clip=0: max_norm inf), to see a non-finite one
+        norm = parallel.clip_grad_norm_(named_masters, optimizer.max_norm, mesh, model.config)
         # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay and step count
         bad = optimizer.found_inf = torch.maximum(bad, (~norm.isfinite()).float())
         optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
@@ -310,8 +303,7 @@ _MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skip
 
 def check_finite(optimizer, iter_num, lr):
     """Stop without saving after _MAX_SKIPS skipped steps in a row: the last checkpoint holds the last good weights."""
-    n = int(optimizer.skipped)
-    if n >= _MAX_SKIPS:
+    if (n := int(optimizer.skipped)) >= _MAX_SKIPS:
         die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, lr {lr:g}); stopped "
             f"without saving: resume the last checkpoint in {out_dir} with a lower --learning_rate")
 
@@ -320,8 +312,7 @@ def check_finite(optimizer, iter_num, lr):
 def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     """The mean val loss over eval_iters batches, the same batches at every eval."""
     model.eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    loss = 0
+    gen, loss = torch.Generator().manual_seed(seed + 1), 0
     for _ in range(eval_iters):
         x, y, *rest = parallel.shard_batch(mesh, *get_batch(meta, 'val', batch_size * mesh.dp, gen, dev))
         with autocast:  # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
@@ -330,8 +321,7 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     model.train()
     for m in (m for m in model.modules() if hasattr(m, 'reshard')):  # FSDP2: no backward came to free the gathered
         m.reshard()
-    if mesh.dpcp_group is not None:
-        loss = parallel.all_reduce(loss, mesh.dpcp_group)
+    loss = loss if mesh.dpcp_group is None else parallel.all_reduce(loss, mesh.dpcp_group)
     return (loss[0] / loss[1]).item()
 
 
@@ -365,13 +355,12 @@ def main():
     dev, ptdtype, autocast = device_and_dtype()
     torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
     world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s, one=offload_states)
-    if world > 1 and dev.type == 'cuda':
-        dev = torch.device('cuda', local_rank)
+    dev = torch.device('cuda', local_rank) if world > 1 and dev.type == 'cuda' else dev
     meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
-        model, ckpt = model_from_config(meta, cfg, dev, ptdtype)
+        model, ckpt = model_from_config(meta, cfg, world, dev, ptdtype)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s,
-                              device_type='cpu' if dry_run else dev.type, pp=pp_size)
+                              device_type=dev.type, pp=pp_size)  # (a dry run's: the CPU)
     try:  # the last check, and the first thing written: a run stopped by any check before leaves no out_dir
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -379,7 +368,7 @@ def main():
     # the memory report, before anything is on the device: stops here if the run can't fit (80% rule) or
     # offload's host memory can't hold it; auto_memory=True first sets the cheapest knobs that fit
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
-    check_layout(model.config, dev, ptdtype)  # the knobs as auto_memory left them
+    check_layout(model.config, world, dev, ptdtype)  # the knobs as auto_memory left them
     n_params, (mfu_flops, hfu_flops) = num_params(model.config), flops_per_token(model.config, seq_len)
     parallel.parallelize(model, mesh)  # the full model, initialised from the seed, sharded (and staged) for this rank
     names = [n for n, _ in model.named_parameters()]
@@ -390,10 +379,9 @@ def main():
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)
-    iter_num, best_val_loss = 0, float('inf')
+    iter_num, best_val_loss = (ckpt['iter_num'], ckpt['best_val_loss']) if ckpt is not None else (0, float('inf'))
     if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into this rank's pieces
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
-        iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     raw_model, model = model, torch.compile(model) if compile else model
     pipe = pipeline.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev) \
         if pp_size > 1 else None  # torch's pipeline schedule over this rank's stage
@@ -412,7 +400,7 @@ def main():
     signals, stop = catch_signals(), False  # signals this rank received; stop: what every rank agreed on
     log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # appended: never lose a row
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
-    t0, tokens_since = time.perf_counter(), 0
+    t0, it0 = time.perf_counter(), iter_num  # tokens/s: the steps since it0, over the time since t0
     peak_memory(dev, reset=True)
     while iter_num < max_iters and not stop:
         val_loss = None
@@ -420,8 +408,7 @@ def main():
             t_eval = time.perf_counter()
             val_loss = evaluate(model, meta, mesh, autocast, dev, pipe)
             best_val_loss = min(best_val_loss, val_loss)
-            if always_save_checkpoint and iter_num > 0:
-                save(iter_num)
+            always_save_checkpoint and iter_num > 0 and save(iter_num)
             t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
@@ -432,22 +419,20 @@ def main():
         sent = offload_policy.stats()['bytes_to_host']
         with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step only
             loss = step(batches)
-        tokens_since += tokens_per_iter
         iter_num += 1
         bar.update(1)
         if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not (world == 1 and signals):
             continue
-        tps = tokens_since / (time.perf_counter() - t0)
+        tps = (iter_num - it0) * tokens_per_iter / (time.perf_counter() - t0)
         row = {'iter': iter_num - 1, 'loss': loss.item(), 'lr': lr, 'tokens_per_s': tps,  # the step's only host sync
                'mfu': device_flops and tps * mfu_flops / device_flops,  # None: no trusted peak
                'hfu': device_flops and tps * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev), 'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent}
         write_log(log, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
-        t0, tokens_since = time.perf_counter(), 0
+        t0, it0 = time.perf_counter(), iter_num
         peak_memory(dev, reset=True)
-        # a signal may reach the ranks in different steps: they agree on log steps only (an all-reduce
-        # and a host sync every step would stall the GPUs), and stop together at the first after it
+        # ranks may see a signal in different steps: they agree on log steps only (a sync every step stalls the GPUs)
         stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item() if world > 1 else signals)
     bar.close()
     path = save(iter_num)
@@ -478,5 +463,4 @@ if __name__ == '__main__':
         die(e)
     except RuntimeError as e:  # what gloo raises; NCCL's DistBackendError is one too
         collective_failed(e, timeout_s)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    torch.distributed.is_initialized() and torch.distributed.destroy_process_group()
