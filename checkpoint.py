@@ -50,7 +50,6 @@ def _device_mesh(world, tp, kv_heads, device_type, pp=1, cp=1):
     tp_dims, names = ((kv_heads, tp // kv_heads), ('kv', 'kv_copy')) if kv_heads else ((tp,), ('tp',))
     return DeviceMesh(device_type, ranks.reshape(pp, *tp_dims, -1), mesh_dim_names=('pp', *names, 'dpcp'))
 
-
 def _placed(name, local, mesh, config, shape, fsdp_dim=None):
     """local (this rank's piece of the tensor `name`, whose full shape is shape) with its place in it: its tp shard
     and, under zero=2, 3, FSDP2's rows (or columns: fsdp_dim) of that shard over the dp·cp ranks."""
@@ -62,7 +61,6 @@ def _placed(name, local, mesh, config, shape, fsdp_dim=None):
     dm = _device_mesh(mesh.world, mesh.tp, config.n_kv_head if kv else 0, local.device.type, mesh.pp, mesh.cp)
     return DTensor.from_local(local, dm, [Replicate()] + on_tp + [Replicate() if fsdp_dim is None else Shard(fsdp_dim)],
                               shape=shape, stride=torch.empty(shape, device='meta').stride())
-
 
 def state_dict(model, optimizer, mesh, data_gen=None):
     """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""
@@ -111,7 +109,6 @@ def _fsync_write(path, text):
         f.flush()
         os.fsync(f.fileno())
 
-
 @_one_line("cannot write a checkpoint in {path} (the previous one is kept)")
 def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
     """Every rank calls it. scalars (iter_num, best_val_loss, config) go to meta.json."""
@@ -141,7 +138,6 @@ def latest(out_dir):
     return next((p for p in (os.path.join(root, f'{k:06d}') for k in ks)
                  if os.path.exists(os.path.join(p, 'COMMITTED'))), None)
 
-
 @_one_line("cannot read {path}")
 def resume(out_dir, cfg):
     """The newest committed checkpoint's meta.json and 'path', refused where cfg gives another architecture."""
@@ -160,7 +156,6 @@ def resume(out_dir, cfg):
         raise Error(f"--init_from=resume with {', '.join(f'{k}={cfg[k]!r}' for k in differ)}, but {path} was made "
                     f"with {', '.join(f'{k}={was[k]!r}' for k in differ)}: resume with its config or another out_dir")
     return m
-
 
 def meta(path):
     with open(os.path.join(path, 'meta.json')) as f:
@@ -206,7 +201,6 @@ def load(path, model, optimizer, mesh, data_gen=None):
     if data_gen is not None:
         data_gen.set_state(sd['rng.data'])
     return meta(path)
-
 
 @_one_line("cannot load {path}")
 def load_model(path, **knobs):

@@ -30,7 +30,6 @@ def die(msg):
     wait_for_every_rank('died')
     sys.exit(2)
 
-
 def wait_for_every_rank(what, timeout=60):
     """Under torchrun, return once every rank reaches this call (or after `timeout` s): torchrun kills all ranks when
     one exits, so a rank stopping with a message waits for the others' (torchrun's TCP store: no process group)."""
@@ -46,7 +45,6 @@ def wait_for_every_rank(what, timeout=60):
         while store.add(key, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
 
-
 def collective_failed(e, timeout_s):
     """One line for a collective that raised: a rank died, or hung past timeout_s (gloo raises then; NCCL's
     watchdog aborts the process itself). Exit at once: a rank that hangs would never meet us in a barrier."""
@@ -60,7 +58,6 @@ def collective_failed(e, timeout_s):
           f"(timeout_s={timeout_s}: a rank died or stopped responding)", file=sys.stderr, flush=True)
     os._exit(3)
 
-
 def has_device(name):
     """False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a device type torch does not know."""
     import torch  # (here only: the configurator itself needs no torch)
@@ -71,14 +68,12 @@ def has_device(name):
     count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()), 'cuda': torch.cuda.device_count()}
     return (dev.index or 0) < count.get(dev.type, 0)
 
-
 def writable(path):
     """Whether path is, or could be made, a directory we can write in; checked without creating it."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return os.path.isdir(path) and os.access(path, os.W_OK)
-
 
 def fit(value, default, raw=None):
     """value as the type of default, or _BAD. raw: the command-line text, None from a file."""
@@ -92,7 +87,6 @@ def fit(value, default, raw=None):
         return value if isinstance(value, str) else raw  # --out_dir=123 is the directory '123'
     return value if type(value) is type(default) else _BAD
 
-
 def override(g, defaults, key, value, raw, where=''):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=1)
@@ -102,7 +96,6 @@ def override(g, defaults, key, value, raw, where=''):
         name, got = (key, value) if raw is None else ('--' + key, raw)
         die(f"{where}{name} expects {type(defaults[key]).__name__}, got {got!r}")
     g[key] = new  # silently: a run with a mistake prints its one line and nothing else
-
 
 def load(path, g, defaults):
     try:
@@ -121,7 +114,6 @@ def load(path, g, defaults):
     for key, value in ns.items():
         if not key.startswith('_') and not isinstance(value, ModuleType):  # skip `import math`
             override(g, defaults, key, value, None, f"{path}: ")
-
 
 def configure(g, argv=None):
     argv = sys.argv[1:] if argv is None else argv

@@ -126,7 +126,6 @@ def to_fake(model, dtype):
             setattr(m, k, made[id(p)])
     return model
 
-
 def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
     """A batch as train.py's get_batch returns it (inputs and targets, views of one (B, S+1) tensor); with doc_mask
     per-row positions and one document per row: documents attended one by one save what the whole window's would."""

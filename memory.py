@@ -107,7 +107,6 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
     return 4 * batch_size * up(Sa, 128) * a * (up(c.head_dim, 32) + 1) + \
         2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim
 
-
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', grad_accum=1,
              tp_size=1, cp_size=1, cp_impl='ulysses', dp=1, zero=0, doc_mask=False, in_backward=False,
              states_on_host=False, pp=1, stage=0, schedule='1f1b'):
@@ -201,7 +200,6 @@ def device_bytes(device, budget_gb=0.0, dry_run=False):
         return int((budget_gb or 80) * GiB)
     return torch.cuda.get_device_properties(device).total_memory if device.type == 'cuda' else meminfo('MemTotal')
 
-
 def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
     """Host memory a rank may fill: host_memory_budget_gb, capped by this node's MemAvailable over its
     LOCAL_WORLD_SIZE ranks; a dry run stands in for another machine: the budget, or unknown (None)."""
@@ -210,7 +208,6 @@ def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
     free = meminfo('MemAvailable') // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
     return min(free, int(budget_gb * GiB)) if budget_gb else free
 
-
 def meminfo(key):
     """A /proc/meminfo figure in bytes; the physical memory where there is no /proc."""
     if os.path.exists('/proc/meminfo'):
@@ -218,12 +215,10 @@ def meminfo(key):
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ':'))
     return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
-
 def overhead_bytes(device_type, communicators=0):
     """What tensors don't show: the CUDA context and its libraries' workspaces (about 0.6 GiB), and
     about 0.5 GiB of NCCL buffers per communicator (Fujii et al.)."""
     return 0 if device_type != 'cuda' else int(0.6 * GiB + 0.5 * GiB * communicators)
-
 
 def fits(est, budget, overhead=0):
     return (est.total if isinstance(est, Estimate) else est) + overhead <= FIT_FRACTION * budget
@@ -234,7 +229,6 @@ def gib(n, width=8):
         return '-'
     unit, size = next((u, x) for u, x in (('GiB', GiB), ('MiB', 2 ** 20), ('KiB', 1024)) if abs(n) >= x or u == 'KiB')
     return f"{n / size:{width}.2f} {unit}"
-
 
 def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=False):
     """A row per category, estimate and (when given) measured with the error in percent (a category's
@@ -274,7 +268,6 @@ def cost(c, base, batch_size, seq_len):
             (offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE) if c.offload > 0 else 0)
     return extra(c) - extra(base)
 
-
 def variants(c, batch_size, seq_len, host, layout):
     """Every recompute mode; chunks as configured, automatic or 4x that; offload at Memo's α and 1."""
     tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
@@ -295,14 +288,11 @@ def variants(c, batch_size, seq_len, host, layout):
                             not parallel.check_layout(w, tp * cp, tp, cp, layout.get('cp_impl', 'ulysses'), seq_len):
                         yield w
 
-
 def knobs(c, base):
     return {k: getattr(c, k) for k in MEMORY_KNOBS if getattr(c, k) != getattr(base, k)}
 
-
 def describe(changes):
     return ' '.join(f"--{k}={v!r}" for k, v in changes.items())  # strings quoted; a number's repr is its str
-
 
 def options(config, budget, overhead, host, batch_size, seq_len, layout):
     """Every variant that fits, (cost, knobs changed, total, config, estimate), cheapest first."""
@@ -310,13 +300,11 @@ def options(config, budget, overhead, host, batch_size, seq_len, layout):
                    for v in variants(config, batch_size, seq_len, host, layout)
                    if fits(e := estimate(v, batch_size, seq_len, **layout), budget, overhead)], key=lambda o: o[:3])
 
-
 def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
     """The cheapest knob setting that fits, as (config, estimate, cost), or None. A pure function of
     its arguments: every rank given the same ones reaches the same plan."""
     fit = options(config, budget, overhead, host, batch_size, seq_len, layout)
     return (fit[0][3], fit[0][4], fit[0][0]) if fit else None
-
 
 def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **layout):
     """[(command-line change, estimate, cost)] that fit: each knob alone at its cheapest, else the plan;

@@ -101,7 +101,6 @@ def rope_scaling_ok(s):
         isinstance(v, bool) if k == 'truncate' else v is None and k in may or type(v) in (int, float) and v > 0
         and (type(v) is int or k != 'original_max_position_embeddings') for k, v in given.items())
 
-
 def rope_frequencies(config):
     """(inverse frequencies theta^(-2i/d) in fp64 with the rope scaling applied, the factor cos and sin are
     multiplied by: YaRN's attention factor, 1 otherwise), as transformers' _compute_*_parameters return them."""
@@ -135,7 +134,6 @@ def rope_frequencies(config):
         return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention_factor
     return inv_freq, 1.0
 
-
 def rope_tables(inv_freq, positions, scale=1.0):
     """cos and sin [S, head_dim] for integer positions [S] ([B, 1, S, head_dim] for [B, S]: a row per sequence,
     broadcast over heads), times scale (YaRN's attention factor); fp64 math, fp32 result. In HF's rotate-half layout
@@ -152,7 +150,6 @@ FP32_CHUNK = 1 << 26  # elements RoPE and RMSNorm hold in fp32 at once (256 MiB)
 def _positions(x):  # slices of dim -2 (positions, rows treated apart) of about FP32_CHUNK elements of x each
     n = max(1, FP32_CHUNK * x.shape[-2] // max(1, x.numel()))
     return [slice(s, s + n) for s in range(0, x.shape[-2], n)]
-
 
 def _rotate(x, cos, sin, transpose=False):
     out, R = torch.empty_like(x), lambda t: torch.cat(t.chunk(2, dim=-1)[::-1], dim=-1)
@@ -230,7 +227,6 @@ def attention(q, k, v, docs=None):
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return per_document(q, k, v, docs)
-
 
 @torch.compiler.disable  # a loop whose length changes with every batch: eager inside a compiled model
 def per_document(q, k, v, docs):
@@ -422,7 +418,6 @@ def num_params(config, non_embedding=True):
     embedding = 0 if non_embedding or config.tie_embeddings else V * h  # a tied matrix counts once, as the head
     return config.n_layer * per_layer + h + V * h + embedding
 
-
 def flops_per_token(config, seq_len):
     """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding parameters plus the LM
     head (Megatron, PaLM and Memo count attention this way, causal or not). Recompute re-runs forward: +2·N + 4·L·h·S
@@ -431,7 +426,6 @@ def flops_per_token(config, seq_len):
     attn = 12 * c.n_layer * c.n_embd * seq_len
     recompute = {'none': 0, 'full': 2 * N + attn // 3, 'selective': 2 * (N - c.vocab_size * c.n_embd)}
     return 6 * N + attn, 6 * N + attn + recompute[c.recompute]
-
 
 def _hf_names(config):
     """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too)."""

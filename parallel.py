@@ -127,7 +127,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
     ]
     return next((why for bad, why in rules if bad and why), None)
 
-
 def init_distributed(device_type, fake=False, timeout_s=300, one=False):
     """(world, rank, local_rank), in torchrun's process group (NCCL on CUDA, gloo on CPU) or one: a group of one rank
     (FSDP2's, offload_states); fake (the dry run): rank RANK (0) of WORLD_SIZE whose collectives return at once."""
@@ -143,7 +142,6 @@ def init_distributed(device_type, fake=False, timeout_s=300, one=False):
     alone = dict(store=dist.HashStore(), rank=0, world_size=1) if world == 1 else {}  # no torchrun: our own store
     dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=timedelta(seconds=timeout_s), **alone)
     return world, dist.get_rank(), local_rank
-
 
 def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None, device_type='cpu',
               pp=1):
@@ -178,13 +176,11 @@ def all_reduce(x, group):  # the sum, in place; a host tensor (offload_states) t
     dist.all_reduce(y, group=group)
     return x.copy_(y)
 
-
 def all_gather(x, dim, group):  # every rank's x, concatenated along dim in rank order
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
-
 
 def reduce_scatter(x, dim, group):  # x summed over the ranks, this rank's 1/n slice along dim
     x = x.movedim(dim, 0).contiguous()
@@ -192,12 +188,10 @@ def reduce_scatter(x, dim, group):  # x summed over the ranks, this rank's 1/n s
     dist.reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
-
 def all_to_all(x, group):  # x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us
     out = torch.empty_like(x := x.contiguous())
     dist.all_to_all_single(out, x, group=group)
     return out
-
 
 def ring_shift(x, group):
     """Send x to the next rank, get the previous one's; the returned function waits for it (NCCL: stream, not host)."""
@@ -235,7 +229,6 @@ def enter_tp(x, mesh):
         return _Pair.apply(x, lambda x: all_gather(x, 1, g).contiguous(), lambda d: reduce_scatter(d, 1, g))
     return _Pair.apply(x, lambda x: x.view_as(x), lambda d: all_reduce(d.contiguous().clone(), g))
 
-
 def leave_tp(x, mesh):
     """g, after the row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp) or all-reduce."""
     g = mesh.tp_group
@@ -257,7 +250,6 @@ def shard_spec(name, config, tp):
     if spec is None:
         raise ValueError(f"no tensor-parallel rule for parameter {name}")
     return spec
-
 
 def is_replica(name, mesh, config):
     """True where this rank's tensor is a copy of another tp rank's (count it once in norms, save it once)."""
@@ -296,7 +288,6 @@ def ulysses(attend, group, q, k, v, docs=None):
     y = swap(y.reshape(B, H // c, c, Sc, hd).movedim(2, 0))
     return y.movedim(0, 1).reshape(B, H, Sc, hd)
 
-
 def flash_error(device_type, dtype, head_dim):
     """None, or why ring attention's fused flash kernel can't run here (check_layout asks up front)."""
     cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
@@ -306,7 +297,6 @@ def flash_error(device_type, dtype, head_dim):
         return f"{cuda} bfloat16 or float16, not {dtype} (use dtype='bfloat16' or cp_impl='ulysses')"
     if device_type == 'cuda' and (head_dim > 256 or head_dim % 8):
         return f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"
-
 
 def flash(q, k, v, causal, backward=None):
     """(out, lse [B, H, S] fp32, saved) of the fused flash kernel; with backward=(dout, out, lse, saved): (dq, dk, dv).
@@ -323,7 +313,6 @@ def flash(q, k, v, causal, backward=None):
     bwd = aten._scaled_dot_product_flash_attention_backward if q.is_cuda else \
         aten._scaled_dot_product_flash_attention_for_cpu_backward
     return bwd(grad_out=dout, out=out, logsumexp=lse, **kw, **saved)[:3]
-
 
 def _ring_steps(q, k, v, group):
     """Rank r of P holds zigzag chunks r and 2P-1-r of 2P (n tokens each). At step s it holds the k, v of rank (r - s)
@@ -426,7 +415,6 @@ def parallelize(model, mesh):
     model.mesh = mesh
     return model
 
-
 def shard_states(model, mesh, zero, dtype, on_host=False):
     """ZeRO-2 or 3 through FSDP2 over the d = dp·cp ranks holding the same weights (the header: what moves, when):
     ⌈rows/d⌉ rows of every fp32 tensor of this tp shard, gathered in dtype; on_host: the rows in host memory."""
@@ -467,7 +455,6 @@ def all_reduce_buckets(grads, group):
             bucket = []
         bucket.append(g)
 
-
 def sync_grads(named_params, mesh, config):
     """After backward, each rank's gradients of the whole step. named_params: (model's name, tensor holding
     .grad). The norms saw only our tokens under sp: summed over tp; replicated kv heads over the copies;
@@ -482,10 +469,8 @@ def sync_grads(named_params, mesh, config):
     all_reduce_buckets([g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))], mesh.kv_group)
     all_reduce_buckets([g for _, g in grads], None if fsdp else mesh.dpcp_group)
 
-
 def local(x):  # this rank's rows of an FSDP2 tensor (a leaf, sharing its storage), or x
     return x.to_local().detach() if isinstance(x, DTensor) else x
-
 
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element once."""

@@ -151,7 +151,6 @@ def read_dataset(world, rank):
               f"from position 0")  # said once: get_batch cuts them as it cuts the token stream
     return meta
 
-
 def get_batch(meta, split, n, generator, device):
     """n random windows of seq_len + 1 tokens: inputs and next-token targets; with doc_mask also each input's position
     in its document (below) and the documents' starts in the flattened inputs (model.attention; on the host)."""
@@ -186,7 +185,6 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
         total = total + loss.detach()
     return dpcp_sum(total)
 
-
 def make_optimizer(model, masters, device_type, mesh=None):
     """AdamW on fp32 master weights (optim.AdamW): under zero=2, 3 FSDP2's share per dp·cp rank; or in backward."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
@@ -199,7 +197,6 @@ def make_optimizer(model, masters, device_type, mesh=None):
     return optim.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(), model.config,
                        in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf, lr=learning_rate,
                        betas=(beta1, beta2), fused=fused)
-
 
 def get_lr(it):
     decay_iters = lr_decay_iters or max_iters
@@ -219,7 +216,6 @@ def peak_flops(device, dtype):
     tflops = next((t for key, t in (('H100', 989), ('H200', 989), ('H800', 989), ('A100', 312), ('A800', 312),
                                     ('L40S', 362), ('4090', 165), ('A10G', 70), ('A10', 125)) if key in name), None)
     return tflops and tflops * 1e12 * (1 if dtype == torch.bfloat16 else 0.5)
-
 
 def peak_memory(device, reset=False):
     """Bytes: the allocator's peak on CUDA, the process's peak resident set (VmHWM, Linux) elsewhere, or 0.
@@ -261,7 +257,6 @@ def model_from_config(meta, cfg, world, dev, ptdtype):
             f"the model's {config.vocab_size}: prepare it with the model's tokenizer")
     return model or Llama(config), ckpt
 
-
 def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
     dev = torch.device(device if device != 'auto' else 'cuda' if torch.cuda.is_available() else
@@ -274,13 +269,11 @@ def device_and_dtype():
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
     return dev, ptdtype, autocast
 
-
 def check_layout(config, world, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
     why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type, ptdtype, doc_mask,
                                 offload_states, pp_size, gradient_accumulation_steps, pp_schedule)
     why and die(why)
-
 
 def train_step(model, batches, autocast, mesh, named_masters, optimizer, pipe=None):
     """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in backward: optim.py): one
@@ -307,7 +300,6 @@ def check_finite(optimizer, iter_num, lr):
         die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, lr {lr:g}); stopped "
             f"without saving: resume the last checkpoint in {out_dir} with a lower --learning_rate")
 
-
 @torch.no_grad()
 def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     """The mean val loss over eval_iters batches, the same batches at every eval."""
@@ -324,7 +316,6 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     loss = loss if mesh.dpcp_group is None else parallel.all_reduce(loss, mesh.dpcp_group)
     return (loss[0] / loss[1]).item()
 
-
 def dry_run_step(step, mem, model, masters, optimizer, mesh, pipe):
     """One step on fake tensors, measured: the table and the verdict. Two micro-steps show what gradient accumulation
     adds; under pp one more than rank 0's stage keeps in flight, then the last stage's dry run in a fresh process."""
@@ -335,7 +326,6 @@ def dry_run_step(step, mem, model, masters, optimizer, mesh, pipe):
         step(batches)
     if mesh.pp > 1 and mesh.pp_rank == 0:  # the LM head and loss, the fewest in flight
         subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)}, check=True)
-
 
 def catch_signals():
     """SIGINT / SIGTERM: the loop finishes its step, saves and exits 0; a second signal interrupts at once."""
@@ -439,7 +429,6 @@ def main():
     rank == 0 and print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
                         f"--init_from=resume)" if stop else f"done: {iter_num} iters, best val loss "
                         f"{best_val_loss:.4f}, checkpoint {path}")
-
 
 def write_log(log, bar, row, val_loss, mem):
     """One log.jsonl row (rank 0 only: log is None elsewhere) and the progress bar's postfix."""
