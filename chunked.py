@@ -88,10 +88,11 @@ def _mm_f32(a, b, out):
 
 
 def _acc_mm_(acc, a, b):
-    """acc (fp32) += a @ b. Weight gradients are sums over every token: summing chunk after chunk
-    in bf16 loses the small contributions, so the running sum is fp32 whatever the weights are.
-    (A bf16 a @ b is rounded once per chunk, then added in fp32.)"""
-    return acc.addmm_(a, b) if a.dtype == acc.dtype else acc.add_(torch.mm(a, b))
+    """acc (fp32) += a @ b, nothing where acc is None (no gradient wanted). Weight gradients are sums over every
+    token: summing chunk after chunk in bf16 loses the small contributions, so the running sum is fp32 whatever the
+    weights are. (A bf16 a @ b is rounded once per chunk, then added in fp32.)"""
+    if acc is not None:
+        acc.addmm_(a, b) if a.dtype == acc.dtype else acc.add_(torch.mm(a, b))
 
 
 # ----------------------------------------------------------------------------- mini-sequence MLP
@@ -105,29 +106,25 @@ class _ChunkedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w3, w2, chunks):
         ctx.save_for_backward(x, w1, w3, w2)  # all we keep: the input (and the weights, kept anyway)
-        ctx.chunks = chunks
         x2 = x.reshape(-1, x.shape[-1])  # tokens of every batch row, flattened: [N, h]
         y = x2.new_empty(x2.shape[0], w2.shape[0])
-        n = max(1, math.ceil(x2.shape[0] / chunks))
+        ctx.n = n = max(1, math.ceil(x2.shape[0] / chunks))  # tokens per chunk
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x2.shape[0], n):
                 xc = x2[s:s + n]
-                a = F.silu(torch.mm(xc, w1.t()), inplace=True)
-                a.mul_(torch.mm(xc, w3.t()))
+                a = F.silu(torch.mm(xc, w1.t()), inplace=True).mul_(torch.mm(xc, w3.t()))
                 torch.mm(a, w2.t(), out=y[s:s + n])
         return y.view(*x.shape[:-1], w2.shape[0])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        x, w1, w3, w2 = ctx.saved_tensors
-        need_x, need_w1, need_w3, need_w2 = ctx.needs_input_grad[:4]
+        (x, w1, w3, w2), n = ctx.saved_tensors, ctx.n
         x2, gy2 = x.reshape(-1, x.shape[-1]), gy.reshape(-1, gy.shape[-1])
-        # weight gradients accumulate over the chunks in fp32 (see _acc_mm_), cast back at the end
-        acc = lambda w, need: torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need else None
-        g1, g3, g2 = acc(w1, need_w1), acc(w3, need_w3), acc(w2, need_w2)
-        dx = torch.empty_like(x2) if need_x else None
-        n = max(1, math.ceil(x2.shape[0] / ctx.chunks))
+        # weight gradients accumulate over the chunks in fp32 (see _acc_mm_), cast back at the end; None: not needed
+        g1, g3, g2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need else None
+                      for w, need in zip((w1, w3, w2), ctx.needs_input_grad[1:4]))
+        dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x2.shape[0], n):
                 xc, gyc = x2[s:s + n], gy2[s:s + n]
@@ -139,18 +136,14 @@ class _ChunkedMLP(torch.autograd.Function):
                 g.addcmul_(g, a, value=-1).add_(a)    # g := silu'(x W1ᵀ)
                 g.mul_(b)                             # g := x W3ᵀ · silu'
                 b.mul_(a)                             # b := silu(x W1ᵀ) · x W3ᵀ, W2's input
-                if need_w2:
-                    _acc_mm_(g2, gyc.t(), b)  # dW2 += gyᵀ (silu(x W1ᵀ) · x W3ᵀ)
+                _acc_mm_(g2, gyc.t(), b)  # dW2 += gyᵀ (silu(x W1ᵀ) · x W3ᵀ)
                 torch.mm(gyc, w2, out=b)  # b := dz, the gradient of that product
                 g.mul_(b)                 # g := d(x W1ᵀ) = dz · x W3ᵀ · silu'
                 b.mul_(a)                 # b := d(x W3ᵀ) = dz · silu(x W1ᵀ)
-                if need_w1:
-                    _acc_mm_(g1, g.t(), xc)
-                if need_w3:
-                    _acc_mm_(g3, b.t(), xc)
-                if need_x:
-                    torch.mm(g, w1, out=dx[s:s + n])
-                    dx[s:s + n].addmm_(b, w3)
+                _acc_mm_(g1, g.t(), xc)
+                _acc_mm_(g3, b.t(), xc)
+                if dx is not None:
+                    torch.mm(g, w1, out=dx[s:s + n]).addmm_(b, w3)
                 del a, b, g  # before the next chunk's buffers exist, not after
         cast = lambda g, w: None if g is None else g.to(w.dtype)
         return (None if dx is None else dx.view(x.shape)), cast(g1, w1), cast(g3, w3), cast(g2, w2), None
@@ -160,8 +153,7 @@ def chunked_mlp(x, w1, w3, w2, chunks):
     """SwiGLU MLP F.linear(silu(F.linear(x, w1)) * F.linear(x, w3), w2) over x [..., S, h] in
     ceil(tokens / chunks)-token pieces (all tokens of all batch rows, flattened), keeping only x for
     backward. Weights in nn.Linear layout [out, in], no biases. chunks = 0 picks auto_mlp_chunks."""
-    if chunks == 0:
-        chunks = auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
+    chunks = chunks or auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
     if chunks <= 1:
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
     return _ChunkedMLP.apply(*_autocast(x, w1, w3, w2), chunks)
@@ -188,7 +180,6 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
     real = rows if group is None else max(0, min(rows, vocab_size - lo))  # rows that are not padding
     n = max(1, math.ceil(N / chunks))  # tokens per chunk; the last chunk takes what is left
     valid = targets != ignore_index
-    count = valid.sum()  # a tensor: no host sync, here or per chunk
     ours = valid & (targets >= lo) & (targets < lo + real)  # the targets whose logit this rank holds
     tgt = torch.where(ours, targets - lo, 0).unsqueeze(1)  # others point at row 0, masked below
     mask = valid.to(x.dtype).unsqueeze(1)
@@ -198,12 +189,11 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
     buf = x.new_empty(min(n, N), real, dtype=torch.float32)  # the one logits buffer, reused by every chunk
     dx = (torch.empty_like(x) if real else torch.zeros_like(x)) if grad_x else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
-    wt = weight[:real].t()
     for s in range(0, N, n):
         e = min(s + n, N)
         xc, logits = x[s:e], buf[:e - s]
         if real:
-            _mm_f32(xc, wt, out=logits)
+            _mm_f32(xc, weight[:real].t(), out=logits)
             # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
             # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
             # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
@@ -216,8 +206,7 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
         if group is not None:  # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
             every = lse.new_empty(dist.get_world_size(group) * (e - s))
             dist.all_gather_single(every, lse[s:e, 0].contiguous(), group=group)
-            ours_lse = lse[s:e].clone()
-            lse[s:e, 0] = every.view(-1, e - s).logsumexp(0)
+            ours_lse, lse[s:e, 0] = lse[s:e].clone(), every.view(-1, e - s).logsumexp(0)
             if real and (grad_x or grad_w):
                 logits.mul_((ours_lse - lse[s:e]).exp())
         if not (real and (grad_x or grad_w)):
@@ -227,23 +216,21 @@ def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=N
         # side (dx rows, x rows) instead of another pass over the [n, V] buffer
         g = logits if weight.dtype == torch.float32 else logits.to(weight.dtype)
         if grad_x:
-            torch.mm(g, weight[:real], out=dx[s:e])
-            dx[s:e].mul_(mask[s:e])
+            torch.mm(g, weight[:real], out=dx[s:e]).mul_(mask[s:e])
         if grad_w:
             _acc_mm_(dW[:real], g.t(), xc * mask[s:e])
     target_sum = torch.where(ours, logit_t.squeeze(1), 0).sum()
     if group is not None:  # each target's logit lives on one rank
         dist.all_reduce(target_sum, group=group)
-    return (lse.squeeze(1) * valid).sum() - target_sum, count, dx, dW
+    return (lse.squeeze(1) * valid).sum() - target_sum, valid.sum(), dx, dW  # count: a tensor, no host sync
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size, grad_enabled):
-        grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
+        grads = [grad_enabled and need for need in ctx.needs_input_grad[:2]]  # grad_x, grad_w
         with torch.autocast(x.device.type, enabled=False):
-            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w,
-                                                 group, vocab_size)
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index, *grads, group, vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
         ctx.count, ctx.dx, ctx.dW, ctx.w_dtype = count, dx, dW, weight.dtype
@@ -259,9 +246,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # drop our references so the buffers are scaled in place and handed to autograd (which can
         # then adopt dW as W.grad without a copy), and nothing outlives this backward
         ctx.count = ctx.dx = ctx.dW = None
-        dx = dx if dx is None else dx.mul_(scale)
-        dW = dW if dW is None else dW.mul_(scale).to(ctx.w_dtype)
-        return dx, dW, None, None, None, None, None, None
+        return (dx if dx is None else dx.mul_(scale), dW if dW is None else dW.mul_(scale).to(ctx.w_dtype),
+                None, None, None, None, None, None)
 
 
 def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
@@ -271,8 +257,7 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     tokens at a time. chunks = 0 picks auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight
     is this rank's [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
     x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    if chunks == 0:
-        chunks = auto_loss_chunks(x.shape[0], x.shape[1], vocab_size or weight.shape[0])
+    chunks = chunks or auto_loss_chunks(x.shape[0], x.shape[1], vocab_size or weight.shape[0])
     if chunks <= 1 and group is None:
         loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
         return loss_sum / (targets != ignore_index).sum().clamp(min=1)

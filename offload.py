@@ -56,12 +56,11 @@ MAX_IN_FLIGHT = 2    # blocks whose device->host copies may still run before com
 # ----------------------------------------------------------------------------- how many bytes
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
     """[(what, bytes per token, the header's kind)] of each tensor a block saves with recompute='none'."""
-    b, h, H = dtype.itemsize, config.n_embd, config.n_head
-    kv, I = config.n_kv_head * config.head_dim, config.intermediate_size
+    b, h, kv, I = dtype.itemsize, config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size
     norm = lambda name: [(f'{name} input', b * h, 'other'), (f'{name} output', b * h, 'other')]
     saved = norm('attention_norm') + [('q', b * h, 'qkv'), ('k', b * kv, 'qkv'), ('v', b * kv, 'qkv'),
                                       ('attention output (wo keeps a view)', b * h, 'attention'),
-                                      ('attention logsumexp', 4 * H, 'attention')] + norm('ffn_norm')
+                                      ('attention logsumexp', 4 * config.n_head, 'attention')] + norm('ffn_norm')
     if chunked.mlp_chunks(config, seq_len) == 1:  # chunked.py's MLP keeps only its input
         saved += [(f'MLP {name}', b * I, 'other') for name in ('x W1ᵀ', 'x W3ᵀ', 'silu(x W1ᵀ)', 'product')]
     return saved
@@ -74,9 +73,8 @@ def _per_token(config, dtype, seq_len, *kinds):
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     """Bytes one block keeps on the device for backward with offload off, for config.recompute."""
     bh = dtype.itemsize * config.n_embd
-    per_token = {'none': _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other'), 'full': bh,
-                 'selective': bh + _per_token(config, dtype, seq_len, 'attention')}[config.recompute]
-    return batch * seq_len * per_token
+    return batch * seq_len * {'none': _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other'), 'full': bh,
+                              'selective': bh + _per_token(config, dtype, seq_len, 'attention')}[config.recompute]
 
 
 def offloaded_blocks(config):
@@ -355,8 +353,7 @@ class HostPool:
 
     def release(self, buf):
         if self.pin:
-            if buf.ready is not None:  # no copy may still be reading these pages
-                buf.ready.synchronize()
+            buf.ready and buf.ready.synchronize()  # no copy may still be reading these pages
             torch.cuda.cudart().cudaHostUnregister(buf.data.data_ptr())
         self.buffers.remove(buf)
         self.reserved -= buf.nbytes

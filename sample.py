@@ -12,6 +12,7 @@ at a time reads the cached keys and values instead of recomputing the prefix: O(
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -35,9 +36,7 @@ device = 'auto'
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     """Continue idx [B, T] by max_new_tokens tokens; returns [B, T + max_new_tokens]."""
-    c = model.config
-    B, T = idx.shape
-    p = next(model.parameters())
+    c, p, (B, T) = model.config, next(model.parameters()), idx.shape
     caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype) for _ in range(c.n_layer)]
     out, positions = [idx], None  # the first pass: the whole prompt at once (prefill)
     for t in range(T, T + max_new_tokens):
@@ -72,18 +71,14 @@ def main():
         model = Llama.from_pretrained(init_from)
     if name:  # data made by a Hugging Face tokenizer keeps a copy of its tokenizer.json beside meta.json
         data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name)
-        with open(os.path.join(data_dir, 'meta.json')) as f:
-            encode, decode = get_tokenizer({**json.load(f), 'dir': data_dir})
+        encode, decode = get_tokenizer({**json.loads(Path(data_dir, 'meta.json').read_text()), 'dir': data_dir})
     elif os.path.isfile(os.path.join(init_from, 'tokenizer.json')):
         encode, decode = get_tokenizer({'tokenizer': 'hf', 'dir': init_from})
     else:
         sys.exit("error: --dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
     model.to(dev).eval()
 
-    prompt = start
-    if prompt.startswith('FILE:'):
-        with open(prompt[5:], encoding='utf-8') as f:
-            prompt = f.read()
+    prompt = Path(start[5:]).read_text(encoding='utf-8') if start.startswith('FILE:') else start
     idx = torch.tensor([encode(prompt)] * num_samples, device=dev)
     if idx.shape[1] == 0:
         sys.exit("error: the prompt encodes to no tokens")
