@@ -48,21 +48,17 @@ MIN_CHUNK_TOKENS = 256
 def _auto_chunks(n_tokens, m):  # the header's M = m, with MIN_CHUNK_TOKENS a chunk at least, in [1, n_tokens]
     return max(1, min(n_tokens, m, math.ceil(n_tokens / MIN_CHUNK_TOKENS)))
 
-
 def auto_mlp_chunks(n_tokens, dim, intermediate):
     return _auto_chunks(n_tokens, math.ceil(3 * intermediate / dim))
 
-
 def auto_loss_chunks(n_tokens, dim, vocab):
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
-
 
 def mlp_chunks(config, n_tokens):
     """config.mlp_chunks, with 0 resolved from one sequence's n_tokens and the whole intermediate size
     (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input). The one
     place a count is chosen: model.py, offload.py and memory.py all ask here."""
     return config.mlp_chunks or auto_mlp_chunks(int(n_tokens), config.n_embd, config.intermediate_size)
-
 
 def loss_chunks(config, n_tokens):
     """config.loss_chunks, with 0 resolved from the n_tokens of one micro-batch (all its rows)."""
@@ -76,7 +72,6 @@ def _autocast(*tensors):
     device = tensors[0].device.type
     return [t.to(torch.get_autocast_dtype(device)) for t in tensors] if torch.is_autocast_enabled(device) else tensors
 
-
 def _mm_f32(a, b, out):
     """out (fp32) = a @ b. cuBLAS writes fp32 straight from bf16 inputs; the CPU has no such mm,
     so there we round the product to bf16 first (what the plain path's bf16 logits do anyway)."""
@@ -85,7 +80,6 @@ def _mm_f32(a, b, out):
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     return out.copy_(torch.mm(a, b))
-
 
 def _acc_mm_(acc, a, b):
     """acc (fp32) += a @ b, nothing where acc is None (no gradient wanted). Weight gradients are sums over every

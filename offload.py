@@ -65,10 +65,8 @@ def saved_per_token(config, dtype=torch.float32, seq_len=None):
         saved += [(f'MLP {name}', b * I, 'other') for name in ('x W1ᵀ', 'x W3ᵀ', 'silu(x W1ᵀ)', 'product')]
     return saved
 
-
 def _per_token(config, dtype, seq_len, *kinds):
     return sum(n for _, n, kind in saved_per_token(config, dtype, seq_len) if kind in kinds)
-
 
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     """Bytes one block keeps on the device for backward with offload off, for config.recompute."""
@@ -76,10 +74,8 @@ def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     return batch * seq_len * {'none': _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other'), 'full': bh,
                               'selective': bh + _per_token(config, dtype, seq_len, 'attention')}[config.recompute]
 
-
 def offloaded_blocks(config):
     return range(max(0, config.n_layer - KEEP_LAST)) if config.offload > 0 else range(0)
-
 
 def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     """(host, device): the bytes an offloaded block sends to host per forward (the header's formula;
@@ -94,7 +90,6 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     pieces = [batch * p for p in pieces]
     return sum(p for p in pieces if p >= MIN_BYTES), sum(p for p in pieces if p < MIN_BYTES)
 
-
 def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     """Host memory one forward (one micro-step) needs; the pool holds this, reused every micro-step."""
     return len(offloaded_blocks(config)) * block_bytes(config, batch, seq_len, dtype, cp_size)[0]
@@ -105,7 +100,6 @@ def block_forward_seconds(config, batch, seq_len, flops_per_s):
     """One block's forward at flops_per_s: 2 FLOPs per weight per token, and causal attention's 2·S·h."""
     h, kv, I = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size
     return batch * seq_len * (2 * (2 * h * h + 2 * h * kv + 3 * h * I) + 2 * seq_len * h) / flops_per_s
-
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):
     """Memo's rule: the largest α whose b·h + qkv + attention + α·other bytes per token cross in a block's
@@ -118,7 +112,6 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
     if blocks <= 0 or budget < whole:
         return 0.0
     return 1.0 if other == 0 else min(1.0, (budget - whole) / other)
-
 
 def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
     """What offloading adds to a step, as a fraction of its compute (3 forwards per block): the copies that
@@ -137,10 +130,8 @@ def apply(model):
             block.forward = partial(_block_forward, model, int(i), block, block.forward)
     return model
 
-
 def _keep_attention(ctx, op, *args, **kwargs):  # selective, α = 0: checkpoint keeps SDPA's outputs (any kernel)
     return CheckpointPolicy.MUST_SAVE if 'scaled_dot_product' in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
 
 def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None):
     c, saved = model.config, None
@@ -165,7 +156,6 @@ def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None
         _device(x).last = (i, weakref.ref(saved)) if saved is not None else last
     return y
 
-
 @torch.compiler.disable  # saved-tensor hooks, side streams, a swapped attention: eager under compile too
 def _offload(block, inner, x, cos, sin, docs, mode, alpha, i):
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]  # shared by every block: stay
@@ -179,11 +169,9 @@ def _offload(block, inner, x, cos, sin, docs, mode, alpha, i):
     saved.send()
     return y, saved
 
-
 def _tokens(t, S, lo, hi):
     """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run per tp rank)."""
     return t if (lo, hi) == (0, S) else t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
-
 
 def _split(attention, inner, x, cos, sin, docs, s0, saved):
     """The header's cut: tokens [0, s0) under checkpoint, [s0, S) to host (s0 = S: 'selective'; 0: α = 1)."""
@@ -372,20 +360,16 @@ def _device(x):
                                         pool=HostPool(pin=cuda), in_flight=[], last=None)
     return _devices[key]
 
-
 def _mark(dev, stream=None):  # an event after the work queued so far on stream (default: current)
     return (stream or torch.cuda.current_stream(dev.device)).record_event() if dev.cuda else None
-
 
 def _wait(*events, stream=None):  # stream (default: current) waits for each event (not None); the host does not
     for event in filter(None, events):
         event.wait(stream)
 
-
 def _retire(dev, limit):  # compute waits for the oldest copies; then their device memory is free
     while len(dev.in_flight) > limit:
         _wait(dev.in_flight.pop(0)[0])
-
 
 def stats():
     """Bytes moved each way since start (train.py logs bytes_to_host's rise per step) and the host pools' sizes."""
@@ -393,11 +377,9 @@ def stats():
     return dict(_stats, host_reserved=sum(p.reserved for p in pools), host_in_use=sum(p.in_use for p in pools),
                 host_allocations=sum(p.allocations for p in pools))
 
-
 def host_buffers():
     """The host pool's tensors alive now (fake ones in a dry run): host memory, not the device's."""
     return [buf.data for d in _devices.values() for buf in d.pool.buffers]
-
 
 def reset():
     """Give every pool's host memory back and forget the devices (tests; a forward without backward)."""

@@ -40,7 +40,6 @@ def make_master_weights(model, in_backward=False):
         p.register_post_accumulate_grad_hook(fold)
     return masters
 
-
 def stochastic_round(x, dtype):
     """fp32 x as dtype; to bf16 (the top 16 bits of an fp32) up or down at random, up with probability (the
     low 16 bits) / 2^16: a uniform 16-bit integer added to the bits carries into the top half that often."""

@@ -53,7 +53,6 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
         positions = torch.tensor([t], device=p.device)  # the next pass: the new token alone
     return torch.cat(out, 1)
 
-
 def main():
     from configurator import configure
     configure(globals())
