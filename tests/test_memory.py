@@ -8,6 +8,7 @@ import subprocess
 import sys
 from contextlib import nullcontext
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -499,3 +500,379 @@ def test_every_rank_reaches_rank_0s_plan(tmp_path):
     plans = [(tmp_path / f'plan{r}').read_text().split() for r in (0, 1)]
     assert plans[0] == plans[1], plans
     assert plans[0] != ['none', '0.0']  # rank 0's plan, not the configured setting
+
+
+# ----------------------------------------------------------------------------- the estimate, to the byte
+# memory.estimate's figures recorded before its rewrite into named parts (issue 26): every config's as its
+# dry run's memory.Report makes it, and small shapes through every branch of the formula. A change to the
+# formula must change these numbers on purpose.
+
+def config_report(name, capsys, tmp_path, world=None, last_stage=False, **overrides):
+    """memory.Report for config/<name>.py as its dry run makes it on rank 0 (or on the last pipeline
+    stage's first rank): the config file and overrides over train.py's defaults, WORLD_SIZE ranks (tp x cp
+    x pp by default). Returns (the estimate, what it printed to stdout and stderr, its exit code or None)."""
+    cfg = {}
+    with open(os.path.join(ROOT, 'config', name + '.py')) as f:
+        exec(f.read(), {}, cfg)
+    cfg.update({'dry_run': True, 'out_dir': str(tmp_path), **overrides})
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k in LlamaConfig.__dataclass_fields__})
+    tp, cp, pp = cfg.get('tp_size', 1), cfg.get('cp_size', 1), cfg.get('pp_size', 1)
+    world = world or tp * cp * pp
+    stage = pp - 1 if last_stage else 0
+    mesh = SimpleNamespace(tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), pp_rank=stage,
+                           rank=stage * cp * tp)
+    capsys.readouterr()
+    try:
+        report = memory.Report(SimpleNamespace(config=config), cfg, world, 0, mesh, torch.device('cpu'),
+                               torch.bfloat16)
+        est, code = report.est, None
+    except SystemExit as e:
+        est, code = None, e.code
+    printed = capsys.readouterr()
+    return est, printed.out + printed.err, code
+
+
+def small(L=4, h=128, H=8, K=2, I=352, V=1000, **knobs):
+    return LlamaConfig(n_layer=L, n_head=H, n_kv_head=K, n_embd=h, intermediate_size=I, vocab_size=V, **knobs)
+
+
+# (config, batch, seq_len, estimate's keywords): each branch of the formula at least once
+BRANCHES = [
+    (small(), 2, 256, dict(dtype='float32', device_type='cpu')),
+    (small(), 2, 256, dict()),
+    (small(recompute='full'), 1, 1024, dict()),
+    (small(recompute='selective'), 1, 1024, dict(dtype='float32')),
+    (small(mlp_chunks=4, loss_chunks=3), 2, 512, dict()),
+    (small(mlp_chunks=0, loss_chunks=0, recompute='full'), 1, 4096, dict()),
+    (small(L=6, offload=0.5), 1, 4096, dict()),
+    (small(L=6, offload=1.0, recompute='full'), 2, 2048, dict(dtype='float32', device_type='cpu')),
+    (small(L=6, offload=1.0, recompute='selective', mlp_chunks=0, loss_chunks=0), 1, 8192, dict()),
+    (small(L=3, offload=1.0), 1, 4096, dict()),
+    (small(tie_embeddings=True, loss_chunks=2), 2, 512, dict(grad_accum=3)),
+    (small(), 1, 1024, dict(tp_size=2)),
+    (small(recompute='full', mlp_chunks=0, loss_chunks=0), 1, 1024, dict(tp_size=4, grad_accum=2)),
+    (small(), 1, 2048, dict(cp_size=2)),
+    (small(K=8), 1, 2048, dict(cp_size=4, tp_size=2)),
+    (small(), 1, 2048, dict(cp_size=2, cp_impl='ring')),
+    (small(K=8, recompute='selective'), 1, 2048, dict(cp_size=2, cp_impl='ring', tp_size=2)),
+    (small(recompute='full'), 1, 1024, dict(pp=2, stage=0, grad_accum=4)),
+    (small(recompute='full'), 1, 1024, dict(pp=2, stage=1, grad_accum=4)),
+    (small(L=6), 1, 1024, dict(pp=3, stage=0, grad_accum=2)),
+    (small(L=6), 1, 1024, dict(pp=3, stage=1, grad_accum=6)),
+    (small(L=6), 1, 1024, dict(pp=3, stage=2, grad_accum=6)),
+    (small(L=6), 1, 1024, dict(pp=3, stage=0, grad_accum=4, schedule='gpipe')),
+    (small(L=6), 1, 1024, dict(pp=3, stage=1, grad_accum=4, schedule='gpipe')),
+    (small(L=6), 1, 1024, dict(pp=3, stage=2, grad_accum=4, schedule='gpipe')),
+    (small(L=6, tie_embeddings=True), 1, 1024, dict(pp=2, stage=1, grad_accum=2, tp_size=2)),
+    (small(), 2, 512, dict(dp=4, zero=2)),
+    (small(), 2, 512, dict(dp=2, cp_size=2, zero=3)),
+    (small(recompute='full'), 2, 512, dict(dp=2, zero=3, grad_accum=2, pp=2, stage=1)),
+    (small(recompute='full', offload=1.0), 1, 4096, dict(dp=4, zero=3, states_on_host=True)),
+    (small(recompute='full'), 1, 4096, dict(cp_size=4, zero=3, states_on_host=True)),
+    (small(recompute='full', mlp_chunks=0, loss_chunks=0), 1, 4096, dict(in_backward=True)),
+    (small(V=32000), 1, 1024, dict(in_backward=True, dtype='float32')),
+    (small(), 2, 512, dict(doc_mask=True)),
+    (small(), 2, 512, dict(doc_mask=True, cp_size=2, dtype='float32')),
+]
+
+# (config, WORLD_SIZE or None: tp x cp x pp, the last pipeline stage's): llama3_70b_4d on its 64 GPUs
+CONFIG_CASES = [('llama2_7b_one_gpu', None, False), ('llama3_70b_4d', 64, False), ('llama3_70b_4d', 64, True),
+                ('llama3_70b_4d', None, True), ('llama3_8b_extend', None, False), ('llama3_8b_host', None, False),
+                ('llama3_8b_node', None, False), ('llama3_8b_one_gpu', None, False), ('llama7b_long', None, False),
+                ('train_tiny', None, False)]
+
+# memory.workspace(config, batch, seq_len, b, tp, cp, cp_impl)
+WORKSPACE_CASES = [(small(), 1, 1000, 2, 1, 1, 'ulysses'), (small(K=8), 2, 4096, 2, 2, 1, 'ulysses'),
+                   (small(), 1, 4096, 2, 1, 2, 'ulysses'), (small(), 1, 4096, 2, 2, 4, 'ulysses'),
+                   (small(), 1, 4096, 2, 1, 2, 'ring'), (small(K=8), 1, 4096, 4, 2, 2, 'ring')]
+
+# (config, budget, host, batch, seq_len, layout) for memory.plan and memory.suggestions
+PLAN_CASES = [(cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 80 * GiB, 1 << 40, 1, 32768, {}),
+              (cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 40 * GiB, 1 << 40, 1, 32768, {}),
+              (cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 30 * GiB, 1 << 40, 1, 65536, dict(dp=2)),
+              (cfg(L=32, h=4096, H=32, K=8, I=14336, V=128256), 80 * GiB, 0, 1, 65536, {}),
+              (cfg(L=8, h=4096, H=32, K=8, I=14336, V=128256), 40 * GiB, 1 << 40, 1, 32768,
+               dict(tp_size=2, cp_size=2)),
+              (cfg(L=32, h=4096, H=32, K=8, I=14336, V=128256), 20 * GiB, 0, 1, 1 << 20,
+               dict(in_backward=True))]
+
+# (config, WORLD_SIZE, the last stage's, train.py's settings over the config's) for what memory.Report
+# prints: the dry run's table and host memory line; auto_memory's choice; a real run stopped by the 80% rule
+# and by host memory (this machine's memory stubbed to 1 TiB)
+REPORT_CASES = [('llama7b_long', None, False, {}), ('llama3_8b_host', None, False, {}),
+                ('llama3_70b_4d', 64, True, {}),
+                ('llama3_8b_one_gpu', None, False, dict(auto_memory=True, memory_budget_gb=40,
+                                                        host_memory_budget_gb=64)),
+                ('llama3_8b_extend', None, False, dict(auto_memory=True, memory_budget_gb=40,
+                                                       host_memory_budget_gb=64)),
+                ('llama3_8b_extend', None, False, dict(dry_run=False, memory_budget_gb=24,
+                                                       host_memory_budget_gb=64)),
+                ('llama3_8b_one_gpu', None, False, dict(dry_run=False, host_memory_budget_gb=8))]
+
+CONFIG_ESTIMATES = {  # (config, WORLD_SIZE or None: tp x cp x pp, the last stage's): the estimate
+    ('llama2_7b_one_gpu', None, False):
+        (13476831232, 731906048, 26953662464, 0, 15049162752, 2164260864, 'backward: block 1', 32212254720),
+    ('llama3_70b_4d', 64, False):
+        (13623558144, 4541186048, 9082372096, 22817013760, 6669332480, 1614807040, 'backward: block 19', 0),
+    ('llama3_70b_4d', 64, True):
+        (13623582720, 4541194240, 9082388480, 5435817984, 6669332480, 1614807040, 'backward: block 79', 0),
+    ('llama3_70b_4d', None, True):
+        (18164776960, 9082388480, 18164776960, 5435817984, 6669332480, 1614807040, 'backward: block 79', 0),
+    ('llama3_8b_extend', None, False):
+        (8031059968, 4015529984, 8031059968, 8724152320, 3690987520, 807403520, 'backward: block 31', 0),
+    ('llama3_8b_host', None, False):
+        (2537578496, 0, 0, 9126805504, 38721814528, 17246978048, 'backward: block 31', 257333198848),
+    ('llama3_8b_node', None, False):
+        (2537578496, 0, 0, 7700742144, 32738639872, 21799895040, 'backward: block 31', 124776882176),
+    ('llama3_8b_one_gpu', None, False):
+        (16060522496, 1520435200, 32121044992, 2281701376, 11022630912, 4311744512, 'backward: block 31', 32212254720),
+    ('llama7b_long', None, False):
+        (6739214336, 3369607168, 6739214336, 2684354560, 25810012032, 4311744512, 'backward: block 31', 32212254720),
+    ('train_tiny', None, False):
+        (1837312, 131584, 11023872, 84213760, 17825792, 2162688, 'backward: block 3', 0),
+}
+BRANCH_ESTIMATES = [  # BRANCHES', at V 1000 then V 64: the LM head's peak, then a block's
+    ((3846656, 0, 7693312, 21020672, 4096000, 0, 'forward and backward: LM head and loss', 0),
+     (2888192, 33280, 5776384, 18448384, 2621440, 0, 'backward: block 3', 0)),
+    ((1923328, 0, 11539968, 11583488, 4096000, 0, 'forward and backward: LM head and loss', 0),
+     (1444096, 33280, 8664576, 9273344, 2228224, 802816, 'backward: block 3', 0)),
+    ((1923328, 0, 11539968, 5799936, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (1444096, 2149888, 8664576, 262144, 6782976, 1605632, 'backward: block 0', 0)),
+    ((3846656, 512512, 7693312, 4456448, 12976128, 0, 'backward: block 3', 0),
+     (2888192, 33280, 5776384, 4456448, 12976128, 0, 'backward: block 3', 0)),
+    ((1923328, 512512, 11539968, 7012352, 4456448, 1605632, 'backward: block 3', 0),
+     (1444096, 33280, 8664576, 7012352, 4456448, 1605632, 'backward: block 3', 0)),
+    ((1923328, 512512, 11539968, 4718592, 23724032, 6422528, 'backward: block 3', 0),
+     (1444096, 33280, 8664576, 4718592, 23724032, 6422528, 'backward: block 3', 0)),
+    ((2628864, 0, 15773184, 71172096, 32768000, 0, 'forward and backward: LM head and loss', 31457280),
+     (2149632, 33280, 12897792, 52690944, 17825792, 6422528, 'backward: block 5', 31457280)),
+    ((5257728, 4040192, 10515456, 0, 56229888, 0, 'backward: block 0', 8388608),
+     (4299264, 3560960, 8598528, 0, 56229888, 0, 'backward: block 0', 8388608)),
+    ((2628864, 512512, 15773184, 15204352, 45088768, 12845056, 'backward: block 5', 25165824),
+     (2149632, 33280, 12897792, 15204352, 45088768, 12845056, 'backward: block 5', 25165824)),
+    ((1570560, 0, 9423360, 56623104, 32768000, 0, 'forward and backward: LM head and loss', 18874368),
+     (1091328, 33280, 6547968, 38141952, 17825792, 6422528, 'backward: block 2', 18874368)),
+    ((1667328, 3334656, 10003968, 18546688, 4456448, 1605632, 'backward: block 3', 0),
+     (1427712, 2855424, 8566272, 18546688, 4456448, 1605632, 'backward: block 3', 0)),
+    ((962816, 0, 5776896, 11200512, 3334144, 0, 'forward and backward: LM head and loss', 0),
+     (723200, 16896, 4339200, 10420224, 2228224, 802816, 'backward: block 3', 0)),
+    ((482560, 965120, 2895360, 393216, 1875968, 401408, 'backward: block 3', 0),
+     (362752, 725504, 2176512, 393216, 1875968, 401408, 'backward: block 3', 0)),
+    ((1923328, 0, 11539968, 23232512, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (1444096, 33280, 8664576, 18612224, 4456448, 2129920, 'backward: block 3', 0)),
+    ((1061120, 0, 6366720, 6121472, 1667072, 0, 'forward and backward: LM head and loss', 0),
+     (821504, 16896, 4929024, 5603328, 1114112, 401408, 'backward: block 3', 0)),
+    ((1923328, 0, 11539968, 23232512, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (1444096, 33280, 8664576, 18612224, 4456448, 1605632, 'backward: block 3', 0)),
+    ((1061120, 1463808, 6366720, 278528, 3964928, 802816, 'backward: block 0', 0),
+     (821504, 1224192, 4929024, 278528, 3964928, 802816, 'backward: block 0', 0)),
+    ((961536, 1923072, 5769216, 1835008, 6782976, 1605632, 'backward: block 1', 0),
+     (721920, 1443840, 4331520, 1835008, 6782976, 1605632, 'backward: block 1', 0)),
+    ((961792, 1923584, 5770752, 5275648, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (722176, 1444352, 4333056, 655360, 6782976, 1605632, 'backward: block 3', 0)),
+    ((961536, 0, 5769216, 19267584, 4456448, 1605632, 'backward: block 1', 0),
+     (721920, 0, 4331520, 19267584, 4456448, 1605632, 'backward: block 1', 0)),
+    ((705536, 1411072, 4233216, 19267584, 4456448, 1605632, 'backward: block 3', 0),
+     (705536, 1411072, 4233216, 19267584, 4456448, 1605632, 'backward: block 3', 0)),
+    ((961792, 1923584, 5770752, 13991936, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (722176, 1444352, 4333056, 9371648, 4456448, 1605632, 'backward: block 5', 0)),
+    ((961536, 0, 5769216, 38535168, 4456448, 1605632, 'backward: block 1', 0),
+     (721920, 0, 4331520, 38535168, 4456448, 1605632, 'backward: block 1', 0)),
+    ((705536, 0, 4233216, 38535168, 4456448, 1605632, 'backward: block 3', 0),
+     (705536, 0, 4233216, 38535168, 4456448, 1605632, 'backward: block 3', 0)),
+    ((961792, 0, 5770752, 55967744, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (722176, 33280, 4333056, 39845888, 4456448, 1605632, 'backward: block 5', 0)),
+    ((530176, 1060352, 3181056, 8628224, 3334144, 0, 'forward and backward: LM head and loss', 0),
+     (530176, 1060352, 3181056, 7847936, 2228224, 802816, 'backward: block 5', 0)),
+    ((2884992, 0, 1923328, 23166976, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (2166144, 722048, 1444096, 18546688, 4456448, 1605632, 'backward: block 3', 0)),
+    ((1826688, 0, 1923328, 11583488, 4096000, 0, 'forward and backward: LM head and loss', 0),
+     (1107840, 722048, 1444096, 9273344, 2228224, 1064960, 'backward: block 3', 0)),
+    ((1570816, 961792, 1923584, 5275648, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (1091584, 722176, 1444352, 655360, 6782976, 1605632, 'backward: block 3', 0)),
+    ((865024, 0, 0, 21102592, 32768000, 0, 'forward and backward: LM head and loss', 5943808),
+     (385792, 0, 0, 2621440, 27131904, 6422528, 'backward: block 3', 4985344)),
+    ((865024, 0, 0, 5799936, 8192000, 0, 'forward and backward: LM head and loss', 3846656),
+     (385792, 0, 0, 1179648, 6782976, 2129920, 'backward: block 3', 2888192)),
+    ((1923328, 512512, 3846656, 4718592, 23724032, 6422528, 'backward: block 3', 0),
+     (1444096, 33280, 2888192, 4718592, 23724032, 6422528, 'backward: block 3', 0)),
+    ((35590656, 0, 71181312, 169082880, 262144000, 0, 'forward and backward: LM head and loss', 0),
+     (2888192, 33280, 5776384, 36962304, 5242880, 0, 'backward: block 3', 0)),
+    ((1923328, 0, 11539968, 23232512, 8192000, 0, 'forward and backward: LM head and loss', 0),
+     (1444096, 33280, 8664576, 18612224, 4456448, 1605632, 'backward: block 3', 0)),
+    ((3846656, 0, 7693312, 21053440, 4096000, 0, 'forward and backward: LM head and loss', 0),
+     (2888192, 33280, 5776384, 18481152, 2621440, 0, 'backward: block 3', 0)),
+]
+WORKSPACES = [
+    1593344,
+    4325376,
+    4259840,
+    802816,
+    3211264,
+    2129920,
+]
+PLANS = [  # (knobs, total, cost) or None
+    ({'loss_chunks': 0}, 66946240512, 0.0),
+    ({'mlp_chunks': 0, 'loss_chunks': 0}, 32586502144, 0.056166874),
+    ({'mlp_chunks': 0, 'loss_chunks': 0, 'recompute': 'full', 'offload': 1.0}, 24915349504, 0.333333333),
+    None,
+    ({'mlp_chunks': 0}, 31915433984, 0.070890567),
+    None,
+]
+SUGGESTIONS = [  # (the change, total, cost)
+    [('--loss_chunks=0', 66946240512, 0.0),
+     ('--mlp_chunks=0', 42352930816, 0.056166874),
+     ("--recompute='selective'", 32689254400, 0.10180953),
+     ('--offload=0.021', 34375364608, 0.57136043),
+     ('--tp_size=2 (2 GPUs)', 37766459392, 0.0),
+     ('--cp_size=2 (2 GPUs)', 46085861376, 0.0)],
+    [("--recompute='selective'", 32689254400, 0.10180953),
+     ('--tp_size=2 --mlp_chunks=0 (2 GPUs)', 20586590208, 0.056166874),
+     ('--cp_size=2 --mlp_chunks=0 (2 GPUs)', 28905992192, 0.056166874)],
+    [("--mlp_chunks=0 --loss_chunks=0 --recompute='full' --offload=1.0", 24915349504, 0.333333333),
+     ("--tp_size=2 --recompute='selective' (2 GPUs)", 19353464832, 0.060818028),
+     ("--cp_size=2 --mlp_chunks=0 --loss_chunks=0 --recompute='selective' (2 GPUs)", 23795240960, 0.094370471)],
+    [("--tp_size=4 --recompute='selective' (4 GPUs)", 51308453888, 0.094249495)],
+    [('--mlp_chunks=0', 31915433984, 0.070890567),
+     ("--recompute='selective'", 28425773056, 0.131659164),
+     ('--offload=0.02', 30365638656, 0.49),
+     ('--zero=2', 31044698112, 0.0)],
+    [],
+]
+REPORTS = [  # (what it printed, line by line; its exit code)
+    (['memory estimate per rank, rank 0 of 8 (dp 1 x pp 1 x cp 2 x tp 4), bfloat16 on the target (dry run), batch 1 x 1048576 tokens:',
+      '                  estimate',
+      '  params          6.28 GiB  ███',
+      '  grads           3.14 GiB  ██',
+      '  optimizer       6.28 GiB  ███',
+      '  activations     2.50 GiB  █',
+      '  transient      24.04 GiB  ████████████',
+      '  workspace       4.02 GiB  ██',
+      '  total          46.24 GiB  ███████████████████████',
+      '  + overhead      2.60 GiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device         80.00 GiB   80% rule: 48.84 GiB of 64.00 GiB -> fits',
+      '  peak at: backward: block 31; 30.00 GiB offloaded to host',
+      'offload=1.0: 30.00 GiB of host memory per rank (30 blocks) on the target',
+      ''],
+     None),
+    (['memory estimate per rank, rank 0 of 1, bfloat16 on the target (dry run), batch 1 x 524288 tokens:',
+      '                  estimate',
+      '  params          2.36 GiB  █',
+      '  grads           0.00 KiB  ',
+      '  optimizer       0.00 KiB  ',
+      '  activations     8.50 GiB  ████',
+      '  transient      36.06 GiB  ██████████████████',
+      '  workspace      16.06 GiB  ████████',
+      '  total          62.99 GiB  ███████████████████████████████',
+      '  + overhead    614.40 MiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device         80.00 GiB   80% rule: 63.59 GiB of 64.00 GiB -> fits',
+      '  peak at: backward: block 31; 239.66 GiB offloaded to host',
+      'offload=1.0, offload_states=True: 239.66 GiB of host memory per rank (30 blocks and the model states) on the target',
+      ''],
+     None),
+    (['memory estimate per rank, rank 24 of 64 (dp 2 x pp 4 x cp 2 x tp 4), bfloat16 on the target (dry run), batch 1 x 131072 tokens:',
+      '                  estimate',
+      '  params         12.69 GiB  ██████',
+      '  grads           4.23 GiB  ██',
+      '  optimizer       8.46 GiB  ████',
+      '  activations     5.06 GiB  ███',
+      '  transient       6.21 GiB  ███',
+      '  workspace       1.50 GiB  █',
+      '  total          38.15 GiB  ███████████████████',
+      '  + overhead      3.60 GiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device         80.00 GiB   80% rule: 41.75 GiB of 64.00 GiB -> fits',
+      '  peak at: backward: block 79',
+      ''],
+     None),
+    (['auto_memory: no setting of the memory knobs fits; keeping the configured one',
+      'memory estimate per rank, rank 0 of 1, bfloat16 on the target (dry run), batch 1 x 131072 tokens:',
+      '                  estimate',
+      '  params         14.96 GiB  ███████████████',
+      '  grads           1.42 GiB  █',
+      '  optimizer      29.92 GiB  ██████████████████████████████',
+      '  activations     2.12 GiB  ██',
+      '  transient      10.27 GiB  ██████████',
+      '  workspace       4.02 GiB  ████',
+      '  total          62.69 GiB  ███████████████████████████████████████████████████████████████',
+      '  + overhead    614.40 MiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device         40.00 GiB   80% rule: 63.29 GiB of 32.00 GiB -> DOES NOT FIT',
+      '  peak at: backward: block 31; 30.00 GiB offloaded to host',
+      'offload=1.0: 30.00 GiB of host memory per rank (30 blocks), 64.00 GiB in host_memory_budget_gb',
+      ''],
+     None),
+    (["auto_memory chose --recompute='none' --offload=1.0: 24.77 GiB, -5.6% step time",
+      'memory estimate per rank, rank 0 of 8 (dp 1 x pp 1 x cp 2 x tp 4), bfloat16 on the target (dry run), batch 1 x 131072 tokens:',
+      '                  estimate',
+      '  params          7.48 GiB  ███████',
+      '  grads           3.74 GiB  ████',
+      '  optimizer       7.48 GiB  ███████',
+      '  activations     3.19 GiB  ███',
+      '  transient       2.12 GiB  ██',
+      '  workspace     770.00 MiB  █',
+      '  total          24.77 GiB  █████████████████████████',
+      '  + overhead      2.60 GiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device         40.00 GiB   80% rule: 27.37 GiB of 32.00 GiB -> fits',
+      '  peak at: backward: block 31; 28.18 GiB offloaded to host',
+      'offload=1.0: 28.18 GiB of host memory per rank (30 blocks), 64.00 GiB in host_memory_budget_gb',
+      ''],
+     None),
+    (['memory estimate per rank, rank 0 of 8 (dp 1 x pp 1 x cp 2 x tp 4), bfloat16 on cpu, batch 1 x 131072 tokens:',
+      '                  estimate',
+      '  params          7.48 GiB  ████████████',
+      '  grads           3.74 GiB  ██████',
+      '  optimizer       7.48 GiB  ████████████',
+      '  activations     8.12 GiB  ██████████████',
+      '  transient       3.44 GiB  ██████',
+      '  total          30.26 GiB  ██████████████████████████████████████████████████',
+      '  + overhead      0.00 KiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device         24.00 GiB   80% rule: 30.26 GiB of 19.20 GiB -> DOES NOT FIT',
+      '  peak at: backward: block 31',
+      'error: does not fit: 30.26 GiB per rank + 0.00 KiB overhead > 80% of 24.00 GiB, peak at backward: block 31',
+      'cheapest changes that fit (estimate per rank, extra step time):',
+      "  --tp_size=8 --recompute='none' --offload=1.0 (16 GPUs)    13.53 GiB   -5.6%",
+      "  --cp_size=4 --recompute='none' --offload=1.0 (16 GPUs)    14.11 GiB   -5.6%",
+      'or --auto_memory=True to take the first memory knob setting above',
+      ''],
+     2),
+    (['memory estimate per rank, rank 0 of 1, bfloat16 on cpu, batch 1 x 131072 tokens:',
+      '                  estimate',
+      '  params         14.96 GiB  █',
+      '  grads           1.42 GiB  ',
+      '  optimizer      29.92 GiB  █',
+      '  activations     2.12 GiB  ',
+      '  transient      10.27 GiB  ',
+      '  total          58.68 GiB  ██',
+      '  + overhead      0.00 KiB   (CUDA context, NCCL buffers: not in tensors)',
+      '  device       1024.00 GiB   80% rule: 58.68 GiB of 819.20 GiB -> fits',
+      '  peak at: backward: block 31; 30.00 GiB offloaded to host',
+      "error: offload=1.0: 30.00 GiB of host memory per rank (30 blocks), 8.00 GiB in host_memory_budget_gb per rank: lower offload, seq_len or batch_size, or recompute='full'",
+      ''],
+     2),
+]
+
+
+def figures(est):
+    """An estimate as recorded: each category's bytes as printed and written to memory.json, its moment,
+    its host bytes."""
+    return tuple(int(round(getattr(est, k))) for k in memory.CATEGORIES) + (est.moment, int(round(est.host)))
+
+
+def test_the_estimate_stays_the_same_to_the_byte(capsys, tmp_path, monkeypatch):
+    for (name, world, last), want in CONFIG_ESTIMATES.items():
+        est, _, _ = config_report(name, capsys, tmp_path, world, last)
+        assert figures(est) == want, (name, world, last)
+    for (c, B, S, layout), (want, want_v64) in zip(BRANCHES, BRANCH_ESTIMATES, strict=True):
+        assert figures(memory.estimate(c, B, S, **layout)) == want, (c, B, S, layout)
+        small_vocab = replace(c, vocab_size=64)
+        assert figures(memory.estimate(small_vocab, B, S, **layout)) == want_v64, (c, B, S, layout)
+    assert [memory.workspace(*args) for args in WORKSPACE_CASES] == WORKSPACES
+    over = memory.overhead_bytes('cuda')
+    for (c, budget, host, B, S, layout), want, want_sug in zip(PLAN_CASES, PLANS, SUGGESTIONS, strict=True):
+        p = memory.plan(c, budget, over, host, B, S, **layout)
+        assert (p and (memory.knobs(p[0], c), int(round(p[1].total)), p[2])) == want, (budget, S, layout)
+        sug = memory.suggestions(c, budget, over, host, B, S, world=1, **layout)
+        assert [(text, int(round(e.total)), x) for text, e, x in sug] == want_sug, (budget, S, layout)
+    monkeypatch.setattr(memory, 'meminfo', lambda key: 1 << 40)
+    for (name, world, last, overrides), (lines, code) in zip(REPORT_CASES, REPORTS, strict=True):
+        _, printed, exit_code = config_report(name, capsys, tmp_path, world, last, **overrides)
+        assert (printed.split('\n'), exit_code) == (lines, code), (name, overrides)
