@@ -5,12 +5,15 @@ Two tensors grow with the number of tokens S and dwarf everything else in a long
 (b = bytes per element: 2 in bf16, 4 in fp32; h = width, I = MLP intermediate size, V = vocabulary):
 
   SwiGLU MLP   y = (silu(x W1ᵀ) * x W3ᵀ) W2ᵀ. Autograd keeps x W1ᵀ, x W3ᵀ, silu(x W1ᵀ) and the
-               product: 4·I·b bytes per token per layer (Llama 3 8B: I = 14,336 -> 115 KB/token in bf16).
+               product: 4·I·b bytes per token per layer (Llama 3 8B: I = 14,336 -> 115 KB/token
+               in bf16).
                mini-sequence: keep only x (which the block's norm produced anyway); forward and
-               backward walk ceil(S/M)-token chunks, backward recomputes each chunk's intermediates.
-               S·4·I·b kept  ->  0 kept, (S/M)·3·I·b transient inside the layer (three buffers, reused).
-  LM head+loss logits = x Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32 log-softmax
-               for backward, and backward makes an fp32 gradient of the same size:
+               backward walk ceil(S/M)-token chunks, backward recomputes each chunk's
+               intermediates.
+               S·4·I·b kept  ->  0 kept, (S/M)·3·I·b transient inside the layer (three buffers,
+               reused).
+  LM head+loss logits = x Wᵀ are S×V; cross-entropy upcasts them to fp32, keeps the fp32
+               log-softmax for backward, and backward makes an fp32 gradient of the same size:
                about S·V·(b + 4 + 4) bytes (V = 128,256, S = 8,192: 4.2 GB per fp32 copy).
                chunked: one (S/M)×V fp32 buffer at a time, reused; kept from forward to backward
                only dx (S·h·b) and the fp32 weight gradient (V·h·4).
@@ -21,16 +24,17 @@ the size of a tensor we hold anyway, so chunking never sets the peak:
     loss:  M = ceil(V / h)   -> one chunk's logits (S/M)·V ≈ S·h elements, the size of x
     MLP:   M = ceil(3I / h)  -> one chunk's backward, 3·(S/M)·I, ≈ S·h, the size of the block input
 with at least MIN_CHUNK_TOKENS = 256 tokens per chunk (M <= ceil(S / 256): fewer rows make the
-matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 11 for
-the MLP. Or from a memory budget: M = ceil(S · bytes_per_token / budget).
+matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 11
+for the MLP. Or from a memory budget: M = ceil(S · bytes_per_token / budget).
 
 Where it comes from: the Mini-Sequence Transformer (Luo et al. 2024, arXiv 2407.15892) chunks both
 and, with activation recomputation, trains Llama 3 8B at 60K tokens on one 80 GB A100. Its public
 code drops the last S mod M tokens of the loss and chunks the MLP with split + cat (which saves
 nothing, see below); we do neither. The loss gradient computed in forward and handed to autograd is
 Liger's fused linear cross-entropy (FLCE), also torch's `F.linear_cross_entropy(options=...)`.
-Given a process group, the same loss runs over a shard of the vocabulary (Megatron's vocabulary-parallel
-cross-entropy): ⌈V/t⌉ rows of W per rank, the logits [S/M, V/t], per chunk one all-gather of S/M floats.
+Given a process group, the same loss runs over a shard of the vocabulary (Megatron's
+vocabulary-parallel cross-entropy): ⌈V/t⌉ rows of W per rank, the logits [S/M, V/t], per chunk one
+all-gather of S/M floats.
 """
 import math
 
@@ -40,12 +44,14 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------- how many chunks
-# The header's floor: 16-token chunks of the LM head took 3x the time of 256-token ones (2026-11-23, a 2-core CPU),
-# and 256·V·4 bytes = 131 MB for Llama 3's vocabulary is no more than the fp32 weight gradient whenever h >= 256.
+# The header's floor: 16-token chunks of the LM head took 3x the time of 256-token ones
+# (2026-11-23, a 2-core CPU), and 256·V·4 bytes = 131 MB for Llama 3's vocabulary is no more than
+# the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256
 
 
-def _auto_chunks(n_tokens, m):  # the header's M = m, with MIN_CHUNK_TOKENS a chunk at least, in [1, n_tokens]
+def _auto_chunks(n_tokens, m):
+    """The header's M = m, with MIN_CHUNK_TOKENS a chunk at least, in [1, n_tokens]."""
     return max(1, min(n_tokens, m, math.ceil(n_tokens / MIN_CHUNK_TOKENS)))
 
 def auto_mlp_chunks(n_tokens, dim, intermediate):
@@ -55,10 +61,11 @@ def auto_loss_chunks(n_tokens, dim, vocab):
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
 def mlp_chunks(config, n_tokens):
-    """config.mlp_chunks, with 0 resolved from one sequence's n_tokens and the whole intermediate size
-    (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input). The one
-    place a count is chosen: model.py, offload.py and memory.py all ask here."""
-    return config.mlp_chunks or auto_mlp_chunks(int(n_tokens), config.n_embd, config.intermediate_size)
+    """config.mlp_chunks, with 0 resolved from one sequence's n_tokens and the whole intermediate
+    size (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input).
+    The one place a count is chosen: model.py, offload.py and memory.py all ask here."""
+    auto = auto_mlp_chunks(int(n_tokens), config.n_embd, config.intermediate_size)
+    return config.mlp_chunks or auto
 
 def loss_chunks(config, n_tokens):
     """config.loss_chunks, with 0 resolved from the n_tokens of one micro-batch (all its rows)."""
@@ -67,10 +74,12 @@ def loss_chunks(config, n_tokens):
 
 # ----------------------------------------------------------------------------- small helpers
 def _autocast(*tensors):
-    # Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up front,
-    # to what autocast would have used (as F.linear would), and switch autocast off inside.
+    """Our Functions run their matmuls by hand, so under autocast we cast the inputs once, up
+    front, to what autocast would have used (as F.linear would), and switch autocast off inside."""
     device = tensors[0].device.type
-    return [t.to(torch.get_autocast_dtype(device)) for t in tensors] if torch.is_autocast_enabled(device) else tensors
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    return [t.to(torch.get_autocast_dtype(device)) for t in tensors]
 
 def _mm_f32(a, b, out):
     """out (fp32) = a @ b. cuBLAS writes fp32 straight from bf16 inputs; the CPU has no such mm,
@@ -82,49 +91,57 @@ def _mm_f32(a, b, out):
     return out.copy_(torch.mm(a, b))
 
 def _acc_mm_(acc, a, b):
-    """acc (fp32) += a @ b, nothing where acc is None (no gradient wanted). Weight gradients are sums over every
-    token: summing chunk after chunk in bf16 loses the small contributions, so the running sum is fp32 whatever the
-    weights are. (A bf16 a @ b is rounded once per chunk, then added in fp32.)"""
-    if acc is not None:
-        acc.addmm_(a, b) if a.dtype == acc.dtype else acc.add_(torch.mm(a, b))
+    """acc (fp32) += a @ b, nothing where acc is None (no gradient wanted). Weight gradients are
+    sums over every token: summing chunk after chunk in bf16 loses the small contributions, so the
+    running sum is fp32 whatever the weights are. (A bf16 a @ b is rounded once per chunk, then
+    added in fp32.) Autograd casts the sum back to the weight's dtype when we return it."""
+    if acc is None:
+        return
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(torch.mm(a, b))
 
 
 # ----------------------------------------------------------------------------- mini-sequence MLP
 # Why not simply `torch.cat([mlp(c) for c in x.split(n)])`? Autograd records every chunk's forward
-# and keeps that chunk's x W1ᵀ, x W3ᵀ, silu and product until backward: summed over the chunks, the
-# same S × 4I the plain MLP keeps (tests/test_chunked.py counts the bytes). Chunking saves memory
-# only if the intermediates are *not* kept: run forward under no_grad, recompute them in backward.
-# The price is two of the nine matmuls again (x W1ᵀ and x W3ᵀ), about 20% more MLP FLOPs.
+# and keeps that chunk's x W1ᵀ, x W3ᵀ, silu and product until backward: summed over the chunks,
+# the same S × 4I the plain MLP keeps (tests/test_chunked.py counts the bytes). Chunking saves
+# memory only if the intermediates are *not* kept: run forward under no_grad, recompute them in
+# backward. The price is two of the nine matmuls again (x W1ᵀ and x W3ᵀ), about 20% more MLP FLOPs.
 
 class _ChunkedMLP(torch.autograd.Function):
+    """x [N, h] (every batch row's tokens, flattened) in chunks of n tokens."""
+
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, chunks):
-        ctx.save_for_backward(x, w1, w3, w2)  # all we keep: the input (and the weights, kept anyway)
-        x2 = x.reshape(-1, x.shape[-1])  # tokens of every batch row, flattened: [N, h]
-        y = x2.new_empty(x2.shape[0], w2.shape[0])
-        ctx.n = n = max(1, math.ceil(x2.shape[0] / chunks))  # tokens per chunk
+    def forward(ctx, x, w1, w3, w2, n):
+        # all we keep: the input (and the weights, kept anyway)
+        ctx.save_for_backward(x, w1, w3, w2)
+        ctx.n = n
+        y = x.new_empty(x.shape[0], w2.shape[0])
         with torch.autocast(x.device.type, enabled=False):
-            for s in range(0, x2.shape[0], n):
-                xc = x2[s:s + n]
-                a = F.silu(torch.mm(xc, w1.t()), inplace=True).mul_(torch.mm(xc, w3.t()))
+            for s in range(0, x.shape[0], n):
+                xc = x[s:s + n]
+                a = F.silu(torch.mm(xc, w1.t()), inplace=True)
+                a.mul_(torch.mm(xc, w3.t()))
                 torch.mm(a, w2.t(), out=y[s:s + n])
-        return y.view(*x.shape[:-1], w2.shape[0])
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
         (x, w1, w3, w2), n = ctx.saved_tensors, ctx.n
-        x2, gy2 = x.reshape(-1, x.shape[-1]), gy.reshape(-1, gy.shape[-1])
-        # weight gradients accumulate over the chunks in fp32 (see _acc_mm_), cast back at the end; None: not needed
+        # weight gradients accumulate over the chunks in fp32 (see _acc_mm_); None: not needed
         g1, g3, g2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need else None
                       for w, need in zip((w1, w3, w2), ctx.needs_input_grad[1:4]))
-        dx = torch.empty_like(x2) if ctx.needs_input_grad[0] else None
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         with torch.autocast(x.device.type, enabled=False):
-            for s in range(0, x2.shape[0], n):
-                xc, gyc = x2[s:s + n], gy2[s:s + n]
+            for s in range(0, x.shape[0], n):
+                xc, gyc = x[s:s + n], gy[s:s + n]
                 # Three [n, I] buffers, each reused in place: a working set of 3·n·I·b bytes.
                 # silu'(a) = sig + silu·(1 - sig) needs sig and silu(a), not a: silu overwrites a.
-                a, b = torch.mm(xc, w1.t()), torch.mm(xc, w3.t())  # recompute this chunk only
+                a = torch.mm(xc, w1.t())  # recompute this chunk only
+                b = torch.mm(xc, w3.t())
                 g = torch.sigmoid(a)
                 a.mul_(g)                             # a := silu(x W1ᵀ)
                 g.addcmul_(g, a, value=-1).add_(a)    # g := silu'(x W1ᵀ)
@@ -139,121 +156,156 @@ class _ChunkedMLP(torch.autograd.Function):
                 if dx is not None:
                     torch.mm(g, w1, out=dx[s:s + n]).addmm_(b, w3)
                 del a, b, g  # before the next chunk's buffers exist, not after
-        cast = lambda g, w: None if g is None else g.to(w.dtype)
-        return (None if dx is None else dx.view(x.shape)), cast(g1, w1), cast(g3, w3), cast(g2, w2), None
+        return dx, g1, g3, g2, None
 
 
 def chunked_mlp(x, w1, w3, w2, chunks):
     """SwiGLU MLP F.linear(silu(F.linear(x, w1)) * F.linear(x, w3), w2) over x [..., S, h] in
-    ceil(tokens / chunks)-token pieces (all tokens of all batch rows, flattened), keeping only x for
-    backward. Weights in nn.Linear layout [out, in], no biases. chunks = 0 picks auto_mlp_chunks."""
-    chunks = chunks or auto_mlp_chunks(x.numel() // x.shape[-1], x.shape[-1], w1.shape[0])
+    ceil(tokens / chunks)-token pieces (all tokens of all batch rows, flattened), keeping only x
+    for backward. Weights in nn.Linear layout [out, in], no biases. chunks = 0 picks
+    auto_mlp_chunks."""
+    h = x.shape[-1]
+    tokens = x.numel() // h
+    chunks = chunks or auto_mlp_chunks(tokens, h, w1.shape[0])
     if chunks <= 1:
         return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-    return _ChunkedMLP.apply(*_autocast(x, w1, w3, w2), chunks)
+    n = max(1, math.ceil(tokens / chunks))
+    y = _ChunkedMLP.apply(*_autocast(x.reshape(tokens, h), w1, w3, w2), n)
+    return y.view(*x.shape[:-1], w2.shape[0])
 
 
-# ----------------------------------------------------------------------------- chunked LM head + loss
-# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) - onehot(t_i) (zero
-# where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk that is one matmul for the logits and
-# two for the gradients. We compute the gradients in forward, while the chunk's logits are at hand, and hand them to
-# autograd from backward (scaled by the incoming gradient): 3 matmuls in all. Recomputing in backward instead would
-# redo the logits matmul, 4 in all, a third more of the dominant cost, for no memory gain (dx and dW are held either
-# way at the start of backward, when every activation is still alive). Eval under no_grad does only the logits.
+# ------------------------------------------------------------------------- chunked LM head + loss
+# loss = Σ_i valid_i · (logsumexp(x_i Wᵀ) - x_i W_{t_i}ᵀ) / count; with g_i = softmax(x_i Wᵀ) -
+# onehot(t_i) (zero where t_i is ignored): dL/dx = g W / count, dL/dW = gᵀ x / count. Per chunk
+# that is one matmul for the logits and two for the gradients. We compute the gradients in forward,
+# while the chunk's logits are at hand, and hand them to autograd from backward (scaled by the
+# incoming gradient): 3 matmuls in all. Recomputing in backward instead would redo the logits
+# matmul, 4 in all, a third more of the dominant cost, for no memory gain (dx and dW are held
+# either way at the start of backward, when every activation is still alive). Eval under no_grad
+# does only the logits.
 #
-# Vocabulary parallel (the header's; `group` = the t tensor-parallel ranks): rank r holds rows [r·⌈V/t⌉, (r+1)·⌈V/t⌉)
-# of W, the last rank's rows past V padding that never becomes a logit. Each rank runs the same loop on its rows;
-# the all-gathered log-sum-exps of the ranks give the whole vocabulary's, which turns the local softmax into its share
-# of the global one; the rank holding a token's target adds its logit (one all-reduce of one number at the end). dx is
-# this rank's part of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its gradient.
+# Vocabulary parallel (the header's; `group` = the t tensor-parallel ranks): rank r holds rows
+# [r·⌈V/t⌉, (r+1)·⌈V/t⌉) of W, the last rank's rows past V padding that never becomes a logit. Each
+# rank runs the same loop on its rows; the all-gathered log-sum-exps of the ranks give the whole
+# vocabulary's, which turns the local softmax into its share of the global one; the rank holding a
+# token's target adds its logit (one all-reduce of one number at the end). dx is this rank's part
+# of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its
+# gradient.
 
-def _ce_chunks(x, weight, targets, chunks, ignore_index, grad_x, grad_w, group=None, vocab_size=None):
-    """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N] -> (loss sum, count, dx·count, dW·count)."""
+def _ce_chunks(x, weight, targets, n, ignore_index, grad_x, grad_w, group, vocab_size):
+    """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N], n tokens a chunk ->
+    (loss sum, count, dx·count, dW·count); dx, dW None where not wanted."""
     N, rows = x.shape[0], weight.shape[0]
-    lo = 0 if group is None else dist.get_rank(group) * rows
-    real = rows if group is None else max(0, min(rows, vocab_size - lo))  # rows that are not padding
-    n = max(1, math.ceil(N / chunks))  # tokens per chunk; the last chunk takes what is left
+    rank = 0 if group is None else dist.get_rank(group)
+    # this rank's rows of the vocabulary are [first, first + real); the rest is padding
+    first = rank * rows
+    real = max(0, min(rows, vocab_size - first))
+    want_grad = real > 0 and (grad_x or grad_w)
     valid = targets != ignore_index
-    ours = valid & (targets >= lo) & (targets < lo + real)  # the targets whose logit this rank holds
-    tgt = torch.where(ours, targets - lo, 0).unsqueeze(1)  # others point at row 0, masked below
+    # the targets whose logit this rank holds; the others point at row 0, masked below
+    ours = valid & (targets >= first) & (targets < first + real)
+    target_rows = torch.where(ours, targets - first, 0).unsqueeze(1)
     mask = valid.to(x.dtype).unsqueeze(1)
-    # per token: the target's logit, the row max m, and max softmax = 1 / Σ exp(x - m)
-    logit_t, m, p_max = (x.new_zeros(N, 1, dtype=torch.float32) for _ in range(3))
-    lse = x.new_full((N, 1), -math.inf, dtype=torch.float32)  # a rank of padding only adds exp(-inf) = 0
-    buf = x.new_empty(min(n, N), real, dtype=torch.float32)  # the one logits buffer, reused by every chunk
-    dx = (torch.empty_like(x) if real else torch.zeros_like(x)) if grad_x else None
+    # per token: the target's logit, and the log-sum-exp (a rank of padding only adds
+    # exp(-inf) = 0)
+    target_logit = x.new_zeros(N, dtype=torch.float32)
+    lse = x.new_full((N,), -math.inf, dtype=torch.float32)
+    # the one logits buffer, reused by every chunk
+    buf = x.new_empty(min(n, N), real, dtype=torch.float32)
+    dx = torch.zeros_like(x) if grad_x else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
     for s in range(0, N, n):
-        e = min(s + n, N)
-        xc, logits = x[s:e], buf[:e - s]
+        chunk = slice(s, min(s + n, N))
+        xc = x[chunk]
+        logits = buf[:len(xc)]
         if real:
             _mm_f32(xc, weight[:real].t(), out=logits)
-            # Everything in place on the chunk's buffer, which is far bigger than the caches: each pass
-            # over it costs a trip to memory. softmax is one fused row-wise pass with one exp per logit
-            # (log_softmax then exp would be two passes and two exps); the loss comes from the two cheap
-            # reductions around it: logsumexp = m - log(max softmax), exact and never log(0).
-            torch.gather(logits, 1, tgt[s:e], out=logit_t[s:e])
-            torch.amax(logits, 1, keepdim=True, out=m[s:e])
+            # Everything in place on the chunk's buffer, which is far bigger than the caches: each
+            # pass over it costs a trip to memory. softmax is one fused row-wise pass with one exp
+            # per logit (log_softmax then exp would be two passes and two exps); the loss comes from
+            # the two cheap reductions around it: logsumexp = max - log(max softmax), exact and
+            # never log(0).
+            target_logit[chunk] = logits.gather(1, target_rows[chunk]).squeeze(1)
+            top = logits.amax(1)
             torch.softmax(logits, 1, out=logits)
-            torch.amax(logits, 1, keepdim=True, out=p_max[s:e])
-            lse[s:e] = m[s:e] - p_max[s:e].log()
-        if group is not None:  # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
-            every = lse.new_empty(dist.get_world_size(group) * (e - s))
-            dist.all_gather_single(every, lse[s:e, 0].contiguous(), group=group)
-            ours_lse, lse[s:e, 0] = lse[s:e].clone(), every.view(-1, e - s).logsumexp(0)
-            if real and (grad_x or grad_w):
-                logits.mul_((ours_lse - lse[s:e]).exp())
-        if not (real and (grad_x or grad_w)):
+            lse[chunk] = top - logits.amax(1).log()
+        if group is not None:
+            # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
+            every = lse.new_empty(dist.get_world_size(group) * len(xc))
+            dist.all_gather_single(every, lse[chunk], group=group)
+            whole = every.view(-1, len(xc)).logsumexp(0)
+            if want_grad:
+                logits.mul_((lse[chunk] - whole).exp().unsqueeze(1))
+            lse[chunk] = whole
+        if not want_grad:
             continue
-        logits.scatter_add_(1, tgt[s:e], -ours[s:e, None].float())  # g = softmax - onehot
+        # g = softmax - onehot
+        logits.scatter_add_(1, target_rows[chunk], -ours[chunk, None].float())
         # ignored rows still hold a softmax in g; we zero their contribution on the small [n, h]
         # side (dx rows, x rows) instead of another pass over the [n, V] buffer
-        g = logits if weight.dtype == torch.float32 else logits.to(weight.dtype)
+        g = logits.to(weight.dtype)
         if grad_x:
-            torch.mm(g, weight[:real], out=dx[s:e]).mul_(mask[s:e])
+            torch.mm(g, weight[:real], out=dx[chunk]).mul_(mask[chunk])
         if grad_w:
-            _acc_mm_(dW[:real], g.t(), xc * mask[s:e])
-    target_sum = torch.where(ours, logit_t.squeeze(1), 0).sum()
-    if group is not None:  # each target's logit lives on one rank
+            _acc_mm_(dW[:real], g.t(), xc * mask[chunk])
+    target_sum = torch.where(ours, target_logit, 0).sum()
+    if group is not None:
+        # each target's logit lives on one rank
         dist.all_reduce(target_sum, group=group)
-    return (lse.squeeze(1) * valid).sum() - target_sum, valid.sum(), dx, dW  # count: a tensor, no host sync
+    # count: a tensor, no host sync
+    return (lse * valid).sum() - target_sum, valid.sum(), dx, dW
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, chunks, ignore_index, group, vocab_size, grad_enabled):
-        grads = [grad_enabled and need for need in ctx.needs_input_grad[:2]]  # grad_x, grad_w
+    def forward(ctx, x, weight, targets, n, ignore_index, group, vocab_size, grad_enabled):
+        grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         with torch.autocast(x.device.type, enabled=False):
-            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, chunks, ignore_index, *grads, group, vocab_size)
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, n, ignore_index,
+                                                 grad_x, grad_w, group, vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
-        ctx.count, ctx.dx, ctx.dW, ctx.w_dtype = count, dx, dW, weight.dtype
+        ctx.count, ctx.dx, ctx.dW = count, dx, dW
         return loss_sum / count.clamp(min=1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         if ctx.count is None:
-            raise RuntimeError("chunked_cross_entropy: backward ran twice; retain_graph is not supported")
-        scale = grad_loss / ctx.count.clamp(min=1)  # mean over non-ignored targets; 0 targets -> 0 grads
+            raise RuntimeError("chunked_cross_entropy: backward ran twice; "
+                               "retain_graph is not supported")
+        # mean over non-ignored targets; 0 targets -> 0 grads
+        scale = grad_loss / ctx.count.clamp(min=1)
         dx, dW = ctx.dx, ctx.dW
         # drop our references so the buffers are scaled in place and handed to autograd (which can
-        # then adopt dW as W.grad without a copy), and nothing outlives this backward
+        # then adopt dW as W.grad without a copy, or cast the fp32 dW to W's dtype), and nothing
+        # outlives this backward
         ctx.count = ctx.dx = ctx.dW = None
-        return (dx if dx is None else dx.mul_(scale), dW if dW is None else dW.mul_(scale).to(ctx.w_dtype),
-                None, None, None, None, None, None)
+        if dx is not None:
+            dx.mul_(scale)
+        if dW is not None:
+            dW.mul_(scale)
+        return dx, dW, None, None, None, None, None, None
 
 
-def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None, vocab_size=None):
-    """Mean cross-entropy of F.linear(x, weight) (fp32 logits) against targets, over the targets that are not
-    ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. x [N, h] or [B, S, h], weight [V, h] (the LM
-    head, possibly the tied embedding), targets [N] or [B, S]. The [N, V] logits never exist whole: ceil(N / chunks)
-    tokens at a time. chunks = 0 picks auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight
-    is this rank's [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the loss."""
+def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None,
+                          vocab_size=None):
+    """Mean cross-entropy of F.linear(x, weight) (fp32 logits) against targets, over the targets
+    that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. x [N, h] or
+    [B, S, h], weight [V, h] (the LM head, possibly the tied embedding), targets [N] or [B, S]. The
+    [N, V] logits never exist whole: ceil(N / chunks) tokens at a time. chunks = 0 picks
+    auto_loss_chunks; chunks = 1 is the plain path. With a process group, weight is this rank's
+    [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the
+    loss."""
     x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    chunks = chunks or auto_loss_chunks(x.shape[0], x.shape[1], vocab_size or weight.shape[0])
+    vocab_size = vocab_size or weight.shape[0]
+    chunks = chunks or auto_loss_chunks(x.shape[0], x.shape[1], vocab_size)
     if chunks <= 1 and group is None:
-        loss_sum = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=ignore_index, reduction='sum')
+        logits = F.linear(x, weight).float()
+        loss_sum = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction='sum')
         return loss_sum / (targets != ignore_index).sum().clamp(min=1)
-    return _ChunkedCrossEntropy.apply(*_autocast(x, weight), targets, max(chunks, 1), ignore_index, group, vocab_size,
-                                      torch.is_grad_enabled())  # eval: logits only (needs_input_grad ignores no_grad)
+    n = max(1, math.ceil(x.shape[0] / max(chunks, 1)))
+    # eval under no_grad: logits only (needs_input_grad doesn't see no_grad)
+    x, weight = _autocast(x, weight)
+    return _ChunkedCrossEntropy.apply(x, weight, targets, n, ignore_index, group, vocab_size,
+                                      torch.is_grad_enabled())
