@@ -62,24 +62,23 @@ MAX_IN_FLIGHT = 2
 
 # ----------------------------------------------------------------------------- how many bytes
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
-    """[(what, bytes per token, the header's kind)] of each tensor a block saves with
-    recompute='none'."""
+    """Bytes per token of each tensor a block saves with recompute='none', by the header's kind:
+    qkv: q, k, v as attention gets them; attention: its output (wo keeps a view) and logsumexp
+    (fp32); other: attention_norm's input and output, ffn_norm's input and output, and the plain
+    MLP's x W1ᵀ, x W3ᵀ, silu(x W1ᵀ) and their product (chunked.py's keeps only its input)."""
     b, h = dtype.itemsize, config.n_embd
     kv = config.n_kv_head * config.head_dim
-    saved = [('attention_norm input', b * h, 'other'), ('attention_norm output', b * h, 'other'),
-             ('q', b * h, 'qkv'), ('k', b * kv, 'qkv'), ('v', b * kv, 'qkv'),
-             ('attention output (wo keeps a view)', b * h, 'attention'),
-             ('attention logsumexp', 4 * config.n_head, 'attention'),
-             ('ffn_norm input', b * h, 'other'), ('ffn_norm output', b * h, 'other')]
+    saved = {'qkv': [b * h, b * kv, b * kv],
+             'attention': [b * h, 4 * config.n_head],
+             'other': [b * h] * 4}
     if chunked.mlp_chunks(config, seq_len) == 1:
-        # chunked.py's MLP keeps only its input; the plain one its four S×I tensors
-        for name in ('x W1ᵀ', 'x W3ᵀ', 'silu(x W1ᵀ)', 'product'):
-            saved.append((f'MLP {name}', b * config.intermediate_size, 'other'))
+        saved['other'] += [b * config.intermediate_size] * 4
     return saved
 
 
 def _per_token(config, dtype, seq_len, *kinds):
-    return sum(n for _, n, kind in saved_per_token(config, dtype, seq_len) if kind in kinds)
+    saved = saved_per_token(config, dtype, seq_len)
+    return sum(sum(saved[kind]) for kind in kinds)
 
 
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
@@ -116,8 +115,9 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
         per_sequence = [bh * (S - n), bh * n]
         if cp_size > 1 and n < S:
             per_sequence.append(bh * S)  # Ulysses: the output the recompute replays
-        for _, per_token, kind in saved_per_token(config, dtype, S):
-            per_sequence.append(per_token * (n if kind == 'other' else S))
+        for kind, sizes in saved_per_token(config, dtype, S).items():
+            tokens = n if kind == 'other' else S
+            per_sequence += [per_token * tokens for per_token in sizes]
     pieces = [batch * p for p in per_sequence]
     host = sum(p for p in pieces if p >= MIN_BYTES)
     return host, sum(pieces) - host
@@ -234,13 +234,11 @@ def _offload(block, inner, x, cos, sin, docs, c, i):
     saved = Offloaded(_device(x), i, keep)
     S = x.shape[1]
     n = math.floor(c.offload * S) if c.recompute == 'none' else 0  # the last n tokens: to host
-    with saved_tensors_hooks(saved.pack, _unpack):
-        if c.recompute == 'full':
-            # torch's checkpoint saves its input only, through our hooks
-            y = checkpoint(inner, x, cos, sin, docs, use_reentrant=False)
-        elif n == S:
-            # α = 1: no token is recomputed, everything goes to host
-            y = inner(x, cos, sin, docs)
+    with saved_tensors_hooks(saved.pack, saved.unpack):
+        if c.recompute == 'full' or n == S:
+            # 'full': torch's checkpoint saves the block's input only, through our hooks, to host;
+            # 'none' with α = 1: no token is recomputed, all the block saves goes to host
+            y = _keep_or_recompute(inner, c.recompute, x, cos, sin, docs)
         else:
             y = _Split(block.attention, block.attention.attend, inner, saved, cos, sin, docs,
                        S, S - n).forward(x)
@@ -319,19 +317,20 @@ class _Split:
 
     def run(self, attend, x, lo, hi):
         """The block on tokens [lo, hi) of each run, with attention.attend swapped for `attend`."""
-        outer, self.attention.attend = self.attention.attend, attend
+        self.attention.attend = attend
         try:
             cos, sin = _tokens(self.cos, self.S, lo, hi), _tokens(self.sin, self.S, lo, hi)
             return self.block(x, cos, sin, self.docs)
         finally:
-            self.attention.attend = outer
+            # the real one back (also after step 2: the first range doesn't attend again)
+            self.attention.attend = self.attend
 
     def attend_first(self, q, k, v, docs):
         if self.replay is not None:
             # 6. requiring grad as in forward, so that the ops after it save what they saved then
-            a = _unpack(self.replay)
+            a = self.saved.unpack(self.replay)
             return _tokens(a, self.S, 0, self.s0).detach().requires_grad_(self.requires_grad)
-        with saved_tensors_hooks(self.saved.pack, _unpack):
+        with saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             if self.second_x is None:
                 self.attend_all(q, k, v, docs)
             else:
@@ -378,16 +377,16 @@ class Offloaded:
         for k, u in enumerate(self.tensors):
             if u.untyped_storage() is storage and (u.dtype, u.shape, u.stride(), u.storage_offset()) == layout:
                 self.uses[k] += 1
-                return self, k
+                return k
         self.tensors.append(t)
         self.uses.append(1)
-        return self, len(self.tensors) - 1
+        return len(self.tensors) - 1
 
     def send(self):
         if not self.tensors:
             return
         dev, sizes = self.dev, [t.nbytes for t in self.tensors]
-        self.buffer = dev.pool.take(self.index, sum(_align(n) for n in sizes))
+        self.buffer = dev.pool.take(sum(_align(n) for n in sizes))
         ready = _mark(dev)  # after this block's forward kernels: the copies read their results
         with torch.cuda.stream(dev.d2h):  # None: a no-op
             # and after the last host->device copy out of this buffer
@@ -423,7 +422,7 @@ class Offloaded:
             self.back = _mark(dev, dev.h2d)
         if not dev.fake:
             _stats['bytes_to_device'] += sum(h.nbytes for h in self.host)
-        dev.pool.give(self.index, self.buffer, self.back)  # reusable once `back` has passed
+        dev.pool.give(self.buffer, self.back)  # reusable once `back` has passed
         self.buffer = self.host = None
 
     def wait(self):
@@ -433,6 +432,8 @@ class Offloaded:
         _wait(self.back)
 
     def unpack(self, k):
+        if isinstance(k, torch.Tensor):
+            return k  # pack left it where it was
         if not self.ready:
             self.wait()
         t = self.tensors[k]
@@ -442,13 +443,6 @@ class Offloaded:
         if self.uses[k] == 0:
             self.tensors[k] = None  # autograd holds what it took; we let go
         return t
-
-
-def _unpack(packed):
-    if isinstance(packed, torch.Tensor):
-        return packed
-    saved, k = packed
-    return saved.unpack(k)
 
 
 # ----------------------------------------------------------------------------- host pool, streams, events
@@ -462,23 +456,22 @@ class _Buffer:  # one allocation of the pool; `ready`: the last host->device cop
 
 
 class HostPool:
-    """A buffer per block (two if forwarded twice before its backward), reused every forward; the
-    one place host memory is made, pinned with cudaHostRegister (`pin_memory()` rounds up to a
-    power of two)."""
+    """Host buffers, reused every forward: one per offloaded block of a forward (two forwards
+    before a backward: two each). The one place host memory is made, pinned with cudaHostRegister
+    (`pin_memory()` rounds up to a power of two)."""
 
     def __init__(self, pin):
-        self.pin, self.idle, self.buffers = pin, {}, []
+        self.pin, self.idle, self.buffers = pin, [], []
         self.reserved = self.in_use = self.allocations = 0
 
-    def take(self, block, nbytes, page=4096):
-        idle = self.idle.setdefault(block, [])
-        big_enough = [buf for buf in idle if buf.nbytes >= nbytes]
+    def take(self, nbytes, page=4096):
+        big_enough = [buf for buf in self.idle if buf.nbytes >= nbytes]
         if big_enough:
             buf = big_enough[0]
-            idle.remove(buf)
+            self.idle.remove(buf)
         else:
-            if idle:  # a longer sequence than before: give back a buffer that is now too small
-                self.release(idle.pop())
+            if self.idle:  # a longer sequence than before: give back a buffer that is now too small
+                self.release(self.idle.pop())
             buf = _Buffer(self.allocate(nbytes, page))
             self.buffers.append(buf)
             self.reserved += nbytes
@@ -497,10 +490,10 @@ class HostPool:
             raise RuntimeError(f"offload: cudaHostRegister of {nbytes / 2**30:.2f} GiB failed")
         return data
 
-    def give(self, block, buf, ready):
+    def give(self, buf, ready):
         buf.ready = ready
         self.in_use -= buf.nbytes
-        self.idle.setdefault(block, []).append(buf)
+        self.idle.append(buf)
 
     def release(self, buf):
         if self.pin:

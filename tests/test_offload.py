@@ -115,18 +115,18 @@ def test_formula_by_hand():
     cfg = config(mlp_chunks=3, offload=0.5)
     h, kv, H, b = 32, 16, 4, 4
     saved = offload.saved_per_token(cfg, torch.float32, S)
-    assert sum(n for _, n, k in saved if k == 'qkv') == b * (h + 2 * kv)
-    assert sum(n for _, n, k in saved if k == 'attention') == b * h + 4 * H
-    assert sum(n for _, n, k in saved if k == 'other') == 4 * b * h
+    assert sum(saved['qkv']) == b * (h + 2 * kv)
+    assert sum(saved['attention']) == b * h + 4 * H
+    assert sum(saved['other']) == 4 * b * h
     n = 18  # floor(0.5 · 37): the last 18 tokens to host, the first 19 recomputed from their input
     assert offload.block_bytes(cfg, B, S)[0] == (B * (S - n) * b * h + B * S * (b * (2 * h + 2 * kv) + 4 * H)
                                                    + B * n * (4 * b * h + b * h))
     assert offload.block_bytes(config(mlp_chunks=3, offload=0.5, recompute='selective'), B, S)[0] == \
         B * S * (b * h + b * (2 * h + 2 * kv) + 4 * H)
-    bf16 = [n for _, n, k in offload.saved_per_token(cfg, torch.bfloat16, S) if k == 'other']
+    bf16 = offload.saved_per_token(cfg, torch.bfloat16, S)['other']
     assert sum(bf16) == 4 * 2 * h  # each norm's input and output in bf16: no fp32 copy (model.py's RMSNorm)
     unchunked = offload.saved_per_token(config(mlp_chunks=1), torch.float32, S)
-    assert sum(n for _, n, _ in unchunked) - sum(n for _, n, _ in saved) == 4 * b * 80  # 4·b·I
+    assert sum(map(sum, unchunked.values())) - sum(map(sum, saved.values())) == 4 * b * 80  # 4·b·I
 
 
 # ----------------------------------------------------------------------------- what stays on the device
@@ -282,16 +282,16 @@ def test_gradient_accumulation(order):
 
 def test_host_pool_reuses_grows_and_doubles_up():
     pool = offload.HostPool(pin=False)
-    a = pool.take(0, 1000)
-    pool.give(0, a, None)
-    assert pool.take(0, 800) is a and pool.allocations == 1  # reused, not reallocated
-    c = pool.take(0, 500)  # block 0 forwarded again before its backward: a second buffer
+    a = pool.take(1000)
+    pool.give(a, None)
+    assert pool.take(800) is a and pool.allocations == 1  # reused, not reallocated
+    c = pool.take(500)  # a second forward before the first one's backward: a second buffer
     assert c is not a and pool.allocations == 2 and pool.in_use == 1500
-    pool.give(0, a, None)
-    pool.give(0, c, None)
-    d = pool.take(0, 2000)  # longer sequences: a bigger buffer replaces a small one
+    pool.give(a, None)
+    pool.give(c, None)
+    d = pool.take(2000)  # longer sequences: a bigger buffer replaces a small one
     assert d.nbytes == 2000 and pool.allocations == 3 and pool.reserved == 1000 + 2000  # c (500) went
-    pool.give(0, d, None)
+    pool.give(d, None)
     assert pool.in_use == 0
 
 
@@ -367,8 +367,8 @@ def test_choose_alpha_is_memo_rule():
     cfg = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=0.5)
     seq, bf16 = 131072, torch.bfloat16
     saved = offload.saved_per_token(cfg, bf16, seq)
-    whole = 2 * 4096 + sum(n for _, n, k in saved if k in ('qkv', 'attention'))  # b·h: the input or wo's
-    other = sum(n for _, n, k in saved if k == 'other')
+    whole = 2 * 4096 + sum(saved['qkv']) + sum(saved['attention'])  # b·h: the input or wo's
+    other = sum(saved['other'])
     tokens, blocks = seq, cfg.n_layer - offload.KEEP_LAST
     # the transfer of input + attention + α·other just fits one block's forward: α = 0.5
     t = tokens * (whole + 0.5 * other) / 25e9
