@@ -1,11 +1,15 @@
 """
-Poor man's configurator, after nanoGPT's, made safe. train.py keeps its config as plain globals and calls
-configure(globals()); `python train.py config/x.py --batch_size=32 --out_dir=a=b` then applies, in order, each
-config file (a Python file, exec'd on its own) and each --key=value (a Python literal if it parses as one, else the
-raw string). Each value must fit its default's type. Every mistake is one 'error: ...' line on stderr and exit
-status 2, never a traceback: a typo in a key must stop a run that would otherwise train for hours on the default,
-and a traceback buries the one line that says what was wrong. train.py's own checks of the values (ranges, devices,
-data) stop it through the same die(), and a collective that fails (a rank died or hung) through collective_failed().
+Poor man's configurator, after nanoGPT's, made safe. train.py keeps its config as plain globals
+and calls configure(globals()); `python train.py config/x.py --batch_size=32 --out_dir=a=b` then
+applies, in order, each config file (a Python file, exec'd on its own) and each --key=value (a
+Python literal if it parses as one, else the raw string), and returns the config as a dict. Each
+value must fit its default's type.
+
+Every mistake is one 'error: ...' line on stderr and exit status 2, never a traceback: a typo in a
+key must stop a run that would otherwise train for hours on the default, and a traceback buries the
+one line that says what was wrong. train.py's own checks of the values (ranges, devices, data) stop
+it through the same die(), and a collective that fails (a rank died or hung) through
+collective_failed().
 """
 import ast
 import difflib
@@ -19,87 +23,103 @@ from types import ModuleType
 
 _CONFIG_TYPES = (int, float, str, type(None), dict, list, tuple)  # bool is an int
 _BOOLS = {'True': True, 'true': True, '1': True, 'False': False, 'false': False, '0': False}
-_BAD = object()  # fit()'s "does not fit": None can't say it, None is a legal value
 
 
 def die(msg):
-    """Stop on a user's mistake: one line, exit status 2. Under torchrun every rank meets the same mistake: rank 0
-    alone says it, once every rank has come here (wait_for_every_rank: else torchrun could kill it before it does)."""
+    """Stop on a user's mistake: one line, exit status 2. Under torchrun every rank meets the same
+    mistake: rank 0 alone says it, once every rank has come here (wait_for_every_rank: else torchrun
+    could kill it before it does)."""
     if os.environ.get('RANK', '0') == '0':
-        print('error: ' + ' '.join(str(msg).splitlines()), file=sys.stderr, flush=True)  # one line, whatever msg holds
+        # one line, whatever msg holds
+        print('error: ' + ' '.join(str(msg).splitlines()), file=sys.stderr, flush=True)
     wait_for_every_rank('died')
     sys.exit(2)
 
 def wait_for_every_rank(what, timeout=60):
-    """Under torchrun, return once every rank reaches this call (or after `timeout` s): torchrun kills all ranks when
-    one exits, so a rank stopping with a message waits for the others' (torchrun's TCP store: no process group)."""
-    world, deadline = int(os.environ.get('WORLD_SIZE', 1)), time.monotonic() + timeout
+    """Under torchrun, return once every rank reaches this call (or after `timeout` s): torchrun
+    kills all ranks when one exits, so a rank stopping with a message waits for the others'
+    (torchrun's TCP store: no process group)."""
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    deadline = time.monotonic() + timeout
     if world == 1 or 'MASTER_ADDR' not in os.environ:
         return
-    import torch.distributed as dist  # (only a multi-rank job needs torch here, and has it imported already)
+    # (only a multi-rank job needs torch here, and has it imported already)
+    import torch.distributed as dist
     key = f"nanolong/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{what}"
     with suppress(RuntimeError, ValueError):  # no store to reach (not torchrun): nobody to wait for
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
+                              is_master=False, timeout=timedelta(seconds=timeout))
         store.add(key, 1)
         while store.add(key, 0) < world and time.monotonic() < deadline:
             time.sleep(0.05)
 
 def collective_failed(e, timeout_s):
-    """One line for a collective that raised: a rank died, or hung past timeout_s (gloo raises then; NCCL's
-    watchdog aborts the process itself). Exit at once: a rank that hangs would never meet us in a barrier."""
+    """One line for a collective that raised: a rank died, or hung past timeout_s (gloo raises
+    then; NCCL's watchdog aborts the process itself). Exit at once: a rank that hangs would never
+    meet us in a barrier."""
     frames = traceback.extract_tb(e.__traceback__)
-    if not frames[-1].filename.endswith('distributed_c10d.py'):  # not a collective: a bug of ours, its traceback
-        raise e
-    here = os.path.dirname(os.path.abspath(__file__))  # the frames of our files, the innermost three
-    ours = ' < '.join([f.name for f in frames[::-1] if f.filename.startswith(here) and f.name[0] != '<'][:3])
-    why = str(e).strip().split('] ', 1)[-1].replace('. ', '\n').partition('\n')[0]  # gloo's, without its source line
-    print(f"error: rank {os.environ.get('RANK', 0)}: {frames[-1].name} (from {ours}) failed: {why} "
-          f"(timeout_s={timeout_s}: a rank died or stopped responding)", file=sys.stderr, flush=True)
+    if not frames[-1].filename.endswith('distributed_c10d.py'):
+        raise e  # not a collective: a bug of ours, with its traceback
+    # the frames of our files, the innermost three
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = [f.name for f in frames[::-1] if f.filename.startswith(here) and f.name[0] != '<']
+    # gloo's message, without its source line: its first sentence
+    why = str(e).strip().split('] ', 1)[-1].replace('. ', '\n').partition('\n')[0]
+    print(f"error: rank {os.environ.get('RANK', 0)}: {frames[-1].name} "
+          f"(from {' < '.join(ours[:3])}) failed: {why} "
+          f"(timeout_s={timeout_s}: a rank died or stopped responding)",
+          file=sys.stderr, flush=True)
     os._exit(3)
 
 def has_device(name):
-    """False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a device type torch does not know."""
+    """False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a device type torch does not
+    know."""
     import torch  # (here only: the configurator itself needs no torch)
     try:
         dev = torch.device(name)
     except RuntimeError:
         return False
-    count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()), 'cuda': torch.cuda.device_count()}
+    count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()),
+             'cuda': torch.cuda.device_count()}
     return (dev.index or 0) < count.get(dev.type, 0)
 
 def writable(path):
-    """Whether path is, or could be made, a directory we can write in; checked without creating it."""
+    """Whether path is, or could be made, a directory we can write in; checked without creating
+    it."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
     return os.path.isdir(path) and os.access(path, os.W_OK)
 
 def fit(value, default, raw=None):
-    """value as the type of default, or _BAD. raw: the command-line text, None from a file."""
+    """value as the type of default, or None if it does not fit. raw: the command-line text, None
+    from a file."""
     if default is None:
         return value  # nothing to check against: the key takes anything
     if isinstance(default, bool):  # before int, as bool is an int; repr makes a file's 1 '1'
-        return _BOOLS.get(raw if raw is not None else repr(value), _BAD)
+        return _BOOLS.get(raw if raw is not None else repr(value))
     if isinstance(default, float) and type(value) is int:
         return float(value)  # --learning_rate=1 means 1.0
     if isinstance(default, str) and raw is not None:
         return value if isinstance(value, str) else raw  # --out_dir=123 is the directory '123'
-    return value if type(value) is type(default) else _BAD
+    return value if type(value) is type(default) else None
 
 def override(g, defaults, key, value, raw, where=''):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=1)
-        die(f"{where}unknown config key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ''))
-    new = fit(value, defaults[key], raw)
-    if new is _BAD:
+        hint = f" (did you mean {close[0]!r}?)" if close else ''
+        die(f"{where}unknown config key {key!r}{hint}")
+    default = defaults[key]
+    new = fit(value, default, raw)
+    if new is None and default is not None:
         name, got = (key, value) if raw is None else ('--' + key, raw)
-        die(f"{where}{name} expects {type(defaults[key]).__name__}, got {got!r}")
+        die(f"{where}{name} expects {type(default).__name__}, got {got!r}")
     g[key] = new  # silently: a run with a mistake prints its one line and nothing else
 
 def load(path, g, defaults):
     try:
-        with open(path, 'rb') as f:  # bytes: compile() then honours coding cookies and reports bad encodings
+        # bytes: compile() then honours coding cookies and reports bad encodings
+        with open(path, 'rb') as f:
             code = compile(f.read(), path, 'exec')
     except OSError as e:  # missing, a directory, no permission
         die(f"cannot read config file {path}: {e.strerror}")
@@ -109,16 +129,19 @@ def load(path, g, defaults):
     try:
         exec(code, ns)
     except Exception as e:
+        # the file's innermost line in the traceback
         lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
         die(f"{path}, line {lines[-1] if lines else '?'}: {type(e).__name__}: {e}")
     for key, value in ns.items():
-        if not key.startswith('_') and not isinstance(value, ModuleType):  # skip `import math`
+        if key[0] != '_' and not isinstance(value, ModuleType):  # skip `import math`
             override(g, defaults, key, value, None, f"{path}: ")
 
 def configure(g, argv=None):
+    """Apply the config files and --key=value of argv (the command line's) to the globals g; returns
+    the config: {key: value} of every key."""
     argv = sys.argv[1:] if argv is None else argv
     # the defaults, before any override: every later value is checked against these types
-    defaults = {k: v for k, v in g.items() if not k.startswith('_') and isinstance(v, _CONFIG_TYPES)}
+    defaults = {k: v for k, v in g.items() if k[0] != '_' and isinstance(v, _CONFIG_TYPES)}
     if '-h' in argv or '--help' in argv:
         print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:",
               *[f"  --{k}={v!r}" for k, v in defaults.items()], sep='\n')
@@ -134,3 +157,4 @@ def configure(g, argv=None):
         with suppress(Exception):  # SyntaxError, ValueError, ...: not a literal
             value = ast.literal_eval(raw)
         override(g, defaults, key, value, raw)
+    return {key: g[key] for key in defaults}

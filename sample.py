@@ -4,13 +4,13 @@ Generate text from a trained checkpoint (or a Hugging Face directory) with a KV 
     python sample.py --out_dir=out-tiny --start="def " --num_samples=2 --max_new_tokens=300
     python sample.py --init_from=path/to/hf_llama --dataset=mydata --start=FILE:prompt.txt
 
-The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json; without --dataset,
-a Hugging Face directory's tokenizer.json); the whole prompt runs through the model once (prefill), then one token
-at a time reads the cached keys and values instead of recomputing the prefix: O(S) work per new token, not O(S²).
+The prompt is encoded with the tokenizer of the dataset the model was trained on (its meta.json;
+without --dataset, a Hugging Face directory's tokenizer.json); the whole prompt runs through the
+model once (prefill), then one token at a time reads the cached keys and values instead of
+recomputing the prefix: O(S) work per new token, not O(S²).
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -30,34 +30,39 @@ max_new_tokens = 300
 temperature = 0.8  # < 1 sharpens the distribution, > 1 flattens it
 top_k = 50  # sample among the k most likely tokens only; 0 = all
 seed = 1337
-device = 'auto'
+device = 'auto'  # 'auto' (the first of cuda, mps, cpu this machine has) | 'cpu' | 'cuda' | 'mps'
 # -----------------------------------------------------------------------------
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     """Continue idx [B, T] by max_new_tokens tokens; returns [B, T + max_new_tokens]."""
-    c, p, (B, T) = model.config, next(model.parameters()), idx.shape
-    caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype) for _ in range(c.n_layer)]
-    out, positions = [idx], None  # the first pass: the whole prompt at once (prefill)
+    c = model.config
+    p = next(model.parameters())
+    B, T = idx.shape
+    caches = [KVCache(B, c.n_kv_head, c.head_dim, T + max_new_tokens, p.device, p.dtype)
+              for _ in range(c.n_layer)]
+    out = [idx]
+    positions = None  # the first pass: the whole prompt at once (prefill)
     for t in range(T, T + max_new_tokens):
         logits = model(out[-1], positions=positions, kv_caches=caches)[:, -1]
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
             logits = logits.float() / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float('-inf'))
+            if top_k:  # (as nanoGPT's)
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('Inf')
             nxt = torch.multinomial(torch.softmax(logits, -1), 1)
         out.append(nxt)
         positions = torch.tensor([t], device=p.device)  # the next pass: the new token alone
     return torch.cat(out, 1)
 
 def main():
-    from configurator import configure
+    from configurator import configure, has_device
     configure(globals())
-    dev = device if device != 'auto' else 'cuda' if torch.cuda.is_available() else \
-        'mps' if torch.backends.mps.is_available() else 'cpu'
+    dev = device
+    if device == 'auto':  # the first this machine has
+        dev = next(name for name in ('cuda', 'mps', 'cpu') if has_device(name))
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
@@ -68,19 +73,22 @@ def main():
         name = name or ckpt['config']['dataset']
     else:
         model = Llama.from_pretrained(init_from)
-    if name:  # data made by a Hugging Face tokenizer keeps a copy of its tokenizer.json beside meta.json
-        data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', name)
-        encode, decode = get_tokenizer({**json.loads(Path(data_dir, 'meta.json').read_text()), 'dir': data_dir})
-    elif os.path.isfile(os.path.join(init_from, 'tokenizer.json')):
+    # data made by a Hugging Face tokenizer keeps a copy of its tokenizer.json beside meta.json
+    if name:
+        data_dir = Path(__file__).resolve().parent / 'data' / name
+        meta = json.loads((data_dir / 'meta.json').read_text())
+        encode, decode = get_tokenizer({**meta, 'dir': data_dir})
+    elif Path(init_from, 'tokenizer.json').is_file():
         encode, decode = get_tokenizer({'tokenizer': 'hf', 'dir': init_from})
     else:
         sys.exit("error: --dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
     model.to(dev).eval()
 
     prompt = Path(start[5:]).read_text(encoding='utf-8') if start.startswith('FILE:') else start
-    idx = torch.tensor([encode(prompt)] * num_samples, device=dev)
-    if idx.shape[1] == 0:
+    ids = encode(prompt)
+    if not ids:
         sys.exit("error: the prompt encodes to no tokens")
+    idx = torch.tensor([ids] * num_samples, device=dev)
     for row in generate(model, idx, max_new_tokens, temperature, top_k).tolist():
         print(decode(row), '-' * 60, sep='\n')
 

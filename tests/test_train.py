@@ -155,8 +155,8 @@ def test_gradient_accumulation_equals_one_big_batch():
         loss = train.forward_backward(model, micro, train.nullcontext())
         return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    big_loss, big = grads([(x, y)])
-    acc_loss, acc = grads([(x[i:i + 1], y[i:i + 1]) for i in range(4)])
+    big_loss, big = grads([train.Batch(x, y)])
+    acc_loss, acc = grads([train.Batch(x[i:i + 1], y[i:i + 1]) for i in range(4)])
     torch.testing.assert_close(acc_loss, big_loss, rtol=1e-6, atol=0)
     for name in big:
         err = (acc[name] - big[name]).norm() / big[name].norm()
@@ -175,7 +175,7 @@ def test_bf16_master_weights_accumulate_in_fp32():
     masters = optim.make_master_weights(model)
     assert all(m.dtype == torch.float32 for m in masters)
     x = torch.randint(0, 50, (2, 16))
-    micro = [(x, x.roll(-1, 1))] * 3
+    micro = [train.Batch(x, x.roll(-1, 1))] * 3
     with torch.autocast('cpu', dtype=torch.bfloat16):
         train.forward_backward(model, micro, train.nullcontext())
     train.forward_backward(ref, micro, train.nullcontext())
@@ -352,11 +352,11 @@ def test_a_non_finite_step_changes_nothing_and_a_few_in_a_row_stop_the_run(monke
             next(model.parameters()).grad[0, 0] = float('inf')
         return loss
     monkeypatch.setattr(train, 'forward_backward', forward_backward)
-    named, steps = list(zip([n for n, _ in model.named_parameters()], masters)), []
+    steps = []
 
     def step():
         state = [t.clone() for p in opt.pieces for t in (p, *opt.state[p].values())]
-        train.train_step(model, [(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), named, opt)
+        train.train_step(model, [train.Batch(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), opt)
         steps.append(not all(torch.equal(a, b) for a, b in
                              zip(state, [t for p in opt.pieces for t in (p, *opt.state[p].values())])))
         return int(opt.skipped)
@@ -531,6 +531,11 @@ def test_get_batch_with_doc_mask(tmp_path, monkeypatch):
         assert x[row].tolist() == (t[:-1] % 50).tolist()
     assert docs.tolist() == torch.nonzero(pos.flatten() == 0).flatten().tolist()
     assert any((pos[r] == 0).sum() > 1 for r in range(64))  # some windows hold several documents
+    # without doc_mask: the same windows, the same shape of batch, positions and docs None
+    monkeypatch.setattr(train, 'doc_mask', False)
+    plain = train.get_batch(meta, 'train', 64, torch.Generator().manual_seed(0), torch.device('cpu'))
+    assert torch.equal(plain.x, x) and torch.equal(plain.y[:, -1], torch.from_numpy(np.array(ix) + 20) % 50)
+    assert plain.positions is None and plain.docs is None
 
 
 def test_doc_mask_trains_and_refuses_what_it_cannot_do(tmp_path):
