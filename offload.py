@@ -83,12 +83,10 @@ def _per_token(config, dtype, seq_len, *kinds):
 
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     """Bytes one block keeps on the device for backward with offload off, for config.recompute."""
-    block_input = dtype.itemsize * config.n_embd  # per token
-    if config.recompute == 'full':
-        per_token = block_input
-    elif config.recompute == 'selective':
-        per_token = block_input + _per_token(config, dtype, seq_len, 'attention')
-    else:
+    per_token = dtype.itemsize * config.n_embd  # 'full': the block's input
+    if config.recompute == 'selective':
+        per_token += _per_token(config, dtype, seq_len, 'attention')
+    if config.recompute == 'none':
         per_token = _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other')
     return batch * seq_len * per_token
 
@@ -150,9 +148,7 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
     budget = min(bandwidth * block_forward_s, host_bytes_free / max(blocks, 1)) / (batch * seq_len)
     if blocks <= 0 or budget < whole:
         return 0.0
-    if other == 0:
-        return 1.0
-    return min(1.0, (budget - whole) / other)
+    return 1.0 if other == 0 else min(1.0, (budget - whole) / other)
 
 
 def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
@@ -250,8 +246,6 @@ def _offload(block, inner, x, cos, sin, docs, c, i):
 def _tokens(t, S, lo, hi):
     """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run per tp
     rank)."""
-    if (lo, hi) == (0, S):
-        return t
     return t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
 
 
@@ -269,8 +263,8 @@ def _join(first, second, runs):
 #      (its input goes to host through our hooks) and runs it again in backward. Its attention
 #      calls attend_first with its q, k, v.
 #   2. There, with our hooks back on (else checkpoint would drop these too), the second range,
-#      tokens [s0, S), runs; its attention calls attend_second with its q, k, v.
-#   3. attend_second joins both ranges' q, k, v and runs attention once, on every token. What
+#      tokens [s0, S), runs; its attention calls attend_all with its q, k, v.
+#   3. attend_all joins both ranges' q, k, v and runs attention once, on every token. What
 #      attention saves goes to host whole; its output `a` is packed once more, as `replay`.
 #   4. The second range takes its tokens of `a` and finishes the block: what it saves goes to host.
 #      Its output waits in second_y.
@@ -284,7 +278,7 @@ def _join(first, second, runs):
 #   8. Attention's backward gets its output's gradient from both ranges, and gives every token's
 #      q, k, v theirs: the first range's projections and norm run backward on what step 6
 #      recomputed, the second range's on what it saved, from host.
-# With s0 = S ('selective', or n = 0) there is no second range: attend_first runs attention
+# With s0 = S ('selective', or n = 0) there is no second range: attend_first calls attend_all
 # itself (steps 2, 4 and 7 vanish).
 @dataclass
 class _Split:
@@ -309,11 +303,8 @@ class _Split:
         if self.s0 < self.S:  # (an empty view of x would keep all of x alive)
             self.second_x = x[:, self.s0:]
         y = checkpoint(self.run, self.attend_first, x[:, :self.s0], 0, self.s0, use_reentrant=False)
-        if self.second_y is None:
-            return y
-        y = torch.cat([y, self.second_y], 1)
-        self.second_y = None
-        return y
+        second_y, self.second_y = self.second_y, None
+        return y if second_y is None else torch.cat([y, second_y], 1)
 
     def run(self, attend, x, lo, hi):
         """The block on tokens [lo, hi) of each run, with attention.attend swapped for `attend`."""
@@ -332,30 +323,30 @@ class _Split:
             return _tokens(a, self.S, 0, self.s0).detach().requires_grad_(self.requires_grad)
         with saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             if self.second_x is None:
+                # no second range: attention on the first's q, k, v alone
                 self.attend_all(q, k, v, docs)
             else:
                 # 2.
                 self.first_qkv = (q, k, v)
                 x, self.second_x = self.second_x, None
-                self.second_y = self.run(self.attend_second, x, self.s0, self.S)
+                self.second_y = self.run(self.attend_all, x, self.s0, self.S)
         # 5.
         a, self.a = self.a, None
         return _tokens(a, self.S, 0, self.s0)
 
-    def attend_second(self, q, k, v, docs):
-        # 3. each run of S tokens (one per tp rank under sequence parallelism): the first range's,
-        # then the second's
-        runs = q.shape[-2] // (self.S - self.s0)
-        q, k, v = (_join(first, second, runs) for first, second in zip(self.first_qkv, (q, k, v)))
-        self.first_qkv = None
-        # 4.
-        return _tokens(self.attend_all(q, k, v, docs), self.S, self.s0, self.S)
-
     def attend_all(self, q, k, v, docs):
+        """3. Attention once, on every token (the second range's attend)."""
+        if self.first_qkv is not None:
+            # in each run of S tokens (one per tp rank under sequence parallelism): the first
+            # range's tokens, then the second's
+            runs = q.shape[-2] // (self.S - self.s0)
+            q, k, v = (_join(first, second, runs) for first, second in zip(self.first_qkv, (q, k, v)))
+            self.first_qkv = None
         a = self.attend(q, k, v, docs)
         self.replay = self.saved.pack(a)
         self.a, self.requires_grad = a, a.requires_grad
-        return a
+        # 4. the second range takes its tokens
+        return _tokens(a, self.S, self.s0, self.S)
 
 
 # ----------------------------------------------------------------------------- one block's tensors, to host and back
@@ -390,7 +381,7 @@ class Offloaded:
         ready = _mark(dev)  # after this block's forward kernels: the copies read their results
         with torch.cuda.stream(dev.d2h):  # None: a no-op
             # and after the last host->device copy out of this buffer
-            _wait(ready, self.buffer.ready, stream=dev.d2h)
+            _wait(ready, self.buffer.ready)
             self.host, offset = [], 0
             for t, n in zip(self.tensors, sizes):
                 # with t's strides where t is dense (attention's output is [B, S, H, hd] in memory):
@@ -399,7 +390,7 @@ class Offloaded:
                 h = self.buffer.data[offset:offset + n].view(t.dtype).as_strided(t.shape, stride)
                 self.host.append(h.copy_(t, non_blocking=dev.cuda))
                 offset += _align(n)
-            self.sent = _mark(dev, dev.d2h)
+            self.sent = _mark(dev)
         if not dev.fake:  # a dry run's fake bytes are not moved
             _stats['bytes_to_host'] += sum(sizes)
         # freed once compute has waited for these copies (_retire)
@@ -416,10 +407,10 @@ class Offloaded:
         self.tensors = [torch.empty_like(h, device=dev.device) for h in self.host]
         ready = _mark(dev)  # that memory may still be read by kernels queued before now
         with torch.cuda.stream(dev.h2d):
-            _wait(self.sent, ready, stream=dev.h2d)
+            _wait(self.sent, ready)
             for t, h in zip(self.tensors, self.host):
                 t.copy_(h, non_blocking=dev.cuda)
-            self.back = _mark(dev, dev.h2d)
+            self.back = _mark(dev)
         if not dev.fake:
             _stats['bytes_to_device'] += sum(h.nbytes for h in self.host)
         dev.pool.give(self.buffer, self.back)  # reusable once `back` has passed
@@ -464,7 +455,7 @@ class HostPool:
         self.pin, self.idle, self.buffers = pin, [], []
         self.reserved = self.in_use = self.allocations = 0
 
-    def take(self, nbytes, page=4096):
+    def take(self, nbytes):
         big_enough = [buf for buf in self.idle if buf.nbytes >= nbytes]
         if big_enough:
             buf = big_enough[0]
@@ -472,17 +463,18 @@ class HostPool:
         else:
             if self.idle:  # a longer sequence than before: give back a buffer that is now too small
                 self.release(self.idle.pop())
-            buf = _Buffer(self.allocate(nbytes, page))
+            buf = _Buffer(self.allocate(nbytes))
             self.buffers.append(buf)
             self.reserved += nbytes
             self.allocations += 1
         self.in_use += buf.nbytes
         return buf
 
-    def allocate(self, nbytes, page):
+    def allocate(self, nbytes):
         if not self.pin:
             return torch.empty(nbytes, dtype=torch.uint8)
         # page-aligned, for cudaHostRegister
+        page = 4096
         raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
         start = -raw.data_ptr() % page
         data = raw[start:start + nbytes]
@@ -497,8 +489,7 @@ class HostPool:
 
     def release(self, buf):
         if self.pin:
-            if buf.ready is not None:
-                buf.ready.synchronize()  # no copy may still be reading these pages
+            torch.cuda.synchronize()  # no copy may still be reading these pages (rare: growth, reset)
             torch.cuda.cudart().cudaHostUnregister(buf.data.data_ptr())
         self.buffers.remove(buf)
         self.reserved -= buf.nbytes
@@ -512,7 +503,7 @@ def _device(x):
     """Per device (fake tensors: their own): copy streams (CUDA only), host pool, copies in flight,
     and the blocks offloaded in the forward under way (by index, while they live)."""
     fake = isinstance(x, FakeTensor)
-    key = (str(x.device), fake)
+    key = (x.device, fake)
     if key not in _devices:
         cuda = x.device.type == 'cuda' and not fake
         d2h = h2d = None
@@ -523,18 +514,19 @@ def _device(x):
     return _devices[key]
 
 
-def _mark(dev, stream=None):
-    """An event after the work queued so far on stream (default: the current one); None on a CPU."""
+def _mark(dev):
+    """An event after the work queued so far on the current stream (a copy stream inside
+    `with torch.cuda.stream(...)`); None on a CPU."""
     if not dev.cuda:
         return None
-    return (stream or torch.cuda.current_stream(dev.device)).record_event()
+    return torch.cuda.current_stream(dev.device).record_event()
 
 
-def _wait(*events, stream=None):
-    """stream (default: the current one) waits for each event (not None); the host does not."""
+def _wait(*events):
+    """The current stream waits for each event (not None); the host does not."""
     for event in events:
         if event is not None:
-            event.wait(stream)
+            event.wait()
 
 
 def _retire(dev, limit):
