@@ -1,26 +1,28 @@
 """
 Train a Llama. One process on a laptop CPU, a GPU, or Apple's MPS:
 
-    python train.py                                   # tiny model on the embedded corpus, minutes on a CPU
+    python train.py                      # tiny model on the embedded corpus, minutes on a CPU
     python train.py config/train_tiny.py --max_iters=500 --device=cpu
 
-As nanoGPT's train.py: the config (defaults below, then a config file, then --key=value), setup in the
-order it happens, then one loop. Setup: prepare the data if it is missing, build or load the model, print
-the memory estimate (memory.py), shard the model (parallel.py, under torchrun only), wrap its blocks'
-keep / recompute / offload policy (offload.py). The loop: evaluate (and checkpoint), set the lr, sample a
-global batch, run the micro-steps' forward and backward with the loss normalised by the number of real
-target tokens across all of them, sync gradients (several ranks), clip, AdamW, log.
+As nanoGPT's train.py: the config (defaults below, then a config file, then --key=value), setup in
+the order it happens, then one loop. Setup: prepare the data if it is missing, build or load the
+model, print the memory estimate (memory.py), shard the model (parallel.py: under torchrun only),
+wrap its blocks' keep / recompute / offload policy (offload.py). The loop: evaluate (and
+checkpoint), set the lr, sample a global batch, run the micro-steps' forward and backward with the
+loss normalised by the number of real target tokens across all of them, sync the gradients (several
+ranks), clip, AdamW, log.
 
-On one process with every memory knob off, a step goes through train.py, model.py, chunked.py and
-optim.py only: each call into parallel.py sits under `if world > 1` or does nothing there.
+The default path is short: on one process with every memory knob off, a step runs through
+train.py, model.py, chunked.py and optim.py only; each call into parallel.py sits under
+`if world > 1` or is a plain no-op there (one rank's share of a batch is all of it).
 
-Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights, fp32 master weights,
-optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an uninterrupted run's
-losses under any layout; SIGINT and SIGTERM save one and exit.
+Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights, fp32 master
+weights, optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an
+uninterrupted run's losses under any layout; SIGINT and SIGTERM save one and exit.
 
-Precision: dtype='bfloat16' (CUDA's default) trains bf16 weights on fp32 gradients and master weights,
-18 bytes per parameter, or 6 with optimizer_in_backward; dtype='float32' (the CPU's) the weights
-themselves (optim.py).
+Precision: dtype='bfloat16' (CUDA's default) trains bf16 weights on fp32 gradients and master
+weights, 18 bytes per parameter, or 6 with optimizer_in_backward; dtype='float32' (the CPU's) the
+weights themselves (optim.py).
 """
 
 import json
@@ -33,6 +35,7 @@ import time
 from collections import namedtuple
 from contextlib import nullcontext, suppress
 from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,7 +52,8 @@ import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
 
 # -----------------------------------------------------------------------------
-# default config: config/train_tiny.py, a model that learns to write Python on a laptop CPU in minutes
+# default config: config/train_tiny.py, a model that learns to write Python on a laptop CPU in
+# minutes
 # I/O
 out_dir = 'out'
 eval_interval = 250
@@ -93,10 +97,12 @@ cp_impl = 'ulysses'  # 'ulysses' | 'ring'
 pp_size = 1  # pipeline stages, each a run of blocks; its micro-batches: gradient_accumulation_steps
 # '1f1b' | 'gpipe' (every micro-batch's forward, then every backward: more in flight)
 pp_schedule = '1f1b'
-zero = 0  # FSDP2 over the dp x cp ranks: 2 shards AdamW's states and the gradients, 3 the weights too
+# FSDP2 over the dp x cp ranks: 2 shards AdamW's states and the gradients, 3 the weights too
+zero = 0
 # True (zero=3): weights, gradients and AdamW's states in host memory, AdamW on the CPU
 offload_states = False
-timeout_s = 300  # a collective waiting this long for a rank that died or hangs ends the job (README.md)
+# a collective waiting this long for a rank that died or hangs ends the job (README.md)
+timeout_s = 300
 # AdamW with linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
 max_iters = 1000
@@ -110,21 +116,24 @@ warmup_iters = 50
 lr_decay_iters = 0  # 0: decay over max_iters
 min_lr = 2e-4
 # system
-device = 'auto'  # 'auto' | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
+device = 'auto'  # 'auto' (the first of cuda, mps, cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
 dtype = 'auto'  # 'auto' (bfloat16 on CUDA, else float32) | 'float32' | 'bfloat16'
 compile = False
 seed = 1337
-# memory accounting (memory.py): a report before the first step, measured after it, out_dir/memory.json
-dry_run = False  # one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
-dry_run_anatomy = 0  # N > 0: also list the N largest tensors alive at the measured peak (measure.py)
+# memory accounting (memory.py): a report before the first step, measured after it,
+# out_dir/memory.json
+# one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
+dry_run = False
+# N > 0: also list the N largest tensors alive at the measured peak (measure.py)
+dry_run_anatomy = 0
 # GiB per device the run must fit in (80% rule); 0: the device's own (80 for a dry run)
 memory_budget_gb = 0.0
 host_memory_budget_gb = 0.0  # GiB of host memory for offloaded activations; 0: what is available
 # let memory.py pick recompute / mlp_chunks / loss_chunks / offload: the cheapest that fits
 auto_memory = False
 # -----------------------------------------------------------------------------
-# what each training key allows, checked before anything is read, allocated or written (the model's
-# keys: model.LlamaConfig; the rules between the layout keys: parallel.check_layout)
+# what each training key allows, checked before anything is read, allocated or written (the
+# model's keys: model.LlamaConfig; the rules between the layout keys: parallel.check_layout)
 _RULES = [
     (('batch_size', 'seq_len', 'gradient_accumulation_steps', 'eval_interval', 'log_interval',
       'eval_iters', 'tp_size', 'cp_size', 'pp_size'), 'must be >= 1', lambda v: v >= 1),
@@ -147,8 +156,8 @@ _RULES = [
 
 # ----------------------------------------------------------------------------- data
 def read_dataset(world, rank):
-    """data/<dataset>/meta.json, checked with its .bin files; rank 0 prepares the default corpus on
-    first use."""
+    """data/<dataset>/meta.json, checked with its .bin files; rank 0 prepares the default corpus
+    on first use."""
     if dry_run and vocab_size:  # a dry run reads no data: its vocabulary is all it needs
         return {'vocab_size': vocab_size}
     data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
@@ -159,7 +168,8 @@ def read_dataset(world, rank):
     if world > 1:  # the others wait for rank 0's
         torch.distributed.barrier()
     if not os.path.exists(path):
-        die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py (see README.md)")
+        die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py "
+            f"(see README.md)")
     # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
     try:
         meta = read_meta(data_dir, 0 if dry_run else seq_len + 2)
@@ -170,19 +180,19 @@ def read_dataset(world, rank):
         return meta
     starts = read_docs(meta, 'train')
     if starts is None:
-        die(f"doc_mask=True: dataset {dataset!r} has no document boundaries (train.docs.npy): prepare "
-            f"it again with its data/*/prepare.py, or set doc_mask=False")
+        die(f"doc_mask=True: dataset {dataset!r} has no document boundaries (train.docs.npy): "
+            f"prepare it again with its data/*/prepare.py, or set doc_mask=False")
     # said once: get_batch cuts them as it cuts the token stream
     longer = np.sum(np.diff(starts, append=meta['train_tokens']) > seq_len)
     if longer and rank == 0:
-        print(f"note: {longer} training documents are longer than seq_len={seq_len}: a window cuts "
-              f"them, each piece from position 0")
+        print(f"note: {longer} training documents are longer than seq_len={seq_len}: a window "
+              f"cuts them, each piece from position 0")
     return meta
 
 
-# A micro-batch: inputs x [B, S] and next-token targets y (-100: not predicted). With doc_mask also
-# each input's position in its document, and docs: the documents' starts in the flattened inputs (on
-# the host: model.attention); both None without.
+# A micro-batch: inputs x [B, S] and next-token targets y (-100: not predicted). With doc_mask
+# also each input's position in its document, and docs: the documents' starts in the flattened
+# inputs (on the host: model.attention); both None without.
 Batch = namedtuple('Batch', 'x y positions docs', defaults=(None, None))
 
 
@@ -193,8 +203,8 @@ def get_batch(meta, split, n, generator, device):
     ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
     rows = [data[i:i + seq_len + 1].astype(np.int64) for i in ix]
     if doc_mask:
-        # n more rows: each token's place in its document, as if the window's first document began
-        # at the window
+        # n more rows: each token's place in its document, as if the window's first document
+        # began at the window
         doc_starts = read_docs(meta, split)
         for i in ix:
             t = np.arange(i, i + seq_len + 1)
@@ -212,7 +222,7 @@ def get_batch(meta, split, n, generator, device):
     return Batch(x, y, positions[:, :-1], docs)
 
 
-# ----------------------------------------------------------------------------- one optimisation step
+# ---------------------------------------------------------------------------- one optimisation step
 def dpcp_sum(t, mesh):
     """t summed over the ranks that split the step's tokens (dp x cp); t itself on one of them."""
     if mesh is None or mesh.dpcp_group is None:
@@ -221,8 +231,8 @@ def dpcp_sum(t, mesh):
 
 
 def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
-    """Backward of the mean loss over every real target token of the step, returned detached (not a
-    mean of per-micro-step means: micro-steps with more ignored targets must weigh less). Under
+    """Backward of the mean loss over every real target token of the step, returned detached (not
+    a mean of per-micro-step means: micro-steps with more ignored targets must weigh less). Under
     parallelism the count is the whole step's, over every dp × cp rank: the gradients summed over
     them are then the single-process ones."""
     count = dpcp_sum(sum((y != -100).sum() for _, y, _, _ in micro_batches), mesh).clamp(min=1)
@@ -232,8 +242,8 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
         return dpcp_sum(parallel.all_reduce(loss, mesh.pp_group), mesh)
     total = 0.0
     for x, y, positions, docs in micro_batches:
-        # this micro-step's mean, weighted; the logits are dropped here, or they would live through
-        # backward (memory.py counts on it)
+        # this micro-step's mean, weighted; the logits are dropped here, or they would live
+        # through backward (memory.py counts on it)
         with autocast:
             loss = model(x, y, positions, docs)[1] * ((y != -100).sum() / count)
         loss.backward()
@@ -242,20 +252,22 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
-    """AdamW on fp32 master weights (optim.AdamW): under zero=2, 3 FSDP2's share per dp·cp rank; or
-    in backward."""
+    """AdamW on fp32 master weights (optim.AdamW): under zero=2, 3 FSDP2's share per dp·cp rank;
+    or in backward."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama). (A master has
     # its parameter's shape.)
     decay = [m for m in masters if m.dim() >= 2]
     no_decay = [m for m in masters if m.dim() < 2]
-    groups = [{'params': decay, 'weight_decay': weight_decay}, {'params': no_decay, 'weight_decay': 0.0}]
-    # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a CPU
-    # it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of width
-    # 128: 0.9 vs 5.9 ms). (fused skips a step: train_step)
+    groups = [{'params': decay, 'weight_decay': weight_decay},
+              {'params': no_decay, 'weight_decay': 0.0}]
+    # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a
+    # CPU it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of
+    # width 128: 0.9 vs 5.9 ms). (fused skips a step: train_step)
     fused = device_type in ('cuda', 'cpu', 'mps') and not optimizer_in_backward
     return optim.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(),
-                       model.config, in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf,
-                       lr=learning_rate, betas=(beta1, beta2), fused=fused)
+                       model.config, in_backward=optimizer_in_backward,
+                       max_norm=grad_clip or math.inf, lr=learning_rate, betas=(beta1, beta2),
+                       fused=fused)
 
 
 def get_lr(it):
@@ -269,9 +281,9 @@ def get_lr(it):
 
 
 def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
-    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in backward:
-    optim.py): one step. A step whose loss or gradient norm is not finite changes nothing (as
-    GradScaler skips one), on the device."""
+    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in
+    backward: optim.py): one step. A step whose loss or gradient norm is not finite changes nothing
+    (as GradScaler skips one), on the device."""
     loss = forward_backward(model, batches, autocast, mesh, pipe)
     bad = (~loss.isfinite()).float()
     if not optimizer.in_backward:
@@ -281,8 +293,8 @@ def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
         # the whole model's norm (every shard's, under parallelism), even unclipped (grad_clip=0:
         # max_norm inf), to see a non-finite one
         norm = parallel.clip_grad_norm_(named_masters, optimizer.max_norm, mesh, model.config)
-        # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight decay
-        # and step count
+        # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight
+        # decay and step count
         bad = torch.maximum(bad, (~norm.isfinite()).float())
         optimizer.found_inf = bad
         optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
@@ -291,17 +303,17 @@ def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
     return loss
 
 
-_MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skipped, as GradScaler does
+_MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skipped (GradScaler's)
 
 
 def check_finite(optimizer, iter_num, lr):
-    """Stop without saving after _MAX_SKIPS skipped steps in a row: the last checkpoint holds the last
-    good weights."""
+    """Stop without saving after _MAX_SKIPS skipped steps in a row: the last checkpoint holds the
+    last good weights."""
     n = int(optimizer.skipped)
     if n >= _MAX_SKIPS:
-        die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, lr "
-            f"{lr:g}); stopped without saving: resume the last checkpoint in {out_dir} with a lower "
-            f"--learning_rate")
+        die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, "
+            f"lr {lr:g}); stopped without saving: resume the last checkpoint in {out_dir} with a "
+            f"lower --learning_rate")
 
 
 @torch.no_grad()
@@ -309,7 +321,7 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     """The mean val loss over eval_iters batches, the same batches at every eval."""
     model.eval()
     generator = torch.Generator().manual_seed(seed + 1)
-    loss = 0  # [sum of the batches' losses, each times its real targets; those targets]
+    loss = 0  # [the sum of the batches' losses, each times its real targets; those targets]
     for _ in range(eval_iters):
         batch = get_batch(meta, 'val', batch_size * mesh.dp, generator, dev)
         x, y, positions, docs = parallel.shard_batch(mesh, *batch)  # (one process: all of it)
@@ -335,9 +347,9 @@ _PEAK_TFLOPS = {'H100': 989, 'H200': 989, 'H800': 989, 'A100': 312, 'A800': 312,
 
 
 def peak_flops(device, dtype, world):
-    """The dense peak FLOP/s of `world` known GPUs (bf16; fp32 at half), to state MFU against; None
-    elsewhere: a CPU has no figure worth trusting, and a matmul timed once at start on a shared
-    machine swung MFU 61% to 488%."""
+    """The dense peak FLOP/s of `world` known GPUs (bf16; fp32 at half), to state MFU against;
+    None elsewhere: a CPU has no figure worth trusting, and a matmul timed once at start on a
+    shared machine swung MFU 61% to 488%."""
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else ''
     for key, tflops in _PEAK_TFLOPS.items():
         if key in name:
@@ -345,21 +357,20 @@ def peak_flops(device, dtype, world):
     return None
 
 
-def peak_memory(device, reset=False):
-    """Bytes: the allocator's peak on CUDA, the process's peak resident set (VmHWM, Linux) elsewhere,
-    or 0. reset=True starts a new peak (VmHWM through /proc/self/clear_refs; elsewhere the peak is
-    since start)."""
-    if device.type == 'cuda' and reset:
-        torch.cuda.reset_peak_memory_stats(device)
+def peak_memory(device):
+    """Bytes, the peak since the last call (the first: since start): the allocator's on CUDA, the
+    process's resident set (VmHWM, Linux) elsewhere, or 0."""
     if device.type == 'cuda':
-        return torch.cuda.max_memory_allocated(device)
-    with suppress(OSError):  # not Linux, or /proc/self/clear_refs not ours to write
-        if reset:
-            with open('/proc/self/clear_refs', 'w') as f:
-                f.write('5')
-        with open('/proc/self/status') as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
-    return 0
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    peak = 0
+    with suppress(OSError):  # not Linux
+        # 'VmHWM:    123456 kB'
+        peak = int(Path('/proc/self/status').read_text().split('VmHWM:')[1].split()[0]) * 1024
+    with suppress(OSError):  # not ours to write: the peak stays the one since start
+        Path('/proc/self/clear_refs').write_text('5')  # VmHWM: the resident set now
+    return peak
 
 
 def write_log(log, bar, row, val_loss, mem):
@@ -374,7 +385,7 @@ def write_log(log, bar, row, val_loss, mem):
     bar.set_postfix_str(text)
     if log is None:
         return
-    if not mem.logged:  # the first row, after the measured step, carries its bytes (as memory.json)
+    if not mem.logged:  # the first row, after the measured step, carries its bytes (memory.json's)
         row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}
         mem.logged = True
     print(json.dumps(row), file=log, flush=True)
@@ -383,11 +394,19 @@ def write_log(log, bar, row, val_loss, mem):
 
 
 # ----------------------------------------------------------------------------- setup
+def check_config(cfg):
+    """Stop at the first value a key does not allow (_RULES)."""
+    for keys, allowed, ok in _RULES:
+        for key in keys:
+            if not ok(cfg[key]):
+                die(f"{key}={cfg[key]!r}: {allowed}")
+
+
 def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
     if dry_run:
-        # memory.py: rank 0 of WORLD_SIZE (else tp x cp x pp) ranks; this CPU (fake tensors) stands
-        # in for their CUDA devices
+        # memory.py: rank 0 of WORLD_SIZE (else tp x cp x pp) ranks; this CPU (fake tensors)
+        # stands in for their CUDA devices
         os.environ.setdefault('WORLD_SIZE', str(tp_size * cp_size * pp_size))
         dev = torch.device('cpu')
     elif device == 'auto':  # the first this machine has
@@ -400,38 +419,34 @@ def device_and_dtype():
         ptdtype = getattr(torch, dtype)
     # TF32 for fp32 matmuls (CUDA only)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
+    bf16 = ptdtype == torch.bfloat16
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     return dev, ptdtype, autocast
 
 
-def check_config(cfg):
-    """Stop at the first value a key does not allow (_RULES)."""
-    for keys, allowed, ok in _RULES:
-        for key in keys:
-            if not ok(cfg[key]):
-                die(f"{key}={cfg[key]!r}: {allowed}")
-
-
 def check_layout(config, world, dev, ptdtype):
-    """Stop on every rank, in one line, before anything is allocated, if this layout can't run config."""
+    """Stop on every rank, in one line, before anything is allocated, if this layout can't run
+    config."""
     why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type,
-                                ptdtype, doc_mask, offload_states, pp_size, gradient_accumulation_steps,
-                                pp_schedule)
+                                ptdtype, doc_mask, offload_states, pp_size,
+                                gradient_accumulation_steps, pp_schedule)
     if why:
         die(why)
 
 
 def model_from_config(meta, cfg, world, dev, ptdtype):
-    """Build (or load) the model named by init_from, its config and layout checked before the model is
-    allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint or None)."""
+    """Build (or load) the model named by init_from, its config and layout checked before the
+    model is allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint
+    or None)."""
     knobs = {k: cfg[k] for k in MEMORY_KNOBS}  # how forward runs: free to change on resume
     # the model's keys that were given (None: not given)
     given = {f.name: cfg[f.name] for f in fields(LlamaConfig) if cfg[f.name] is not None}
     model = ckpt = None
     if init_from != 'resume' and not (overwrite or dry_run) and checkpoint.latest(out_dir):
-        die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True starts "
-            f"a new run (the old checkpoint stays until the new run saves one)")
-    # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not our bug
+        die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True "
+            f"starts a new run (the old checkpoint stays until the new run saves one)")
+    # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not a
+    # bug of ours
     try:
         if init_from == 'scratch':
             config = LlamaConfig(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
@@ -449,17 +464,18 @@ def model_from_config(meta, cfg, world, dev, ptdtype):
         die(e)
     check_layout(config, world, dev, ptdtype)
     if meta['vocab_size'] > config.vocab_size:
-        die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta.get('tokenizer')}), more "
-            f"than the model's {config.vocab_size}: prepare it with the model's tokenizer")
+        die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta.get('tokenizer')}), "
+            f"more than the model's {config.vocab_size}: prepare it with the model's tokenizer")
     return model or Llama(config), ckpt
 
 
 def place_model(model, mesh, dev, ptdtype):
-    """This rank's share of the full model (every rank built the same one, from the seed), its blocks'
-    activation policy wrapped, on its device in its weights' dtype."""
+    """This rank's share of the full model (every rank built the same one, from the seed), its
+    blocks' activation policy wrapped, on its device in its weights' dtype."""
     if mesh.world > 1:  # sharded (and staged) for this rank; one process keeps it whole
         parallel.parallelize(model, mesh)
-    offload_policy.apply(model)  # keep, recompute or offload each block's activations (none: no wrap)
+    # keep, recompute or offload each block's activations (every knob off: no block wrapped)
+    offload_policy.apply(model)
     # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
     weights_dtype = torch.float32 if zero > 1 else ptdtype
     if dry_run:
@@ -471,24 +487,25 @@ def place_model(model, mesh, dev, ptdtype):
 
 
 def dry_run_step(mem, model, raw_model, autocast, mesh, optimizer, pipe):
-    """One step on fake tensors, measured: the table and the verdict (memory.py). Two micro-steps show
-    what gradient accumulation adds; under pp one more than rank 0's stage keeps in flight, then the
-    last stage's dry run in a fresh process."""
+    """One step on fake tensors, measured: the table and the verdict (memory.py). Two micro-steps
+    show what gradient accumulation adds; under pp one more than rank 0's stage keeps in flight,
+    then the last stage's dry run in a fresh process."""
     n = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)
     # made before the step: they are not the step's
-    batches = [parallel.shard_batch(mesh, *memory.fake_batch(batch_size * mesh.dp, seq_len,
-                                                             model.config.vocab_size, doc_mask))
+    vocab = model.config.vocab_size
+    batches = [parallel.shard_batch(mesh, *memory.fake_batch(batch_size * mesh.dp, seq_len, vocab,
+                                                             doc_mask))
                for _ in range(n)]
     with mem.measure(pipe or raw_model, optimizer.masters, optimizer):
         train_step(model, batches, autocast, mesh, optimizer, pipe)
     if mesh.pp > 1 and mesh.pp_rank == 0:  # the LM head and loss, the fewest in flight
-        subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)},
-                       check=True)
+        last = {**os.environ, 'RANK': str(mesh.world - 1)}
+        subprocess.run([sys.executable, *sys.argv], env=last, check=True)
 
 
 def catch_signals():
-    """SIGINT / SIGTERM: the loop finishes its step, saves and exits 0; a second signal interrupts at
-    once. Returns the list of the signals received."""
+    """SIGINT / SIGTERM: the loop finishes its step, saves and exits 0; a second signal interrupts
+    at once. Returns the list of the signals received."""
     received = []
 
     def handler(signum, frame):
@@ -502,28 +519,27 @@ def catch_signals():
 
 # -----------------------------------------------------------------------------
 def main():
-    """Setup, in the order it happens, then the loop: evaluate, lr, forward and backward, clip, step,
-    log (checkpoints at evals and at the end)."""
-    cfg = configure(globals())  # the config: a config file, then --key=value, over the defaults above
+    """Setup, in the order it happens, then the loop: evaluate (and checkpoint), set the lr,
+    forward and backward, clip, step, log."""
+    cfg = configure(globals())  # a config file, then --key=value, over the defaults above
     check_config(cfg)
     dev, ptdtype, autocast = device_and_dtype()
-    torch.manual_seed(seed)  # the same on every rank: every rank builds the same full model, then shards it
-    world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s, one=offload_states)
+    torch.manual_seed(seed)  # on every rank: each builds the same full model, then shards it
+    world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s,
+                                                        one=offload_states)
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
     with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
         model, ckpt = model_from_config(meta, cfg, world, dev, ptdtype)
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
-    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head, timeout_s=timeout_s,
-                              device_type=dev.type, pp=pp_size)
-    # the last check, and the first thing written: a run stopped by any check before leaves no out_dir
-    try:
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head,
+                              timeout_s=timeout_s, device_type=dev.type, pp=pp_size)
+    try:  # the last check, and the first thing written: a run stopped before leaves no out_dir
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         die(f"out_dir={out_dir!r}: cannot create it: {e.strerror}")
-    # the memory report, before anything is on the device: stops here if the run can't fit (80% rule)
-    # or offload's host memory can't hold it; auto_memory=True first sets the cheapest knobs that fit
+    # the memory report, before anything is on the device: stops a run that can't fit (80% rule)
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
     check_layout(model.config, world, dev, ptdtype)  # the knobs as auto_memory left them
     place_model(model, mesh, dev, ptdtype)
@@ -531,30 +547,30 @@ def main():
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, float('inf')
-    if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into this rank's pieces
+    if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into our pieces
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     raw_model = model
     if compile:
         model = torch.compile(model)
-    # pp: torch's pipeline schedule over this rank's stage
     pipe = (pipeline.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev)
-            if pp_size > 1 else None)
+            if pp_size > 1 else None)  # pp: torch's pipeline schedule over this rank's stage
     if dry_run:
         return dry_run_step(mem, model, raw_model, autocast, mesh, optimizer, pipe)
 
-    tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # the global batch
+    tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # global batch
     mfu_flops, hfu_flops = flops_per_token(model.config, seq_len)
     device_flops = peak_flops(dev, ptdtype, world)  # MFU is per device: against all of them
-    if rank == 0:  # (the layout: the memory report's title)
-        print(f"{num_params(model.config) / 1e6:.2f}M parameters (non-embedding), {tokens_per_iter:,} "
-              f"tokens per step, device {dev} {str(ptdtype).removeprefix('torch.')}")
+    if rank == 0:  # (the device, dtype and layout: in the memory report's title)
+        print(f"{num_params(model.config) / 1e6:.2f}M parameters (non-embedding), "
+              f"{tokens_per_iter:,} tokens per step")
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
-    log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # appended: never lose a row
-    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=None if rank == 0 else True)
+    log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # never truncated
+    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True,
+               disable=None if rank == 0 else True)
     t0, it0 = time.perf_counter(), iter_num  # tokens/s: the steps since it0, over the time since t0
-    peak_memory(dev, reset=True)
+    peak_memory(dev)  # (starts the peak the first row reports)
     while iter_num < max_iters and not stop:
         val_loss = None
         if iter_num % eval_interval == 0 or iter_num == max_iters - 1:
@@ -568,12 +584,13 @@ def main():
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        # every rank samples the same global batch: shard_batch keeps our dp rank's rows and our cp
-        # rank's tokens (one process: all of it)
-        batches = [parallel.shard_batch(mesh, *get_batch(meta, 'train', batch_size * mesh.dp, data_gen, dev))
+        # every rank samples the same global batch: shard_batch keeps our dp rank's rows and our
+        # cp rank's tokens (one process: all of it)
+        batches = [parallel.shard_batch(mesh, *get_batch(meta, 'train', batch_size * mesh.dp,
+                                                         data_gen, dev))
                    for _ in range(gradient_accumulation_steps)]
         sent = offload_policy.stats()['bytes_to_host']
-        with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step only
+        with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step
             loss = train_step(model, batches, autocast, mesh, optimizer, pipe)
         iter_num += 1
         bar.update(1)
@@ -582,18 +599,16 @@ def main():
         if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not stop:
             continue
         tokens_per_s = (iter_num - it0) * tokens_per_iter / (time.perf_counter() - t0)
+        # loss.item(): the step's only host sync; mfu None: no trusted peak
         row = {'iter': iter_num - 1, 'loss': loss.item(), 'lr': lr, 'tokens_per_s': tokens_per_s,
-               'mfu': device_flops and tokens_per_s * mfu_flops / device_flops,  # None: no trusted peak
+               'mfu': device_flops and tokens_per_s * mfu_flops / device_flops,
                'hfu': device_flops and tokens_per_s * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev),
                'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent}
         write_log(log, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, it0 = time.perf_counter(), iter_num
-        peak_memory(dev, reset=True)
-        if world > 1:
-            # ranks may see a signal in different steps: they agree on log steps only (a sync every
-            # step stalls the GPUs)
+        if world > 1:  # ranks may see a signal in different steps: they agree on log steps only
             stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item())
     bar.close()
     path = checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
@@ -608,7 +623,7 @@ def main():
 if __name__ == '__main__':
     try:
         main()
-    except checkpoint.Error as e:  # a crafted or damaged checkpoint, a full disk: the user's, so one line
+    except checkpoint.Error as e:  # a crafted or damaged checkpoint, a full disk: the user's
         die(e)
     except RuntimeError as e:  # what gloo raises; NCCL's DistBackendError is one too
         collective_failed(e, timeout_s)
