@@ -43,7 +43,8 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
         opt = train.make_optimizer(model, masters, 'cpu')
         autocast = torch.autocast('cpu', dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
         batches = [memory.fake_batch(B, S, cfg.vocab_size) for _ in range(gas)]
-        tr = memory.Tracker(model, masters, opt, [t for b in batches for t in b], device=torch.device('cpu'))
+        inputs = [t for b in batches for t in b if t is not None]  # (positions and docs: None)
+        tr = memory.Tracker(model, masters, opt, inputs, device=torch.device('cpu'))
         with tr:
             train.forward_backward(model, batches, autocast)
             torch.nn.utils.clip_grad_norm_(masters, 1.0)
@@ -112,7 +113,7 @@ GRID = [
 def test_estimate_matches_the_measured_peak(i):
     c, B, S, dtype, gas = GRID[i]
     tr = step(c, B, S, dtype, gas)
-    est = memory.estimate(c, B, S, dtype=dtype, device_type='cpu', grad_accum=gas)
+    est = memory.estimate(c, B, S, dtype=dtype, device_type='cpu', gradient_accumulation_steps=gas)
     total, states, work = errors(est, tr.breakdown())
     assert abs(total) < 0.10, f"total {100 * total:+.1f}% (estimate at {est.moment})"
     assert states < 0.05, f"a model state is off by {100 * states:.1f}% of the total"
@@ -163,7 +164,8 @@ def test_first_step_shows_the_steady_state():
               {'params': [p for p in a.parameters() if p.dim() < 2], 'weight_decay': 0.0}]
     oa = torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
     for _ in range(2):
-        x, y = memory.fake_batch(2, 64, c.vocab_size)
+        x, y, positions, docs = memory.fake_batch(2, 64, c.vocab_size)
+        assert positions is None and docs is None
         for model, opt in ((a, oa), (b, ob)):
             model(x, y)[1].backward()
             opt.step()
@@ -345,16 +347,16 @@ def test_planner_picks_the_cheapest_setting_that_fits():
     c = cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000)
     over = memory.overhead_bytes('cuda')
     # plenty of memory: change nothing
-    v, est, cost = memory.plan(c, 10 ** 6 * GiB, over, 1 << 40, 1, 4096, **SETUP)
-    assert memory.knobs(v, c) == {} and cost == 0
+    v, changed, est, cost = memory.plan(c, 10 ** 6 * GiB, over, 1 << 40, 1, 4096, **SETUP)
+    assert memory.knobs(v, c) == changed == {} and cost == 0
     # a budget chunking alone meets: no recompute (it costs FLOPs; chunking does not)
     chunked = replace(c, mlp_chunks=0, loss_chunks=0)
     need = memory.estimate(chunked, 1, 16384, **SETUP).total + over
-    v, est, cost = memory.plan(c, need / 0.8 * 1.01, over, 1 << 40, 1, 16384, **SETUP)
+    v, _, est, cost = memory.plan(c, need / 0.8 * 1.01, over, 1 << 40, 1, 16384, **SETUP)
     assert v.recompute == 'none' and memory.fits(est, need / 0.8 * 1.01, over)
     # tighter: it must recompute, and picks the cheaper mode that fits over 'full'
     budget = 40 * GiB
-    v, est, cost = memory.plan(c, budget, over, 1 << 40, 1, 32768, **SETUP)
+    v, _, est, cost = memory.plan(c, budget, over, 1 << 40, 1, 32768, **SETUP)
     assert memory.fits(est, budget, over) and cost > 0
     for w in memory.variants(c, 1, 32768, 1 << 40, {}):
         if memory.fits(memory.estimate(w, 1, 32768, **SETUP), budget, over):
@@ -548,29 +550,29 @@ BRANCHES = [
     (small(L=6, offload=1.0, recompute='full'), 2, 2048, dict(dtype='float32', device_type='cpu')),
     (small(L=6, offload=1.0, recompute='selective', mlp_chunks=0, loss_chunks=0), 1, 8192, dict()),
     (small(L=3, offload=1.0), 1, 4096, dict()),
-    (small(tie_embeddings=True, loss_chunks=2), 2, 512, dict(grad_accum=3)),
+    (small(tie_embeddings=True, loss_chunks=2), 2, 512, dict(gradient_accumulation_steps=3)),
     (small(), 1, 1024, dict(tp_size=2)),
-    (small(recompute='full', mlp_chunks=0, loss_chunks=0), 1, 1024, dict(tp_size=4, grad_accum=2)),
+    (small(recompute='full', mlp_chunks=0, loss_chunks=0), 1, 1024, dict(tp_size=4, gradient_accumulation_steps=2)),
     (small(), 1, 2048, dict(cp_size=2)),
     (small(K=8), 1, 2048, dict(cp_size=4, tp_size=2)),
     (small(), 1, 2048, dict(cp_size=2, cp_impl='ring')),
     (small(K=8, recompute='selective'), 1, 2048, dict(cp_size=2, cp_impl='ring', tp_size=2)),
-    (small(recompute='full'), 1, 1024, dict(pp=2, stage=0, grad_accum=4)),
-    (small(recompute='full'), 1, 1024, dict(pp=2, stage=1, grad_accum=4)),
-    (small(L=6), 1, 1024, dict(pp=3, stage=0, grad_accum=2)),
-    (small(L=6), 1, 1024, dict(pp=3, stage=1, grad_accum=6)),
-    (small(L=6), 1, 1024, dict(pp=3, stage=2, grad_accum=6)),
-    (small(L=6), 1, 1024, dict(pp=3, stage=0, grad_accum=4, schedule='gpipe')),
-    (small(L=6), 1, 1024, dict(pp=3, stage=1, grad_accum=4, schedule='gpipe')),
-    (small(L=6), 1, 1024, dict(pp=3, stage=2, grad_accum=4, schedule='gpipe')),
-    (small(L=6, tie_embeddings=True), 1, 1024, dict(pp=2, stage=1, grad_accum=2, tp_size=2)),
+    (small(recompute='full'), 1, 1024, dict(pp_size=2, pp_rank=0, gradient_accumulation_steps=4)),
+    (small(recompute='full'), 1, 1024, dict(pp_size=2, pp_rank=1, gradient_accumulation_steps=4)),
+    (small(L=6), 1, 1024, dict(pp_size=3, pp_rank=0, gradient_accumulation_steps=2)),
+    (small(L=6), 1, 1024, dict(pp_size=3, pp_rank=1, gradient_accumulation_steps=6)),
+    (small(L=6), 1, 1024, dict(pp_size=3, pp_rank=2, gradient_accumulation_steps=6)),
+    (small(L=6), 1, 1024, dict(pp_size=3, pp_rank=0, gradient_accumulation_steps=4, pp_schedule='gpipe')),
+    (small(L=6), 1, 1024, dict(pp_size=3, pp_rank=1, gradient_accumulation_steps=4, pp_schedule='gpipe')),
+    (small(L=6), 1, 1024, dict(pp_size=3, pp_rank=2, gradient_accumulation_steps=4, pp_schedule='gpipe')),
+    (small(L=6, tie_embeddings=True), 1, 1024, dict(pp_size=2, pp_rank=1, gradient_accumulation_steps=2, tp_size=2)),
     (small(), 2, 512, dict(dp=4, zero=2)),
     (small(), 2, 512, dict(dp=2, cp_size=2, zero=3)),
-    (small(recompute='full'), 2, 512, dict(dp=2, zero=3, grad_accum=2, pp=2, stage=1)),
-    (small(recompute='full', offload=1.0), 1, 4096, dict(dp=4, zero=3, states_on_host=True)),
-    (small(recompute='full'), 1, 4096, dict(cp_size=4, zero=3, states_on_host=True)),
-    (small(recompute='full', mlp_chunks=0, loss_chunks=0), 1, 4096, dict(in_backward=True)),
-    (small(V=32000), 1, 1024, dict(in_backward=True, dtype='float32')),
+    (small(recompute='full'), 2, 512, dict(dp=2, zero=3, gradient_accumulation_steps=2, pp_size=2, pp_rank=1)),
+    (small(recompute='full', offload=1.0), 1, 4096, dict(dp=4, zero=3, offload_states=True)),
+    (small(recompute='full'), 1, 4096, dict(cp_size=4, zero=3, offload_states=True)),
+    (small(recompute='full', mlp_chunks=0, loss_chunks=0), 1, 4096, dict(optimizer_in_backward=True)),
+    (small(V=32000), 1, 1024, dict(optimizer_in_backward=True, dtype='float32')),
     (small(), 2, 512, dict(doc_mask=True)),
     (small(), 2, 512, dict(doc_mask=True, cp_size=2, dtype='float32')),
 ]
@@ -594,7 +596,7 @@ PLAN_CASES = [(cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 80 * GiB, 1 << 40,
               (cfg(L=8, h=4096, H=32, K=8, I=14336, V=128256), 40 * GiB, 1 << 40, 1, 32768,
                dict(tp_size=2, cp_size=2)),
               (cfg(L=32, h=4096, H=32, K=8, I=14336, V=128256), 20 * GiB, 0, 1, 1 << 20,
-               dict(in_backward=True))]
+               dict(optimizer_in_backward=True))]
 
 # (config, WORLD_SIZE, the last stage's, train.py's settings over the config's) for what memory.Report
 # prints: the dry run's table and host memory line; auto_memory's choice; a real run stopped by the 80% rule
@@ -869,7 +871,10 @@ def test_the_estimate_stays_the_same_to_the_byte(capsys, tmp_path, monkeypatch):
     over = memory.overhead_bytes('cuda')
     for (c, budget, host, B, S, layout), want, want_sug in zip(PLAN_CASES, PLANS, SUGGESTIONS, strict=True):
         p = memory.plan(c, budget, over, host, B, S, **layout)
-        assert (p and (memory.knobs(p[0], c), int(round(p[1].total)), p[2])) == want, (budget, S, layout)
+        if p is not None:
+            assert p.changed == memory.knobs(p.config, c)
+            p = (p.changed, int(round(p.estimate.total)), p.cost)
+        assert p == want, (budget, S, layout)
         sug = memory.suggestions(c, budget, over, host, B, S, world=1, **layout)
         assert [(text, int(round(e.total)), x) for text, e, x in sug] == want_sug, (budget, S, layout)
     monkeypatch.setattr(memory, 'meminfo', lambda key: 1 << 40)
