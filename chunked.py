@@ -122,9 +122,9 @@ class _ChunkedMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.shape[0], n):
                 xc = x[s:s + n]
-                a = F.silu(torch.mm(xc, w1.t()), inplace=True)
-                a.mul_(torch.mm(xc, w3.t()))
-                torch.mm(a, w2.t(), out=y[s:s + n])
+                a = F.silu(torch.mm(xc, w1.t()), inplace=True)  # a := silu(x W1ᵀ)
+                a.mul_(torch.mm(xc, w3.t()))                    # a := silu(x W1ᵀ) · x W3ᵀ
+                torch.mm(a, w2.t(), out=y[s:s + n])             # y = a W2ᵀ
         return y
 
     @staticmethod
@@ -151,11 +151,13 @@ class _ChunkedMLP(torch.autograd.Function):
                 torch.mm(gyc, w2, out=b)  # b := dz, the gradient of that product
                 g.mul_(b)                 # g := d(x W1ᵀ) = dz · x W3ᵀ · silu'
                 b.mul_(a)                 # b := d(x W3ᵀ) = dz · silu(x W1ᵀ)
-                _acc_mm_(g1, g.t(), xc)
-                _acc_mm_(g3, b.t(), xc)
+                _acc_mm_(g1, g.t(), xc)   # dW1 += d(x W1ᵀ)ᵀ x
+                _acc_mm_(g3, b.t(), xc)   # dW3 += d(x W3ᵀ)ᵀ x
                 if dx is not None:
+                    # dx = d(x W1ᵀ) W1 + d(x W3ᵀ) W3
                     torch.mm(g, w1, out=dx[s:s + n]).addmm_(b, w3)
                 del a, b, g  # before the next chunk's buffers exist, not after
+        # (autograd casts the fp32 sums to the weights' dtype)
         return dx, g1, g3, g2, None
 
 

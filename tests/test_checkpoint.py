@@ -3,17 +3,20 @@
 saving run's, which checks the weights (first loss) and AdamW's masters and moments (second). The same
 layout reproduces them bit for bit. A directory without its commit marker is never loaded; a checkpoint
 crafted to run code (its metadata, its tensors' bytes, DCP's bytes entries) is refused, in one line under
-train.py and sample.py, and the code does not run.
+train.py and sample.py, and the code does not run. One process saves and loads without a word: no
+warning, no log record, nothing on stderr.
 
 Layouts run in spawned processes on gloo (CPU), one spawn of 2 ranks and one of 4; single-process
 saves and loads run in the test's own process."""
 import io
+import logging
 import os
 import pickle
 import shutil
 import socket
 import subprocess
 import sys
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -157,6 +160,24 @@ def test_an_uncommitted_checkpoint_is_never_loaded(tmp_path):
     assert checkpoint.meta(path)['iter_num'] == 2
     os.remove(os.path.join(path, 'COMMITTED'))
     assert checkpoint.latest(str(tmp_path)) is None
+
+
+def test_one_process_saves_and_loads_without_a_warning(tmp_path, capfd, caplog):
+    """On one process (train.py's default, sample.py, export) DCP warns on every save and load that
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a
+    single process" (and to load): nothing a user can act on, so nothing of it reaches the user."""
+    run = build(1, 1, 0, F32, seed=0)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG):
+        warnings.simplefilter('always')
+        checkpoint.save(str(tmp_path), run[0], run[2], run[3], iter_num=1)
+        path = checkpoint.latest(str(tmp_path))
+        checkpoint.load(path, run[0], run[2], run[3])
+        checkpoint.load_model(path)
+    assert [f'{w.category.__name__}: {w.message}' for w in caught] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    out, err = capfd.readouterr()
+    assert err == '' and out == ''
 
 
 class Evil:
