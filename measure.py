@@ -41,7 +41,7 @@ class Tracker(ExitStack):
         self.device, self.root, self.optimizer = device, model, optimizer
         self.mt = Anatomy() if anatomy or states_on_host else MemTracker()
         self.mods = ModTracker() if anatomy else None
-        self.inputs, self.params = list(inputs), list(model.parameters())
+        self.inputs, self.params = inputs, list(model.parameters())
         self.made, self.top, self.at_peak, self.moment = {}, -1, [], ''
         self.host_grads, self.before_step = 0, None
         # offload_states: FSDP2's rows, their gradients (the host's at the device's peak) and
@@ -51,10 +51,9 @@ class Tracker(ExitStack):
         # is before AdamW's step
         self.on_host, self.moments = [], []
         if states_on_host:
-            self.on_host = [p.to_local() for p in self.params]
+            self.on_host = [parallel.local(p) for p in self.params]
             for state in optimizer.state.values():
-                for v in state.values():
-                    self.moments.append(v.to_local() if hasattr(v, 'to_local') else v)
+                self.moments += [parallel.local(v) for v in state.values()]
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [parallel.local(p).untyped_storage() for p in self.params]
@@ -103,8 +102,8 @@ class Tracker(ExitStack):
         peak = total > self.top and self.before_step is None
         self.top = max(self.top, total)
         if peak and self.on_host:
-            grads = [p.grad.to_local() for p in self.params if p.grad is not None]
-            self.host_grads = sum(g.nbytes for g in grads)
+            self.host_grads = sum(p.grad.to_local().nbytes for p in self.params
+                                  if p.grad is not None)
         if self.mods is None:  # no anatomy
             return out
         where = max(self.mods.parents, key=lambda m: (m.count('.'), m))
@@ -133,8 +132,8 @@ class Tracker(ExitStack):
     def alive(self):
         """What the step made and still holds, but host memory (offload's buffers, even on a
         CPU)."""
-        with_grads = [p for p in self.params + self.masters if p.grad is not None]
-        grads = {id(p.grad.untyped_storage()) for p in with_grads}
+        grads = {id(p.grad.untyped_storage()) for p in self.params + self.masters
+                 if p.grad is not None}
         host = {id(b.untyped_storage()) for b in offload.host_buffers()}
         rows = []
         for k, (ref, info) in list(self.made.items()):

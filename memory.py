@@ -124,12 +124,12 @@ class Rank(NamedTuple):
     config: object
     b: int
     t: int
-    S: int        # one sequence's tokens on this rank
-    T: int        # a micro-batch's tokens on this rank (under sp: of all t ranks)
-    lo: int       # its pipeline stage's blocks: lo .. hi - 1 (parallel.py)
+    sequence: int  # S/c: one sequence's tokens on this rank
+    T: int         # a micro-batch's tokens on this rank (under sp: of all t ranks)
+    lo: int        # its pipeline stage's blocks: lo .. hi - 1 (parallel.py)
     hi: int
-    first: bool   # the first stage: it has the embedding
-    last: bool    # the last stage: the final norm, the LM head and the loss
+    first: bool    # the first stage: it has the embedding
+    last: bool     # the last stage: the final norm, the LM head and the loss
     F: int
     M: int
 
@@ -188,17 +188,19 @@ class Kept(NamedTuple):
 def kept_per_token(r, batch_size, cp_size):
     """k and R of a block, and of one that offload.py sends to host: offload.py's counts, then
     the layout's."""
-    c, t, S = r.config, r.t, r.S
+    c, t, sequence = r.config, r.t, r.sequence
     dtype = torch.bfloat16 if r.b == 2 else torch.float32
     # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm
     # outputs
     gathered_in = 2 * r.b * c.n_embd * (1 - 1 / t)
-    everything = offload.kept_bytes(replace(c, recompute='none'), 1, S, dtype) / S / t
+    # all a block saves: what recompute='none' keeps
+    everything = offload.kept_bytes(replace(c, recompute='none'), 1, sequence, dtype) / sequence / t
     everything += gathered_in
-    kept = offload.kept_bytes(c, 1, S, dtype) / S / t
+    kept = offload.kept_bytes(c, 1, sequence, dtype) / sequence / t
     if c.recompute == 'none':
         kept += gathered_in
-    host, device = offload.block_bytes(c, batch_size, S // t, dtype, cp_size)
+    # offload.py's tokens: this rank's sequence shard
+    host, device = offload.block_bytes(c, batch_size, sequence // t, dtype, cp_size)
     device /= r.T
     sent = len(offload.offloaded_blocks(c))
     if not sent:
@@ -230,7 +232,7 @@ def block_backward(r, rebuilt, back=0):
     h, I = c.n_embd, c.intermediate_size
     u = b * h / t
     gathered = b * h if t > 1 else 0  # under sp a column-parallel matmul's incoming gradient: whole
-    mlp_chunks = chunked.mlp_chunks(c, r.S)
+    mlp_chunks = chunked.mlp_chunks(c, r.sequence)
     mlp_kept = 0
     if mlp_chunks > 1:
         at_mlp = (2 * u + 2 * gathered) * T + 3 * b * I / t * math.ceil(T / mlp_chunks)
@@ -249,30 +251,32 @@ def moments(r, states, kept, activations, workspace):
     attention's backward; gradients at a forward only once a backward ran before it. Under pp
     F - 1 micro-batches are held, each keeping its activations and the stage's output (sent on,
     kept for its backward) or its loss's."""
-    b, t, T, lo, hi = r.b, r.t, r.T, r.lo, r.hi
+    b, t, T = r.b, r.t, r.T
     h, V = r.config.n_embd, r.config.vocab_size
     head_kept, head_transient = lm_head(r)
     output = b * h / t * T * (not r.last)
     one = activations + output + head_kept * r.last
     held = (r.F - 1) * one
-    made = states.grads if r.M > r.F else 0
+    # gradients at a forward: only once an earlier micro-batch's backward made them
+    accumulated = states.grads if r.M > r.F else 0
     at_block = block_backward(r, kept.rebuilt)
     out = {}
     if r.last:
         out['forward and backward: LM head and loss'] = (
-            made, held + activations + head_kept, head_transient, 0)
-    out[f'backward: block {hi - 1}'] = (
-        max(states.at_last_block, made), held + activations + output, at_block, workspace)
-    out[f'backward: block {lo}'] = (max(states.at_first_block, made),
-                                    held + kept.device * T + output,
-                                    block_backward(r, kept.fetched), workspace)
+            accumulated, held + activations + head_kept, head_transient, 0)
+    out[f'backward: block {r.hi - 1}'] = (
+        max(states.at_last_block, accumulated), held + activations + output, at_block, workspace)
+    out[f'backward: block {r.lo}'] = (max(states.at_first_block, accumulated),
+                                      held + kept.device * T + output,
+                                      block_backward(r, kept.fetched), workspace)
     out['optimizer step'] = (states.grads, 0, 2 * V * h / t * r.first if b == 2 else 0, 0)
     if 1 < r.F == r.M:  # no forward after the first backward: the second has every gradient
-        out[f'backward: block {hi - 1}, the second micro-batch'] = (
+        out[f'backward: block {r.hi - 1}, the second micro-batch'] = (
             states.grads, held - one + activations + output, at_block, workspace)
     if kept.sent > 1:
         # block 1's backward: its own tensors back, block 0's host part prefetched
-        out['backward: block 1'] = (max(states.at_block_1, made), 2 * kept.device * T,
+        out['backward: block 1'] = (max(states.at_block_1, accumulated),
+                                    2 * kept.device * T,
                                     block_backward(r, kept.fetched, kept.host), workspace)
     return out
 
@@ -303,17 +307,19 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
     c, M = config, gradient_accumulation_steps
     b = 2 if dtype in ('bfloat16', torch.bfloat16) else 4
-    S = seq_len // cp_size
+    sequence = seq_len // cp_size
     F = 1
     if pp_size > 1:  # in flight: 1F1B fills the stages from this one on; GPipe runs every forward
         F = min(M, pp_size - pp_rank) if pp_schedule == '1f1b' else M
     lo, hi = pp_rank * c.n_layer // pp_size, (pp_rank + 1) * c.n_layer // pp_size
-    r = Rank(c, b, tp_size, S, batch_size * S, lo, hi, pp_rank == 0, pp_rank == pp_size - 1, F, M)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi, first, last, F, M)
     d = dp * cp_size if zero else 1
     states = model_states(r, d, zero, optimizer_in_backward, offload_states)
     kept = kept_per_token(r, batch_size, cp_size)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
-    activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else S)  # RoPE's cos and sin
+    # RoPE's fp32 cos and sin, per position (of every token, with doc_mask or pp)
+    activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else sequence)
     W = 0
     if device_type == 'cuda' and b == 2:
         W = workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
@@ -322,6 +328,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     grads, activations, transient, W = step[peak]
     host = kept.sent * kept.host + states.host
     return Estimate(states.params, grads, states.optimizer, activations, transient, W, peak, host)
+
 
 # ----------------------------------------------------------------------- budget, verdict and table
 def device_bytes(device, budget_gb=0.0, dry_run=False):
@@ -431,14 +438,14 @@ def variants(c, batch_size, seq_len, host, layout):
     """Every recompute mode; chunks as configured, automatic or 4x that; offload at Memo's α
     and at 1."""
     tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
-    # offload.py's tokens: this rank's sequence shard
-    S, tokens = seq_len // cp, seq_len // cp // tp
-    auto_mlp = chunked.mlp_chunks(replace(c, mlp_chunks=0), S)
-    auto_loss = chunked.loss_chunks(replace(c, loss_chunks=0), batch_size * S)
-    mlps = {c.mlp_chunks, 0, max(1, min(S, 4 * auto_mlp))}
+    # one sequence's tokens on this rank; offload.py's: this rank's sequence shard
+    sequence, tokens = seq_len // cp, seq_len // cp // tp
+    auto_mlp = chunked.mlp_chunks(replace(c, mlp_chunks=0), sequence)
+    auto_loss = chunked.loss_chunks(replace(c, loss_chunks=0), batch_size * sequence)
+    mlps = {c.mlp_chunks, 0, max(1, min(sequence, 4 * auto_mlp))}
     if auto_mlp == 1:  # automatic would be 1 again
         mlps.discard(0)
-    losses = {c.loss_chunks, 0, max(1, min(batch_size * S, 4 * auto_loss))}
+    losses = {c.loss_chunks, 0, max(1, min(batch_size * sequence, 4 * auto_loss))}
     # offload needs host memory and a block to send (KEEP_LAST stay), and no pp (it refuses offload)
     may_offload = host and c.n_layer > offload.KEEP_LAST and layout.get('pp_size', 1) == 1
     for rc, m, lc in itertools.product(('none', 'selective', 'full'), sorted(mlps), sorted(losses)):
