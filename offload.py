@@ -2,14 +2,14 @@
 Keep, recompute or offload: what each transformer block saves for its backward, and where it waits.
 
 Once chunked.py has removed the S×V and S×I peaks, what grows with S is what every block keeps for
-backward. Per token and block, recompute='none' keeps (`saved_per_token` lists each tensor):
+backward. Per token and block, recompute='none' keeps (`saved_per_token`, tensor by tensor):
 
     qkv        q, k, v as attention gets them                 b·(h + 2kv)
     attention  its output and logsumexp (fp32)                b·h + 4·H
     other      2 RMSNorms (input, output; no fp32 copy)       4·b·h     (+ 4·b·I unchunked MLP)
 
-`recompute` says what stays on the device; `offload` = α (Memo's) what goes to host memory while the
-next blocks compute, with n = floor(α·S) host tokens:
+`recompute` says what stays on the device; `offload` = α (Memo's) what goes to host memory while
+the next blocks compute, with n = floor(α·S) host tokens:
 
     recompute  kept, α = 0        sent to host, α > 0                    recomputed in backward
     none       everything         qkv + attention whole; the last n      the first S - n tokens'
@@ -22,15 +22,16 @@ next blocks compute, with n = floor(α·S) host tokens:
                                (none; selective: n = 0)
                            B·S·b·h  (full)
 
-plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves). The
-last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
+plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves).
+The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
-The cut (`_Split`): all but the attention core works on each token alone, so the block runs on
-tokens [0, S-n) under torch's checkpoint and on [S-n, S) with its saved tensors sent to host; the
-attention core runs once, on both ranges' q, k, v. The numbered events above `_Split` say how.
-Ring attention merges its kernels in its own Function: 'full' or α = 1 only
-(parallel.check_layout). A weight's gradient is then the sum of the two ranges' parts: in bf16
-rounded twice, within bf16's 2^-8 of the plain path's.
+The cut (`_Split`, its events numbered above it): all but the attention core works on each token
+alone, so the block runs on tokens [0, S-n) under torch's checkpoint and on [S-n, S) with its saved
+tensors sent to host, while the attention core runs once, on both ranges' q, k, v; in backward the
+first range's recompute takes its tokens of attention's output back from host instead of attending
+again. Ring attention merges its kernels in its own Function, whose output can't be taken back so:
+'full' or α = 1 only (parallel.check_layout). A weight's gradient is the sum of the two ranges'
+parts: in bf16 rounded twice, within bf16's 2^-8 of the plain path's.
 
 A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
 blocks' copies in flight) and come back on another once the next block's MLP backward is done (so
@@ -38,6 +39,9 @@ they don't add to its peak; on a CPU streams are no-ops), into host buffers reus
 forward never backpropagated keeps its buffer until `reset()`). From: Memo (Zhao et al. 2024,
 arXiv 2407.12117), torch's `save_on_cpu`, recomputation (Chen et al. 2016), selective recomputation
 (Korthikanti et al. 2022).
+
+With every knob off (recompute='none', offload=0) `apply` wraps no block: the model runs as model.py
+writes it, and nothing here runs.
 """
 import math
 import weakref
@@ -48,7 +52,8 @@ from types import SimpleNamespace
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
+from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts,
+                                    CheckpointPolicy)
 
 import chunked
 
@@ -93,9 +98,7 @@ def kept_bytes(config, batch, seq_len, dtype=torch.float32):
 
 def offloaded_blocks(config):
     """The blocks that send their tensors to host: all but the last KEEP_LAST (none with α = 0)."""
-    if config.offload == 0:
-        return range(0)
-    return range(config.n_layer - KEEP_LAST)
+    return range(config.n_layer - KEEP_LAST if config.offload > 0 else 0)
 
 
 def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
@@ -137,9 +140,9 @@ def block_forward_seconds(config, batch, seq_len, flops_per_s):
 
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):
-    """Memo's rule: the largest α whose b·h + qkv + attention + α·other bytes per token cross in a
-    block's forward at bandwidth (bytes/s) and fit host_bytes_free; 0.0 if α = 0 doesn't; 0 or 1
-    unless 'none'."""
+    """Memo's rule: the largest α whose b·h + qkv + attention + α·other bytes per token cross
+    in a block's forward at bandwidth (bytes/s) and fit host_bytes_free; 0.0 if α = 0 doesn't;
+    0 or 1 unless 'none'."""
     blocks = config.n_layer - KEEP_LAST
     whole = dtype.itemsize * config.n_embd
     if config.recompute != 'full':
@@ -164,7 +167,7 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
     return blocks * max(0.0, sent - t_fwd) / (3 * config.n_layer * t_fwd) + redo
 
 
-# ----------------------------------------------------------------------------- the policy, per block
+# ------------------------------------------------------------------------ the policy, per block
 def apply(model):
     """Wrap each block's forward (as torchtitan applies checkpointing) for model.config's knobs,
     read at every call: apply once they are final (train.py: after auto_memory)."""
@@ -176,15 +179,14 @@ def apply(model):
     for i, block in model.layers.items():
         if 'forward' in vars(block):
             continue  # wrapped already
-        block.forward = partial(_block_forward, model, int(i), block, block.forward)
+        block.forward = partial(_block_forward, c, int(i), block, block.forward)
         if c.offload > 0:
             block.attention.register_forward_hook(partial(_prefetch, int(i)))
     return model
 
 
-def _block_forward(model, i, block, inner, x, cos, sin, docs=None, kv_cache=None):
-    """Block i's forward (`inner`) under model.config's recompute and offload."""
-    c = model.config
+def _block_forward(c, i, block, inner, x, cos, sin, docs=None, kv_cache=None):
+    """Block i's forward (`inner`) under the model's config `c`: its recompute and offload."""
     if kv_cache is not None or not torch.is_grad_enabled():
         # sampling or evaluation: nothing is kept for a backward
         return inner(x, cos, sin, docs, kv_cache)
@@ -249,9 +251,10 @@ def _tokens(t, S, lo, hi):
     return t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
 
 
-def _join(first, second, runs):
-    """The inverse of _tokens: each run's tokens of `first`, then its tokens of `second`."""
-    both = [first.unflatten(-2, (runs, -1)), second.unflatten(-2, (runs, -1))]
+def _join(first, second, s0, S):
+    """The inverse of _tokens: in each run of S tokens along dim -2, `first`'s s0 tokens then
+    `second`'s S - s0."""
+    both = [first.unflatten(-2, (-1, s0)), second.unflatten(-2, (-1, S - s0))]
     return torch.cat(both, -2).flatten(-3, -2)
 
 
@@ -265,15 +268,17 @@ def _join(first, second, runs):
 #   2. There, with our hooks back on (else checkpoint would drop these too), the second range,
 #      tokens [s0, S), runs; its attention calls attend_all with its q, k, v.
 #   3. attend_all joins both ranges' q, k, v and runs attention once, on every token. What
-#      attention saves goes to host whole; its output `a` is packed once more, as `replay`.
+#      attention saves goes to host whole; its output `a` is packed once more, as `replay` (the
+#      tensor attention saved: no second copy, but under Ulysses, whose `a` is another tensor).
 #   4. The second range takes its tokens of `a` and finishes the block: what it saves goes to host.
 #      Its output waits in second_y.
 #   5. Back in attend_first: the first range takes its tokens of `a` and finishes the block. The
 #      block's output is the first range's joined with second_y.
 # backward (autograd, once the next block's backward has fetched this block's tensors back)
-#   6. The first range's MLP and wo need what they saved: checkpoint runs the first range again.
-#      Its attention calls attend_first, which returns its tokens of `replay`, detached, instead
-#      of attending again (the gradient flows through the forward's graph). Their backward runs.
+#   6. The first range's MLP and wo need what they saved: checkpoint runs the first range again,
+#      from its input (back from host). Its attention calls attend_first, which returns its tokens
+#      of `replay`, detached, instead of attending again (the gradient flows through the
+#      forward's graph). Their backward runs.
 #   7. The second range's MLP and wo run backward on what they saved, from host.
 #   8. Attention's backward gets its output's gradient from both ranges, and gives every token's
 #      q, k, v theirs: the first range's projections and norm run backward on what step 6
@@ -296,7 +301,7 @@ class _Split:
     first_qkv: tuple = None         # 1 -> 3
     a: torch.Tensor = None          # 3 -> 5
     second_y: torch.Tensor = None   # 4 -> 5
-    replay: tuple = None            # 3 -> 6
+    replay: object = None           # 3 -> 6: `a`, packed (an index into `saved`)
     requires_grad: bool = False     # 3 -> 6: whether `a` did
 
     def forward(self, x):
@@ -339,8 +344,8 @@ class _Split:
         if self.first_qkv is not None:
             # in each run of S tokens (one per tp rank under sequence parallelism): the first
             # range's tokens, then the second's
-            runs = q.shape[-2] // (self.S - self.s0)
-            q, k, v = (_join(first, second, runs) for first, second in zip(self.first_qkv, (q, k, v)))
+            pairs = zip(self.first_qkv, (q, k, v))
+            q, k, v = (_join(first, second, self.s0, self.S) for first, second in pairs)
             self.first_qkv = None
         a = self.attend(q, k, v, docs)
         self.replay = self.saved.pack(a)
@@ -349,7 +354,7 @@ class _Split:
         return _tokens(a, self.S, self.s0, self.S)
 
 
-# ----------------------------------------------------------------------------- one block's tensors, to host and back
+# ------------------------------------------------------------ one block's tensors, to host and back
 class Offloaded:
     """One block's saved tensors: pack (its forward), send (the forward's end), fetch (block i+1's
     backward), wait and unpack (its own backward)."""
@@ -366,7 +371,8 @@ class Offloaded:
         # a tensor saved twice (by a norm, by a view) goes once
         layout = (t.dtype, t.shape, t.stride(), t.storage_offset())
         for k, u in enumerate(self.tensors):
-            if u.untyped_storage() is storage and (u.dtype, u.shape, u.stride(), u.storage_offset()) == layout:
+            same = (u.dtype, u.shape, u.stride(), u.storage_offset()) == layout
+            if same and u.untyped_storage() is storage:
                 self.uses[k] += 1
                 return k
         self.tensors.append(t)
@@ -429,19 +435,22 @@ class Offloaded:
             self.wait()
         t = self.tensors[k]
         if t is None:
-            raise RuntimeError("offload: a saved tensor was unpacked twice (retain_graph is not supported)")
+            raise RuntimeError("offload: a saved tensor was unpacked twice "
+                               "(retain_graph is not supported)")
         self.uses[k] -= 1
         if self.uses[k] == 0:
             self.tensors[k] = None  # autograd holds what it took; we let go
         return t
 
 
-# ----------------------------------------------------------------------------- host pool, streams, events
+# ---------------------------------------------------------------------- host pool, streams, events
 def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype and for DMA
     return -(-nbytes // to) * to
 
 
-class _Buffer:  # one allocation of the pool; `ready`: the last host->device copy out of it has passed
+class _Buffer:
+    """One allocation of the pool; `ready`: the last host->device copy out of it has passed."""
+
     def __init__(self, data):
         self.data, self.nbytes, self.ready = data, data.numel(), None
 
@@ -489,7 +498,8 @@ class HostPool:
 
     def release(self, buf):
         if self.pin:
-            torch.cuda.synchronize()  # no copy may still be reading these pages (rare: growth, reset)
+            # no copy may still be reading these pages (a rare wait: a longer sequence, reset())
+            torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(buf.data.data_ptr())
         self.buffers.remove(buf)
         self.reserved -= buf.nbytes
@@ -510,7 +520,8 @@ def _device(x):
         if cuda:
             d2h, h2d = torch.cuda.Stream(x.device), torch.cuda.Stream(x.device)
         _devices[key] = SimpleNamespace(device=x.device, fake=fake, cuda=cuda, d2h=d2h, h2d=h2d,
-                                        pool=HostPool(pin=cuda), in_flight=[], offloaded=weakref.WeakValueDictionary())
+                                        pool=HostPool(pin=cuda), in_flight=[],
+                                        offloaded=weakref.WeakValueDictionary())
     return _devices[key]
 
 
