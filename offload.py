@@ -366,13 +366,13 @@ class Offloaded:
 
     def pack(self, t):
         storage = t.untyped_storage()
-        if t.nbytes < MIN_BYTES or any(storage is s for s in self.keep):
+        if t.nbytes < MIN_BYTES or storage in self.keep:  # (storages compare by identity)
             return t  # stays where it is
-        # a tensor saved twice (by a norm, by a view) goes once
-        layout = (t.dtype, t.shape, t.stride(), t.storage_offset())
+        # a tensor saved twice (by a norm, by a view) goes once: the same memory (storages compare
+        # by identity), dtype, shape and strides
+        where = (storage, t.dtype, t.shape, t.stride(), t.storage_offset())
         for k, u in enumerate(self.tensors):
-            same = (u.dtype, u.shape, u.stride(), u.storage_offset()) == layout
-            if same and u.untyped_storage() is storage:
+            if (u.untyped_storage(), u.dtype, u.shape, u.stride(), u.storage_offset()) == where:
                 self.uses[k] += 1
                 return k
         self.tensors.append(t)

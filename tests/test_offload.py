@@ -1,5 +1,6 @@
-"""offload.py: keep / recompute / offload gives the plain path's loss and gradients, moves the bytes its
-formula says, keeps on the device what its formula says, and leaves nothing behind on the host."""
+"""offload.py: keep / recompute / offload gives the plain path's loss and gradients, moves the bytes
+its formula says, keeps on the device what its formula says, and leaves nothing behind on the
+host."""
 import dataclasses
 import gc
 import weakref
@@ -44,7 +45,8 @@ def batch(seed=1, batch_size=B, seq_len=S):
 
 
 def step(model, idx, targets):
-    """Loss and every parameter's gradient of one forward + backward (bf16 models under autocast)."""
+    """Loss and every parameter's gradient of one forward + backward (bf16 models under
+    autocast)."""
     model.zero_grad(set_to_none=True)
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
@@ -73,7 +75,7 @@ def reference(chunks, dtype=torch.float32):
     return _reference[chunks, dtype]
 
 
-# ----------------------------------------------------------------------------- same numbers, formula's bytes
+# ----------------------------------------------------------------- same numbers, formula's bytes
 
 @pytest.mark.parametrize('chunks', [(1, 1), (3, 4)], ids=['plain', 'chunked'])
 @pytest.mark.parametrize('alpha', [0.0, 0.5, 1.0])
@@ -94,16 +96,19 @@ def test_loss_and_gradients_identical_and_bytes_match_formula(mode, alpha, chunk
     assert stats['host_in_use'] == 0  # and nothing is left on the host
 
 
-@pytest.mark.parametrize('mode,alpha', [('none', 0.3), ('none', 1.0), ('selective', 0.5), ('full', 0.5)])
+@pytest.mark.parametrize('mode,alpha',
+                         [('none', 0.3), ('none', 1.0), ('selective', 0.5), ('full', 0.5)])
 def test_bf16_same_gradients_and_bytes(mode, alpha):
-    """train.py's bf16: weights and activations bf16 under autocast (RMSNorm's fp32 math in its own Function)."""
+    """train.py's bf16: weights and activations bf16 under autocast (RMSNorm's fp32 math in its own
+    Function)."""
     ref_loss, ref_grads = reference((3, 4), torch.bfloat16)
     cfg = config(recompute=mode, offload=alpha, mlp_chunks=3, loss_chunks=4)
     sent = offload.stats()['bytes_to_host']
     loss, grads = step(same_model(cfg, torch.bfloat16), *batch())
     assert rel(loss, ref_loss) <= 1e-6
-    # 'none' with 0 < α < 1 runs the block on two token ranges: a weight's gradient is the sum of two
-    # bf16 parts instead of one bf16 matmul over every token, equal within bf16's rounding (2^-8)
+    # 'none' with 0 < α < 1 runs the block on two token ranges: a weight's gradient is the sum of
+    # two bf16 parts instead of one bf16 matmul over every token, equal within bf16's rounding
+    # (2^-8)
     tol = 1e-2 if mode == 'none' and 0 < alpha < 1 else 1e-6
     for name, g in grads.items():
         assert rel(g, ref_grads[name]) <= tol, name
@@ -111,7 +116,8 @@ def test_bf16_same_gradients_and_bytes(mode, alpha):
 
 
 def test_formula_by_hand():
-    """The header's per-token table for one case, written out: fp32, chunked MLP, h 32, kv 16, H 4."""
+    """The header's per-token table for one case, written out: fp32, chunked MLP, h 32, kv 16,
+    H 4."""
     cfg = config(mlp_chunks=3, offload=0.5)
     h, kv, H, b = 32, 16, 4, 4
     saved = offload.saved_per_token(cfg, torch.float32, S)
@@ -119,17 +125,30 @@ def test_formula_by_hand():
     assert sum(saved['attention']) == b * h + 4 * H
     assert sum(saved['other']) == 4 * b * h
     n = 18  # floor(0.5 · 37): the last 18 tokens to host, the first 19 recomputed from their input
-    assert offload.block_bytes(cfg, B, S)[0] == (B * (S - n) * b * h + B * S * (b * (2 * h + 2 * kv) + 4 * H)
+    qkv_and_attention = b * (2 * h + 2 * kv) + 4 * H
+    assert offload.block_bytes(cfg, B, S)[0] == (B * (S - n) * b * h + B * S * qkv_and_attention
                                                    + B * n * (4 * b * h + b * h))
-    assert offload.block_bytes(config(mlp_chunks=3, offload=0.5, recompute='selective'), B, S)[0] == \
-        B * S * (b * h + b * (2 * h + 2 * kv) + 4 * H)
+    selective = config(mlp_chunks=3, offload=0.5, recompute='selective')
+    assert offload.block_bytes(selective, B, S)[0] == B * S * (b * h + qkv_and_attention)
     bf16 = offload.saved_per_token(cfg, torch.bfloat16, S)['other']
-    assert sum(bf16) == 4 * 2 * h  # each norm's input and output in bf16: no fp32 copy (model.py's RMSNorm)
+    # each norm's input and output in bf16: no fp32 copy (model.py's RMSNorm)
+    assert sum(bf16) == 4 * 2 * h
     unchunked = offload.saved_per_token(config(mlp_chunks=1), torch.float32, S)
-    assert sum(map(sum, unchunked.values())) - sum(map(sum, saved.values())) == 4 * b * 80  # 4·b·I
+    # 4·b·I
+    assert sum(map(sum, unchunked.values())) - sum(map(sum, saved.values())) == 4 * b * 80
 
 
-# ----------------------------------------------------------------------------- what stays on the device
+def test_every_knob_off_wraps_no_block():
+    """The default path is model.py's: with nothing to keep, recompute or offload, apply wraps no
+    block; any knob on wraps every block."""
+    plain = offload.apply(Llama(config()))
+    assert not any('forward' in vars(block) for block in plain.layers.values())
+    for knobs in (dict(recompute='full'), dict(recompute='selective'), dict(offload=0.5)):
+        wrapped = offload.apply(Llama(config(**knobs)))
+        assert all('forward' in vars(block) for block in wrapped.layers.values()), knobs
+
+
+# ------------------------------------------------------------------------ what stays on the device
 
 class _Created(TorchDispatchMode):
     """Weak references to every tensor the ops inside create."""
@@ -147,10 +166,11 @@ class _Created(TorchDispatchMode):
 
 
 def kept_after_forward(cfg, dtype, mlp_chunks):
-    """Bytes of the tensors one block's forward created (its input included) that are still alive when
-    it has returned, but its output: what the block keeps for backward, measured."""
+    """Bytes of the tensors one block's forward created (its input included) that are still alive
+    when it has returned, but its output: what the block keeps for backward, measured."""
     torch.manual_seed(0)
-    block = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype)).layers['0']  # wrapped
+    model = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype))
+    block = model.layers['0']  # wrapped, unless every knob is off
     cos, sin = rope_tables(rope_frequencies(cfg)[0], torch.arange(S))
     x0 = torch.randn(B, S, cfg.n_embd, dtype=dtype, requires_grad=True)
     created = _Created()
@@ -159,7 +179,8 @@ def kept_after_forward(cfg, dtype, mlp_chunks):
         y = block(x, cos, sin)
     del x
     gc.collect()
-    skip = [t.untyped_storage() for t in [y, cos, sin, *block.parameters(), *offload.host_buffers()]]
+    not_kept = [y, cos, sin, *block.parameters(), *offload.host_buffers()]
+    skip = [t.untyped_storage() for t in not_kept]
     alive = []  # storages, once each
     for ref in created.refs:
         t = ref()
@@ -188,7 +209,8 @@ def test_kept_bytes_formula_matches_measurement(mode, mlp_chunks, dtype):
 def backward_peak(cfg, seq_len=256):
     """memory.Tracker over one forward + backward: the peak, and its activations + working set (the
     peak but parameters and gradients, which grow with depth whatever offload does)."""
-    offload.reset()  # a fresh host pool: the tracker tells host buffers from device memory as they are made
+    # a fresh host pool: the tracker tells host buffers from device memory as they are made
+    offload.reset()
     model = same_model(cfg)
     idx, targets = batch(seq_len=seq_len)
     tracker = memory.Tracker(model, inputs=[idx, targets])
@@ -202,15 +224,18 @@ def backward_peak(cfg, seq_len=256):
 def test_a_recomputed_block_is_freed_when_its_backward_is_done(mode, alpha):
     """One block's recomputed tensors at a time: with offload the peak's activations and working set
     don't grow with depth (a recompute's graph holding its own tensors would keep every block's
-    recomputed copy to the end of backward), and the peak is no higher than offload off's, which keeps
-    every block's input and attention ('selective') or everything. (With 'selective' q, k and v come
-    back with attention's output, but only once the MLP's backward is done: below offload off's peak.)"""
-    knobs = dict(recompute=mode, mlp_chunks=1, loss_chunks=4)  # the plain MLP: a recomputed block is large
+    recomputed copy to the end of backward), and the peak is no higher than offload off's, which
+    keeps every block's input and attention ('selective') or everything. (With 'selective' q, k and
+    v come back with attention's output, but only once the MLP's backward is done: below offload
+    off's peak.)"""
+    # the plain MLP: a recomputed block is large
+    knobs = dict(recompute=mode, mlp_chunks=1, loss_chunks=4)
     two, six = (backward_peak(config(n_layer=n, offload=alpha, **knobs)) for n in (2, 6))
     assert six[1] == two[1]
     assert six[0] <= backward_peak(config(n_layer=6, **knobs))[0]
-    if mode == 'selective':  # two blocks: in block 1's backward offload off keeps block 0's input and
-        # attention all along; offload brings them (and q, k, v) back after block 1's MLP backward, its peak
+    if mode == 'selective':
+        # two blocks: in block 1's backward offload off keeps block 0's input and attention all
+        # along; offload brings them (and q, k, v) back after block 1's MLP backward, its peak
         assert two[0] < backward_peak(config(n_layer=2, **knobs))[0]
 
 
@@ -222,18 +247,20 @@ def test_tiny_tensors_and_last_blocks_stay(monkeypatch):
         monkeypatch.setattr(offload, 'MIN_BYTES', min_bytes)
         sent = offload.stats()['bytes_to_host']
         loss, grads = step(same_model(cfg), *batch())
-        assert rel(loss, ref_loss) <= 1e-6 and all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
+        assert rel(loss, ref_loss) <= 1e-6
+        assert all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
         assert offload.stats()['bytes_to_host'] - sent == offload.host_bytes(cfg, B, S)
     assert offload.host_bytes(cfg, B, S) == 0  # 1 MiB: every tensor of this model is tiny
     monkeypatch.setattr(offload, 'MIN_BYTES', 0)
     everything = offload.block_bytes(cfg, B, S)[0]
     assert offload.host_bytes(cfg, B, S) == everything  # block 0 of 3 only
     monkeypatch.setattr(offload, 'KEEP_LAST', 0)
-    monkeypatch.setattr(offload, 'MIN_BYTES', 2000)  # attention's logsumexp, B·S·H·4 = 1184 bytes, stays
+    # attention's logsumexp, B·S·H·4 = 1184 bytes, stays
+    monkeypatch.setattr(offload, 'MIN_BYTES', 2000)
     assert offload.block_bytes(cfg, B, S)[0] == everything - B * S * 4 * 4
 
 
-# ----------------------------------------------------------------------------- host memory over steps
+# ------------------------------------------------------------------------- host memory over steps
 
 def test_no_leak_and_flat_host_memory_over_30_steps():
     cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
@@ -290,7 +317,8 @@ def test_host_pool_reuses_grows_and_doubles_up():
     pool.give(a, None)
     pool.give(c, None)
     d = pool.take(2000)  # longer sequences: a bigger buffer replaces a small one
-    assert d.nbytes == 2000 and pool.allocations == 3 and pool.reserved == 1000 + 2000  # c (500) went
+    # c (500) went
+    assert d.nbytes == 2000 and pool.allocations == 3 and pool.reserved == 1000 + 2000
     pool.give(d, None)
     assert pool.in_use == 0
 
@@ -298,8 +326,9 @@ def test_host_pool_reuses_grows_and_doubles_up():
 # ----------------------------------------------------------------------------- order of the copies
 
 def test_backward_prefetches_the_previous_block(monkeypatch):
-    """Block i-1 starts coming back during block i's backward, once its attention output has its gradient (its
-    MLP's backward done), before block i-1's backward needs it: two blocks' tensors on the device at most."""
+    """Block i-1 starts coming back during block i's backward, once its attention output has its
+    gradient (its MLP's backward done), before block i-1's backward needs it: two blocks' tensors on
+    the device at most."""
     events = []
     fetch, wait = offload.Offloaded.fetch, offload.Offloaded.wait
 
@@ -315,12 +344,13 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
     monkeypatch.setattr(offload.Offloaded, 'wait', logged_wait)
     cfg = config(n_layer=4, recompute='none', offload=0.5, mlp_chunks=3)
     step(same_model(cfg), *batch())
-    assert sorted(events) == sorted([('fetch', i) for i in range(4)] + [('use', i) for i in range(4)])
+    expected = [('fetch', i) for i in range(4)] + [('use', i) for i in range(4)]
+    assert sorted(events) == sorted(expected)
     at = events.index
     for j in range(3):  # block j comes back while block j+1's backward runs, not earlier
         assert at(('use', j + 1)) < at(('fetch', j)) < at(('use', j))
-    # with the last blocks kept, the last offloaded one is prefetched too, when the kept block after it
-    # begins its backward: not before block 3's backward is done (its weights' gradients made)
+    # with the last blocks kept, the last offloaded one is prefetched too, when the kept block after
+    # it begins its backward: not before block 3's backward is done (its weights' gradients made)
     events.clear()
     monkeypatch.setattr(offload, 'KEEP_LAST', 2)
     model = same_model(cfg)
@@ -334,14 +364,15 @@ def test_backward_prefetches_the_previous_block(monkeypatch):
 # ----------------------------------------------------------------------------- edges
 
 def test_token_ranges_may_chunk_the_mlp_differently():
-    # mlp_chunks=0 chunks the MLP at 300 tokens (chunked.py: >= 256 tokens a chunk) but not at 150: each
-    # token range of the block picks its own count, and the gradients stay the plain path's
+    # mlp_chunks=0 chunks the MLP at 300 tokens (chunked.py: >= 256 tokens a chunk) but not at 150:
+    # each token range of the block picks its own count, and the gradients stay the plain path's
     cfg = config(n_layer=2, mlp_chunks=0)
     idx, targets = batch(seq_len=300, batch_size=1)
     ref_loss, ref_grads = step(same_model(cfg), idx, targets)
     cfg = config(n_layer=2, mlp_chunks=0, recompute='none', offload=0.5)
     loss, grads = step(same_model(cfg), idx, targets)
-    assert rel(loss, ref_loss) <= 1e-6 and all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
+    assert rel(loss, ref_loss) <= 1e-6
+    assert all(rel(g, ref_grads[n]) <= 1e-6 for n, g in grads.items())
 
 
 def test_fake_tensors_run_without_host_memory():
@@ -358,9 +389,10 @@ def test_fake_tensors_run_without_host_memory():
     assert offload.stats() == before
 
 
-# ----------------------------------------------------------------------------- choosing α, host memory
+# ------------------------------------------------------------------------ choosing α, host memory
 
-LLAMA3_8B = dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
+LLAMA3_8B = dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                 vocab_size=128256)
 
 
 def test_choose_alpha_is_memo_rule():
@@ -377,7 +409,8 @@ def test_choose_alpha_is_memo_rule():
     host = blocks * tokens * (whole + 0.25 * other)
     assert offload.choose_alpha(cfg, 1, seq, bf16, t, 25e9, host) == pytest.approx(0.25)
     # can't even hide input and attention: don't offload
-    assert offload.choose_alpha(cfg, 1, seq, bf16, 0.5 * tokens * whole / 25e9, 25e9, float('inf')) == 0.0
+    too_short = 0.5 * tokens * whole / 25e9
+    assert offload.choose_alpha(cfg, 1, seq, bf16, too_short, 25e9, float('inf')) == 0.0
     # only whole tensors move with full / selective
     for mode in ('full', 'selective'):
         c = LlamaConfig(**LLAMA3_8B, recompute=mode, mlp_chunks=4)
@@ -395,29 +428,34 @@ def test_choose_alpha_is_memo_rule():
 # ----------------------------------------------------------------------------- torch.compile
 
 def test_compile_with_offload_runs(tmp_path):
-    """compile=True with offload > 0 and recompute 'none' died with a segfault (exit 139): the offloaded
-    blocks now run eagerly (torch.compiler.disable), the rest compiled, and offload moves its bytes."""
+    """compile=True with offload > 0 and recompute 'none' died with a segfault (exit 139): the
+    offloaded blocks now run eagerly (torch.compiler.disable), the rest compiled, and offload moves
+    its bytes."""
     import json
     import os
     import subprocess
     import sys
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, 'train.py', 'config/train_tiny.py', '--device=cpu', '--compile=True',
-                          '--offload=0.5', '--recompute=none', '--seq_len=512', '--batch_size=4', '--max_iters=2',
-                          '--eval_iters=1', f'--out_dir={tmp_path}'], cwd=repo, capture_output=True, text=True,
-                         env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=900)
+    args = ['config/train_tiny.py', '--device=cpu', '--compile=True', '--offload=0.5',
+            '--recompute=none', '--seq_len=512', '--batch_size=4', '--max_iters=2',
+            '--eval_iters=1', f'--out_dir={tmp_path}']
+    run = subprocess.run([sys.executable, 'train.py', *args], cwd=repo, capture_output=True,
+                         text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=900)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / 'log.jsonl')]
     assert all(r['offload_bytes'] > 0 for r in rows) and all(r['loss'] == r['loss'] for r in rows)
 
 
 @pytest.mark.parametrize('knobs', [dict(mlp_chunks=3, loss_chunks=4), dict(recompute='full'),
-                                   dict(recompute='selective', offload=1.0), dict(recompute='none', offload=0.5),
+                                   dict(recompute='selective', offload=1.0),
+                                   dict(recompute='none', offload=0.5),
                                    dict(recompute='full', offload=0.5)],
-                         ids=['chunked', 'full', 'selective+offload', 'offload 0.5', 'full+offload'])
+                         ids=['chunked', 'full', 'selective+offload', 'offload 0.5',
+                              'full+offload'])
 def test_doc_mask_under_every_knob(knobs):
-    """Packed documents (doc_mask) give the plain path's loss and gradients under chunking, recompute and
-    offload: the documents' starts reach attention in the recompute and in the token-wise split too."""
+    """Packed documents (doc_mask) give the plain path's loss and gradients under chunking,
+    recompute and offload: the documents' starts reach attention in the recompute and in the
+    token-wise split too."""
     from conftest import packed_batch
     x, y, pos, docs = packed_batch([[5, 11], [16]], vocab=V)
     runs = []
