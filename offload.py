@@ -88,11 +88,13 @@ def _per_token(config, dtype, seq_len, *kinds):
 
 def kept_bytes(config, batch, seq_len, dtype=torch.float32):
     """Bytes one block keeps on the device for backward with offload off, for config.recompute."""
-    per_token = dtype.itemsize * config.n_embd  # 'full': the block's input
-    if config.recompute == 'selective':
-        per_token += _per_token(config, dtype, seq_len, 'attention')
+    block_input = dtype.itemsize * config.n_embd  # per token
     if config.recompute == 'none':
         per_token = _per_token(config, dtype, seq_len, 'qkv', 'attention', 'other')
+    elif config.recompute == 'selective':
+        per_token = block_input + _per_token(config, dtype, seq_len, 'attention')
+    else:  # 'full'
+        per_token = block_input
     return batch * seq_len * per_token
 
 
@@ -111,8 +113,8 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
         per_sequence = [bh * S]  # the block's input
     else:
         n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
-        # the first S - n tokens' input (checkpoint's), wo's input for the last n (a view of
-        # attention's output that is not attention's own), then every saved tensor
+        # the first S - n tokens' input (checkpoint's), wo's input for the last n (a view of their
+        # attention output, packed apart from it), then every saved tensor
         per_sequence = [bh * (S - n), bh * n]
         if cp_size > 1 and n < S:
             per_sequence.append(bh * S)  # Ulysses: the output the recompute replays
