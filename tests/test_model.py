@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import packed_batch
 from model import Llama, LlamaConfig
+from rope import apply_rope, rope_frequencies, rope_tables
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -290,7 +291,7 @@ def test_rmsnorm_is_the_plain_expression(monkeypatch, case, shape, per_chunk):
     rounding of a different order (1e-6), or of bf16's (2^-8: measured equal) when cast to bf16."""
     import model
     if per_chunk:
-        monkeypatch.setattr(model, 'FP32_CHUNK', per_chunk * torch.Size(shape).numel() // shape[-2])
+        monkeypatch.setattr('rope.FP32_CHUNK', per_chunk * torch.Size(shape).numel() // shape[-2])
     x_dtype, w_dtype, autocast = NORM_CASES[case]
     g = torch.Generator().manual_seed(1)
     norm = model.RMSNorm(shape[-1], 1e-5).to(w_dtype)
@@ -314,15 +315,14 @@ def test_rmsnorm_is_the_plain_expression(monkeypatch, case, shape, per_chunk):
 def test_rope_is_the_plain_expression(monkeypatch, dtype, per_row, per_chunk):
     """apply_rope on q's layout ([B, S, H, hd] in memory), tables as Llama.forward makes them ([B, 1, S, hd]
     for per-row positions: doc_mask's), an odd length: output and dx to the bit."""
-    import model
     B, H, S, hd = 2, 4, 37, 16
     if per_chunk:
-        monkeypatch.setattr(model, 'FP32_CHUNK', per_chunk * B * H * hd)
-    inv_freq, scale = model.rope_frequencies(LlamaConfig(n_embd=H * hd, n_head=H, rope_theta=500000.0))
+        monkeypatch.setattr('rope.FP32_CHUNK', per_chunk * B * H * hd)
+    inv_freq, scale = rope_frequencies(LlamaConfig(n_embd=H * hd, n_head=H, rope_theta=500000.0))
     positions = torch.stack([torch.arange(S), torch.arange(S) % 11]) if per_row else torch.arange(S)
-    cos, sin = model.rope_tables(inv_freq.float(), positions, scale)
+    cos, sin = rope_tables(inv_freq.float(), positions, scale)
     x = (3 * torch.randn(B, S, H, hd)).to(dtype).transpose(1, 2).requires_grad_()
-    ours, ref = (grads(f, [x, cos, sin], dtype == torch.bfloat16) for f in (model.apply_rope, plain_rope))
+    ours, ref = (grads(f, [x, cos, sin], dtype == torch.bfloat16) for f in (apply_rope, plain_rope))
     assert ours[0].dtype == dtype and all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
@@ -354,15 +354,15 @@ def test_rmsnorm_and_rope_hold_no_full_size_fp32_copy(monkeypatch):
     RoPE holds an fp32 tensor the size of its input, forward or backward: the output, the gradient and a chunk's."""
     import model
     S, h, H = 2048, 256, 4
-    monkeypatch.setattr(model, 'FP32_CHUNK', 1 << 13)  # 64 chunks of 32 positions
+    monkeypatch.setattr('rope.FP32_CHUNK', 1 << 13)  # 64 chunks of 32 positions
     chunk = 4 * (1 << 13)  # bytes of one chunk in fp32: a full-size fp32 copy is 64 of them
     x = torch.randn(1, S, h, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.nn.Parameter(torch.ones(h, dtype=torch.bfloat16))
-    cos, sin = model.rope_tables(model.rope_frequencies(LlamaConfig(n_embd=h, n_head=H))[0].float(), torch.arange(S))
+    cos, sin = rope_tables(rope_frequencies(LlamaConfig(n_embd=h, n_head=H))[0].float(), torch.arange(S))
     q = x.detach().view(1, S, H, h // H).transpose(1, 2).requires_grad_()
     norm = lambda x: torch.func.functional_call(model.RMSNorm(h, 1e-5), {'weight': weight}, (x,))
     for ours, plain, inp in [(norm, lambda x: plain_norm(x, weight), x),
-                             (lambda q: model.apply_rope(q, cos, sin), lambda q: plain_rope(q, cos, sin), q)]:
+                             (lambda q: apply_rope(q, cos, sin), lambda q: plain_rope(q, cos, sin), q)]:
         peaks, saved = [], []
         for fn in (ours, plain):
             kept = []
