@@ -133,24 +133,24 @@ host_memory_budget_gb = 0.0  # GiB of host memory for offloaded activations; 0: 
 auto_memory = False
 # -----------------------------------------------------------------------------
 # what each training key allows, checked before anything is read, allocated or written (the
-# model's keys: model.LlamaConfig; the rules between the layout keys: parallel.check_layout)
+# model's keys: model.LlamaConfig; the rules between the layout keys: parallel.check_layout):
+# (keys, what they allow, the check of one value)
 _RULES = [
-    (('batch_size', 'seq_len', 'gradient_accumulation_steps', 'eval_interval', 'log_interval',
-      'eval_iters', 'tp_size', 'cp_size', 'pp_size'), 'must be >= 1', lambda v: v >= 1),
-    (('max_iters', 'warmup_iters', 'lr_decay_iters', 'vocab_size', 'learning_rate', 'min_lr',
-      'weight_decay', 'grad_clip', 'memory_budget_gb', 'host_memory_budget_gb'), 'must be >= 0',
-     lambda v: 0 <= v < math.inf),
-    (('beta1', 'beta2'), 'must be in [0, 1)', lambda v: 0 <= v < 1),
-    (('dtype',), "must be 'auto', 'float32' or 'bfloat16' (float16 needs loss scaling)",
+    ('batch_size seq_len gradient_accumulation_steps eval_interval log_interval eval_iters '
+     'tp_size cp_size pp_size', 'must be >= 1', lambda v: v >= 1),
+    ('max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay grad_clip '
+     'memory_budget_gb host_memory_budget_gb', 'must be >= 0', lambda v: 0 <= v < math.inf),
+    ('beta1 beta2', 'must be in [0, 1)', lambda v: 0 <= v < 1),
+    ('dtype', "must be 'auto', 'float32' or 'bfloat16' (float16 needs loss scaling)",
      lambda v: v in ('auto', 'float32', 'bfloat16')),
     # a dry run stands in for the target's devices
-    (('device',), "must be 'auto', 'cpu' or a device this machine has ('cuda', 'cuda:1', 'mps')",
+    ('device', "must be 'auto', 'cpu' or a device this machine has ('cuda', 'cuda:1', 'mps')",
      lambda v: dry_run or v == 'auto' or has_device(v)),
-    (('init_from',), "must be 'scratch', 'resume' or a Hugging Face model directory",
+    ('init_from', "must be 'scratch', 'resume' or a Hugging Face model directory",
      lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
-    (('out_dir',), 'must be a directory we can write in, or create', writable),
-    (('optimizer_in_backward',), "needs one rank, gradient_accumulation_steps=1 and zero=0 (no "
-     "step's gradient to sum or share)", lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1'
+    ('out_dir', 'must be a directory we can write in, or create', writable),
+    ('optimizer_in_backward', "needs one rank, gradient_accumulation_steps=1 and zero=0 (no step's "
+     "gradient to sum or share)", lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1'
      and zero == 0 and tp_size == cp_size == gradient_accumulation_steps == 1)]
 
 
@@ -160,14 +160,13 @@ def read_dataset(world, rank):
     on first use."""
     if dry_run and vocab_size:  # a dry run reads no data: its vocabulary is all it needs
         return {'vocab_size': vocab_size}
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-    path = os.path.join(data_dir, 'meta.json')
-    if rank == 0 and dataset == 'stdlib' and not os.path.exists(path):
+    data_dir = Path(__file__).resolve().parent / 'data' / dataset
+    if rank == 0 and dataset == 'stdlib' and not (data_dir / 'meta.json').exists():
         import runpy  # prepare.py is a script in a folder, not a module of a package
-        runpy.run_path(os.path.join(data_dir, 'prepare.py'))['prepare'](data_dir)
+        runpy.run_path(data_dir / 'prepare.py')['prepare'](data_dir)
     if world > 1:  # the others wait for rank 0's
         torch.distributed.barrier()
-    if not os.path.exists(path):
+    if not (data_dir / 'meta.json').exists():
         die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py "
             f"(see README.md)")
     # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
@@ -199,7 +198,7 @@ Batch = namedtuple('Batch', 'x y positions docs', defaults=(None, None))
 def get_batch(meta, split, n, generator, device):
     """n random windows of seq_len + 1 tokens: a Batch."""
     # a fresh memmap per batch: numpy's memmap otherwise keeps every page it touched resident
-    data = np.memmap(os.path.join(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
+    data = np.memmap(Path(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
     ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
     rows = [data[i:i + seq_len + 1].astype(np.int64) for i in ix]
     if doc_mask:
@@ -298,7 +297,7 @@ def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
         bad = torch.maximum(bad, (~norm.isfinite()).float())
         optimizer.found_inf = bad
         optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # (to None)
     optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * bad  # in a row: check_finite
     return loss
 
@@ -397,7 +396,7 @@ def write_log(log, bar, row, val_loss, mem):
 def check_config(cfg):
     """Stop at the first value a key does not allow (_RULES)."""
     for keys, allowed, ok in _RULES:
-        for key in keys:
+        for key in keys.split():
             if not ok(cfg[key]):
                 die(f"{key}={cfg[key]!r}: {allowed}")
 
@@ -419,8 +418,8 @@ def device_and_dtype():
         ptdtype = getattr(torch, dtype)
     # TF32 for fp32 matmuls (CUDA only)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    bf16 = ptdtype == torch.bfloat16
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16
+                else nullcontext())
     return dev, ptdtype, autocast
 
 
@@ -492,15 +491,14 @@ def dry_run_step(mem, model, raw_model, autocast, mesh, optimizer, pipe):
     then the last stage's dry run in a fresh process."""
     n = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)
     # made before the step: they are not the step's
-    vocab = model.config.vocab_size
-    batches = [parallel.shard_batch(mesh, *memory.fake_batch(batch_size * mesh.dp, seq_len, vocab,
-                                                             doc_mask))
+    batches = [parallel.shard_batch(mesh, *memory.fake_batch(batch_size * mesh.dp, seq_len,
+                                                             model.config.vocab_size, doc_mask))
                for _ in range(n)]
     with mem.measure(pipe or raw_model, optimizer.masters, optimizer):
         train_step(model, batches, autocast, mesh, optimizer, pipe)
     if mesh.pp > 1 and mesh.pp_rank == 0:  # the LM head and loss, the fewest in flight
-        last = {**os.environ, 'RANK': str(mesh.world - 1)}
-        subprocess.run([sys.executable, *sys.argv], env=last, check=True)
+        subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)},
+                       check=True)
 
 
 def catch_signals():
@@ -546,7 +544,7 @@ def main():
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     data_gen = torch.Generator().manual_seed(seed)
-    iter_num, best_val_loss = 0, float('inf')
+    iter_num, best_val_loss = 0, math.inf
     if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into our pieces
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
@@ -566,7 +564,7 @@ def main():
               f"{tokens_per_iter:,} tokens per step")
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
-    log = open(os.path.join(out_dir, 'log.jsonl'), 'a') if rank == 0 else None  # never truncated
+    log = Path(out_dir, 'log.jsonl').open('a') if rank == 0 else None  # appended: never truncated
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True,
                disable=None if rank == 0 else True)
     t0, it0 = time.perf_counter(), iter_num  # tokens/s: the steps since it0, over the time since t0
@@ -593,7 +591,7 @@ def main():
         with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step
             loss = train_step(model, batches, autocast, mesh, optimizer, pipe)
         iter_num += 1
-        bar.update(1)
+        bar.update()
         if world == 1:
             stop = bool(signals)
         if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not stop:
