@@ -116,7 +116,7 @@ class Estimate:
         return sum(getattr(self, k) for k in CATEGORIES)
 
     def as_dict(self):
-        return {k: int(round(getattr(self, k))) for k in CATEGORIES + ('total',)}
+        return {k: round(getattr(self, k)) for k in CATEGORIES + ('total',)}  # (ints)
 
 
 class Rank(NamedTuple):
