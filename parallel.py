@@ -31,8 +31,9 @@ vocabulary, N parameters, b bytes per element. What each dimension saves, per ra
 parallelize(model, mesh) shards the weights in place, hooks Megatron's f, g onto block.attention
 and block.feed_forward (they read their head counts from the weights' shapes), wraps
 Attention.attend for c, sets Llama.vocab_group (chunked.py's vocabulary-parallel loss): a fork that
-changes model.attention runs under t and Ulysses as is. On one process every group is None and
-each function here is a no-op (or not called).
+changes model.attention runs under t and Ulysses as is. On one process (Mesh(): every group None)
+no collective runs: shard_batch returns the batch, parallelize and sync_grads change nothing, and
+clip_grad_norm_ is torch's.
 
 What moves per block, forward (backward), B·S·h elements each unless said; every collective is one
 of the five functions below (chunked.py's loss makes its own):
@@ -75,9 +76,10 @@ from torch.distributed.tensor import DTensor, Shard
 # ---------------------------------------------------------------------------- setup: torchrun, mesh
 @dataclass
 class Mesh:
-    """Where this rank sits: rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank. A group is
-    None when of size 1 (one process: every group); dpcp_group: the ranks holding the same weights;
-    kv_group: the tp ranks sharing one kv head (K < t)."""
+    """Where this rank sits: rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank (the sizes
+    and the coordinates in the grid's order: make_mesh relies on it). A group is None when of size
+    1 (one process: every group); dpcp_group: the ranks holding the same weights; kv_group: the tp
+    ranks sharing one kv head (K < t)."""
     world: int = 1
     rank: int = 0
     dp: int = 1
@@ -107,7 +109,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
     fields), asked on every rank before anything is allocated. The one owner of the layout rules:
     the first broken rule of the table is the answer."""
     c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
-    if tp < 1 or cp < 1 or pp < 1 or world % (tp * cp * pp):
+    if min(tp, cp, pp) < 1 or world % (tp * cp * pp):
         return (f"world size {world} is not divisible by pp_size * cp_size * tp_size = "
                 f"{pp} * {cp} * {tp}")
     heads, kv_heads, tokens = H // tp, K // tp or 1, S // cp  # per tp rank; per cp rank
@@ -213,17 +215,17 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     world, rank = dist.get_world_size(), dist.get_rank()
     # the ranks as a grid [dp, pp, cp, tp]; a group is a row of it along its dimensions
     grid = torch.arange(world).view(-1, pp, cp, tp)
-    dp_rank, pp_rank, cp_rank, tp_rank = (grid == rank).nonzero()[0].tolist()
-    mesh = Mesh(world, rank, len(grid), pp, cp, tp, dp_rank, pp_rank, cp_rank, tp_rank, cp_impl,
-                sequence_parallel)
+    # Mesh's fields in the grid's order: its sizes (dp, pp, cp, tp), then where we sit in it
+    where = (grid == rank).nonzero()[0].tolist()
+    mesh = Mesh(world, rank, *grid.shape, *where, cp_impl, sequence_parallel)
     # a group's own default timeout is 30 minutes, not the world's
     timeout = timeout_s and timedelta(seconds=timeout_s)
 
-    def group(rows, one=False):
-        """Our group of the rows of ranks: None for one rank (unless one). new_group is collective:
-        every rank builds every group, in the same order."""
+    def group(rows):
+        """Our group of the rows of ranks, None for one rank. new_group is collective: every rank
+        builds every group, in the same order."""
         for ranks in rows.tolist():
-            made = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 or one else None
+            made = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 ours = made
         return ours
@@ -232,10 +234,9 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     mesh.cp_group = group(grid.transpose(2, 3).reshape(-1, cp))
     mesh.pp_group = group(grid.permute(0, 2, 3, 1).reshape(-1, pp))
     # the ranks holding the same weights: one pp stage, one tp shard
-    same_weights = grid.permute(1, 3, 0, 2).reshape(pp * tp, -1)
-    mesh.dpcp_group = group(same_weights)
-    mesh.dpcp_mesh = DeviceMesh.from_group(mesh.dpcp_group or group(same_weights, one=True),
-                                           device_type)
+    mesh.dpcp_group = group(grid.permute(1, 3, 0, 2).reshape(pp * tp, -1))
+    # FSDP2 needs a group of one rank too (offload_states on its own): then a group per rank
+    mesh.dpcp_mesh = DeviceMesh.from_group(mesh.dpcp_group or dist.new_subgroups(1)[0], device_type)
     if n_kv_head is not None and n_kv_head < tp:
         # kv head j lives on tp ranks j·g .. j·g + g-1, g = t/K
         mesh.kv_group = group(grid.reshape(-1, tp // n_kv_head))
@@ -425,8 +426,8 @@ def flash(q, k, v, causal):
         return out, lse, {}
     out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(query=q, **kw)
     # what its backward needs besides (not the last, a debug mask)
-    names = 'cum_seq_q', 'cum_seq_k', 'max_q', 'max_k', 'philox_seed', 'philox_offset'
-    return out, lse, dict(zip(names, rest))
+    return out, lse, dict(zip(('cum_seq_q', 'cum_seq_k', 'max_q', 'max_k', 'philox_seed',
+                               'philox_offset'), rest))
 
 
 def flash_backward(dout, q, k, v, out, lse, causal, saved):
@@ -587,11 +588,13 @@ def parallelize(model, mesh):
             model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))
         # Llama.head: chunked.py's loss over our rows of the vocabulary
         model.vocab_group = mesh.tp_group
-    for attention in [block.attention for block in model.layers.values() if mesh.cp > 1]:
-        if mesh.cp_impl == 'ulysses':
-            attention.attend = functools.partial(ulysses, attention.attend, mesh.cp_group)
-        else:
-            attention.attend = functools.partial(RingAttention.apply, mesh.cp_group)
+    if mesh.cp > 1:  # attention over the whole sequence
+        for block in model.layers.values():
+            if mesh.cp_impl == 'ulysses':
+                block.attention.attend = functools.partial(ulysses, block.attention.attend,
+                                                           mesh.cp_group)
+            else:
+                block.attention.attend = functools.partial(RingAttention.apply, mesh.cp_group)
     return model
 
 
