@@ -800,7 +800,7 @@ def pp_results(tmp_path_factory):
 
 @pytest.mark.parametrize('name', list(PP_LAYOUTS))
 def test_a_pipeline_step_equals_single_process(pp_results, name):
-    """torch's schedule over our stages (parallel.Pipeline), with tp, Ulysses or the ring, FSDP2: every stage's loss
+    """torch's schedule over our stages (pipeline.Pipeline), with tp, Ulysses or the ring, FSDP2: every stage's loss
     and gradient norm are one process's, and the stages' gradients together are its gradients, each once."""
     overrides = PP_LAYOUTS[name][-1]
     ref_loss, ref_norm, ref_grads, ref_val = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(),
