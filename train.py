@@ -372,8 +372,9 @@ def peak_memory(device):
     return peak
 
 
-def write_log(log, bar, row, val_loss, mem):
-    """One log.jsonl row (rank 0 only: log is None elsewhere) and the progress bar's text."""
+def write_log(rank, bar, row, val_loss, mem):
+    """The progress bar's text and, on rank 0, a row of out_dir/log.jsonl (appended to: a run never
+    loses an earlier run's rows)."""
     text = f"loss {row['loss']:.4f}"
     if val_loss is not None:
         row['val_loss'] = val_loss
@@ -382,12 +383,13 @@ def write_log(log, bar, row, val_loss, mem):
     if row['mfu']:
         text += f" mfu {100 * row['mfu']:.1f}%"
     bar.set_postfix_str(text)
-    if log is None:
+    if rank > 0:
         return
     if not mem.logged:  # the first row, after the measured step, carries its bytes (memory.json's)
         row['memory'] = {'estimate': mem.est.as_dict(), 'measured': mem.measured}
         mem.logged = True
-    print(json.dumps(row), file=log, flush=True)
+    with Path(out_dir, 'log.jsonl').open('a') as log:
+        print(json.dumps(row), file=log)
     if bar.disable:  # not a terminal: a plain line per log step instead of the bar
         print(f"iter {row['iter']}: {text}", flush=True)
 
@@ -564,7 +566,6 @@ def main():
               f"{tokens_per_iter:,} tokens per step")
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
-    log = Path(out_dir, 'log.jsonl').open('a') if rank == 0 else None  # appended: never truncated
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True,
                disable=None if rank == 0 else True)
     t0, it0 = time.perf_counter(), iter_num  # tokens/s: the steps since it0, over the time since t0
@@ -603,7 +604,7 @@ def main():
                'hfu': device_flops and tokens_per_s * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev),
                'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent}
-        write_log(log, bar, row, val_loss, mem)
+        write_log(rank, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, it0 = time.perf_counter(), iter_num
         if world > 1:  # ranks may see a signal in different steps: they agree on log steps only
