@@ -27,8 +27,7 @@ class Tracker(ExitStack):
                  anatomy=False, states_on_host=False):
         super().__init__()
         from torch.distributed._tools.mem_tracker import MemTracker
-        # MemTracker's own: holds no tensor
-        from torch.distributed._tools.mod_tracker import ModTracker
+        from torch.distributed._tools.mod_tracker import ModTracker  # MemTracker's: holds no tensor
 
         class Anatomy(MemTracker):  # it updates its peak as an op returns: look then
             def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
@@ -45,10 +44,8 @@ class Tracker(ExitStack):
         self.made, self.top, self.at_peak, self.moment = {}, -1, [], ''
         self.host_grads, self.before_step = 0, None
         # offload_states: FSDP2's rows, their gradients (the host's at the device's peak) and
-        # AdamW's
-        # moments (local: a DTensor's storage is the whole tensor's) are host memory; the device's
-        # peak
-        # is before AdamW's step
+        # AdamW's moments (local: a DTensor's storage is the whole tensor's) are host memory; the
+        # device's peak is before AdamW's step
         self.on_host, self.moments = [], []
         if states_on_host:
             self.on_host = [parallel.local(p) for p in self.params]
@@ -112,8 +109,8 @@ class Tracker(ExitStack):
         category = 'transient' if self.mods.is_bw or not torch.is_grad_enabled() else 'activations'
         given = self.ours(args, kwargs)
         for k, t in self.ours(out).items():
-            # dropped as it is freed: a freed storage's id is reused
             if k not in given and k not in self.made:
+                # dropped from made as it is freed: a freed storage's id is reused
                 info = dict(category=category, dtype=str(t.dtype)[6:], shape=list(t.shape),
                             op=str(func), module=where)
                 storage = weakref.ref(t.untyped_storage(), lambda _, k=k: self.made.pop(k, None))
@@ -124,14 +121,14 @@ class Tracker(ExitStack):
         return out
 
     def ours(self, *trees):
-        """{storage id: tensor} of the tensors on our device in trees (their lists, tuples,
-        dicts)."""
+        """{storage id: tensor} of the tensors on our device in the trees (nested lists, tuples and
+        dicts of them)."""
         tensors = [t for t in tree_leaves(trees) if isinstance(t, torch.Tensor)]
         return {id(t.untyped_storage()): t for t in tensors if t.device == self.device}
 
     def alive(self):
-        """What the step made and still holds, but host memory (offload's buffers, even on a
-        CPU)."""
+        """What the step made and still holds, each {**info, 'bytes'}, but host memory (offload's
+        buffers, even on a CPU)."""
         grads = {id(p.grad.untyped_storage()) for p in self.params + self.masters
                  if p.grad is not None}
         host = {id(b.untyped_storage()) for b in offload.host_buffers()}
@@ -152,7 +149,7 @@ class Tracker(ExitStack):
         pool, rows = nbytes(offload.host_buffers()), nbytes(self.on_host)
         moments = nbytes(self.moments)
         self.host = pool + 2 * rows + moments  # the rows and, by the step, every gradient's
-        # then MemTracker counted the host's tensors with ours: taken out
+        # on a CPU MemTracker counted the host's tensors with ours: taken out
         cpu = self.device.type == 'cpu'
         out = {'params': snap['Parameter'] + snap['Buffer'] - rows * cpu,
                'grads': snap['Gradient'] + snap['Other'] - masters - inputs - self.host_grads * cpu,
@@ -172,8 +169,8 @@ def nbytes(tensors):
 # ----------------------------------------------------------------------------- the dry run
 def to_fake(model, dtype):
     """model.to(dtype) for a model on the meta device, as FakeTensors on the CPU (Module.to can't
-    make them in place): tied parameters stay tied. (The model has no buffers: model.py makes RoPE's
-    tables.)"""
+    make them in place): tied parameters stay tied. (The model has no buffers: RoPE's tables are
+    made in its forward.)"""
     from torch._guards import active_fake_mode
     if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
         from torch._subclasses.fake_tensor import FakeTensorMode
