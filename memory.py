@@ -102,14 +102,14 @@ FIT_FRACTION = 0.8  # Fujii et al. 2024
 # ----------------------------------------------------------------------------- the estimate
 @dataclass
 class Estimate:
-    params: float = 0
-    grads: float = 0
-    optimizer: float = 0
-    activations: float = 0
-    transient: float = 0
-    workspace: float = 0
-    moment: str = ''  # where in the step the peak is
-    host: float = 0   # bytes waiting in host memory (offload), never in the total
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+    workspace: float
+    moment: str  # where in the step the peak is
+    host: float  # bytes waiting in host memory (offload), never in the total
 
     @property
     def total(self):
@@ -154,14 +154,13 @@ def model_states(r, d, zero, in_backward, on_host):
     them."""
     c, b, t = r.config, r.b, r.t
     h, V = c.n_embd, c.vocab_size
+    vocab = V * h / t  # the embedding's parameters on this rank, or the LM head's
     block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h  # its norms not split
-    N = r.L * block + V * h / t * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
+    N = r.L * block + vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
     params, grads, optimizer, host = b * N, 4 * N, (8 + 4 * (b == 2)) * N, 0  # bf16: + fp32 master
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
     # embedding's), in a block's backward, and last (the embedding's)
-    head, in_block, embedding = (4 * V * h / t + 4 * h) * r.last, 4 * block, 4 * V * h / t * r.first
-    if in_backward:  # optim.py: AdamW's moments in b bytes, no fp32 copy
-        optimizer = 2 * b * N
+    head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
     if zero > 1:
         # FSDP2: the fp32 rows over d from the start (parallel.shard_states); gathered in b bytes,
         # the embedding, final norm and LM head for the whole step, and every block (2) or one (3)
@@ -170,8 +169,11 @@ def model_states(r, d, zero, in_backward, on_host):
     if on_host:  # offload_states: the rows in host memory; on the device what FSDP2 gathered
         params, grads, head, optimizer, host = params - 4 * N / d, 0, 0, 0, 16 * N / d
     alive = [grads, head, grads - embedding - in_block, grads - embedding - 2 * in_block]
-    if in_backward:  # one at a time (the embedding's at most), beside its step's fp32 chunks
-        alive = [min(g, b * V * h / t + 28 * STEP_CHUNK) for g in alive]
+    if in_backward:
+        # optim.py (one rank, zero=0): AdamW's moments in b bytes, no fp32 copy; the gradients one
+        # at a time (the embedding's at most), beside its step's fp32 chunks
+        optimizer = 2 * b * N
+        alive = [min(g, b * vocab + 28 * STEP_CHUNK) for g in alive]
     return States(params, optimizer, host, *alive)
 
 
@@ -220,7 +222,7 @@ def lm_head(r):
     if loss_chunks == 1 and t == 1:
         return norm + 4 * V * T, 8 * V * T
     kept = norm + (b * h * T + 4 * V * h / t)
-    transient = (4 + b) * V / t * math.ceil(T / loss_chunks) + (b * h * T if t > 1 else 0)
+    transient = (4 + b) * V / t * math.ceil(T / loss_chunks) + b * h * T * (t > 1)
     return kept, transient
 
 
@@ -231,7 +233,7 @@ def block_backward(r, rebuilt, back=0):
     c, b, t, T = r.config, r.b, r.t, r.T
     h, I = c.n_embd, c.intermediate_size
     u = b * h / t
-    gathered = b * h if t > 1 else 0  # under sp a column-parallel matmul's incoming gradient: whole
+    gathered = b * h * (t > 1)  # under sp a column-parallel matmul's incoming gradient: whole
     mlp_chunks = chunked.mlp_chunks(c, r.sequence)
     mlp_kept = 0
     if mlp_chunks > 1:
@@ -306,16 +308,17 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
     c, M = config, gradient_accumulation_steps
-    b = 2 if dtype in ('bfloat16', torch.bfloat16) else 4
+    b = 2 if dtype == 'bfloat16' else 4
     sequence = seq_len // cp_size
-    F = 1
-    if pp_size > 1:  # in flight: 1F1B fills the stages from this one on; GPipe runs every forward
-        F = min(M, pp_size - pp_rank) if pp_schedule == '1f1b' else M
+    # in flight: 1F1B fills the stages from this one on (without pp: 1); GPipe runs every forward
+    F = min(M, pp_size - pp_rank)
+    if pp_schedule == 'gpipe' and pp_size > 1:
+        F = M
     lo, hi = pp_rank * c.n_layer // pp_size, (pp_rank + 1) * c.n_layer // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi, first, last, F, M)
-    d = dp * cp_size if zero else 1
-    states = model_states(r, d, zero, optimizer_in_backward, offload_states)
+    # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
+    states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states)
     kept = kept_per_token(r, batch_size, cp_size)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
     # RoPE's fp32 cos and sin, per position (of every token, with doc_mask or pp)
@@ -429,23 +432,24 @@ def cost(c, base, batch_size, seq_len):
         time = (hfu - mfu) / mfu  # recompute
         if chunked.mlp_chunks(c, seq_len) > 1 and c.recompute != 'full':
             time += 4 * c.n_layer * c.n_embd * c.intermediate_size / mfu
-        if c.offload > 0:
-            time += offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE)
-        return time
+        # offload (none with α = 0)
+        return time + offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE)
     return extra(c) - extra(base)
 
 def variants(c, batch_size, seq_len, host, layout):
     """Every recompute mode; chunks as configured, automatic or 4x that; offload at Memo's α
     and at 1."""
     tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
+    cp_impl = layout.get('cp_impl', 'ulysses')
     # one sequence's tokens on this rank; offload.py's: this rank's sequence shard
-    sequence, tokens = seq_len // cp, seq_len // cp // tp
+    sequence = seq_len // cp
+    tokens = sequence // tp
     auto_mlp = chunked.mlp_chunks(replace(c, mlp_chunks=0), sequence)
     auto_loss = chunked.loss_chunks(replace(c, loss_chunks=0), batch_size * sequence)
-    mlps = {c.mlp_chunks, 0, max(1, min(sequence, 4 * auto_mlp))}
+    mlps = {c.mlp_chunks, 0, min(sequence, 4 * auto_mlp)}
     if auto_mlp == 1:  # automatic would be 1 again
         mlps.discard(0)
-    losses = {c.loss_chunks, 0, max(1, min(batch_size * sequence, 4 * auto_loss))}
+    losses = {c.loss_chunks, 0, min(batch_size * sequence, 4 * auto_loss)}
     # offload needs host memory and a block to send (KEEP_LAST stay), and no pp (it refuses offload)
     may_offload = host and c.n_layer > offload.KEEP_LAST and layout.get('pp_size', 1) == 1
     for rc, m, lc in itertools.product(('none', 'selective', 'full'), sorted(mlps), sorted(losses)):
@@ -458,10 +462,8 @@ def variants(c, batch_size, seq_len, host, layout):
                                      seconds, PCIE, host)
         for a in sorted({round(alpha, 3), 1.0} - {0.0}):
             w = replace(v, offload=a)
-            if offload.host_bytes(w, batch_size, tokens, torch.bfloat16) > host:
-                continue
-            cp_impl = layout.get('cp_impl', 'ulysses')
-            if not parallel.check_layout(w, tp * cp, tp, cp, cp_impl, seq_len):
+            sent = offload.host_bytes(w, batch_size, tokens, torch.bfloat16)
+            if sent <= host and not parallel.check_layout(w, tp * cp, tp, cp, cp_impl, seq_len):
                 yield w
 
 def knobs(c, base):
@@ -505,14 +507,13 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
     """The Suggestions that fit: each knob alone at its cheapest, else the plan; then zero=2; then
     tp or cp 2, 4 or 8 times larger (more GPUs) with the knobs it needs."""
     fit = options(config, budget, overhead, host, batch_size, seq_len, layout)
-    alone = {}  # a knob: the first (cheapest) option changing it alone
+    alone = {}  # (a knob,): the first (cheapest) option changing it alone
     for o in fit:
         if len(o.changed) == 1:
-            [knob] = o.changed
-            alone.setdefault(knob, Suggestion(describe(o.changed), o.estimate, o.cost))
-    out = list(alone.values())
-    if fit and not out:  # no knob alone: the plan
-        out = [Suggestion(describe(fit[0].changed), fit[0].estimate, fit[0].cost)]
+            alone.setdefault(tuple(o.changed), o)
+    # no knob alone: the plan
+    chosen = list(alone.values()) or fit[:1]
+    out = [Suggestion(describe(o.changed), o.estimate, o.cost) for o in chosen]
     if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero'):
         e = estimate(config, batch_size, seq_len, **{**layout, 'zero': 2})
         # a reduce-scatter and an all-gather: the all-reduce's traffic
@@ -522,11 +523,11 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
         return out
     device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
+    cp_impl = layout.get('cp_impl', 'ulysses')
     for key in ('tp_size', 'cp_size'):
         for factor in (2, 4, 8):
             bigger = {**layout, key: layout.get(key, 1) * factor}
             tp, cp = bigger.get('tp_size', 1), bigger.get('cp_size', 1)
-            cp_impl = layout.get('cp_impl', 'ulysses')
             if parallel.check_layout(config, world * factor, tp, cp, cp_impl, seq_len):
                 continue
             if (p := plan(config, budget, overhead + comm, host, batch_size, seq_len, **bigger)):
