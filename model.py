@@ -231,11 +231,10 @@ class Llama(nn.Module):
         0..S-1. `docs`: see attention()."""
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
-        # RoPE tables outside autocast, from frequencies made here: a buffer would be rounded to
-        # bf16 by model.to()
+        # RoPE's tables from frequencies made here: a buffer would be rounded to bf16 by model.to().
+        # (fp64 math, which autocast leaves alone; the inverse frequencies in fp32, as HF has them)
         inv_freq, scale = rope_frequencies(self.config)
-        with torch.autocast(idx.device.type, enabled=False):
-            cos, sin = rope_tables(inv_freq.float(), positions, scale)
+        cos, sin = rope_tables(inv_freq.float(), positions, scale)
         # (a later pipeline stage has no embedding: idx are its activations)
         x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)
         for i, block in self.layers.items():
@@ -365,10 +364,11 @@ def _hf_names(config):
              'norm.weight': 'model.norm.weight'}
     if not config.tie_embeddings:
         names['output.weight'] = 'lm_head.weight'
-    block = {f'attention.w{p}': f'self_attn.{p}_proj' for p in 'qkvo'}
-    block.update({'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
-                  'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
-                  'ffn_norm': 'post_attention_layernorm'})
+    block = {'attention.wq': 'self_attn.q_proj', 'attention.wk': 'self_attn.k_proj',
+             'attention.wv': 'self_attn.v_proj', 'attention.wo': 'self_attn.o_proj',
+             'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
+             'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
+             'ffn_norm': 'post_attention_layernorm'}
     for i in range(config.n_layer):
         for ours, theirs in block.items():
             names[f'layers.{i}.{ours}.weight'] = f'model.layers.{i}.{theirs}.weight'
@@ -433,12 +433,8 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        chunks = fp32_chunks(x)
-        if len(chunks) == 1:
-            # (most calls: no output to fill chunk by chunk)
-            return _normalized(x, weight, eps)
         out = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
-        for rows in chunks:
+        for rows in fp32_chunks(x):
             out[rows] = _normalized(x[rows], weight, eps)
         return out
 

@@ -68,11 +68,11 @@ def rope_scaling_ok(scaling):
     if not isinstance(kind, str) or kind not in ROPE_SCALINGS:
         return False
     need, may = ROPE_SCALINGS[kind]
-    given = dict(scaling)
-    del given['rope_type']
-    if not set(need) <= set(given) <= set(need + may):
+    given = set(scaling) - {'rope_type'}
+    if not set(need) <= given <= set(need + may):
         return False
-    for key, value in given.items():
+    for key in given:
+        value = scaling[key]
         if key == 'truncate':
             ok = isinstance(value, bool)
         elif value is None:
@@ -161,9 +161,9 @@ def fp32_chunks(x):
 def rotate(x, cos, sin):
     """The formula: x·cos + R(x)·sin in fp32, cast to x's dtype (R's sign is in the sin table)."""
     xf = x.float()
-    # R(x) = the halves of x swapped (a roll by half of them), the signs being in the sin table
-    swapped = xf.roll(x.shape[-1] // 2, dims=-1)
-    return (xf * cos + swapped * sin).to(x.dtype)
+    # R(x): the halves of x swapped, their signs being in the sin table
+    first, second = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([second, first], dim=-1) * sin).to(x.dtype)
 
 
 def apply_rope(x, cos, sin):

@@ -326,6 +326,18 @@ def test_rope_is_the_plain_expression(monkeypatch, dtype, per_row, per_chunk):
     assert ours[0].dtype == dtype and all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
+def test_rope_in_one_chunk_keeps_only_the_tables():
+    """A tensor that fits in one fp32 chunk (every short sequence) runs the formula under autograd
+    rather than the Function: it saves for backward the tables alone, as the Function does."""
+    cos, sin = rope_tables(rope_frequencies(LlamaConfig(n_embd=64, n_head=4))[0].float(), torch.arange(37))
+    q = torch.randn(2, 37, 4, 16, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        apply_rope(q, cos, sin)
+    tables = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    assert kept and {t.untyped_storage().data_ptr() for t in kept} <= tables
+
+
 class Peak(TorchDispatchMode):
     """The most bytes alive at once of the storages that the ops inside create (those of `outside` not counted)."""
 
