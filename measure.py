@@ -64,8 +64,8 @@ class Tracker(ExitStack):
             self.enter_context(p.register_post_accumulate_grad_hook(
                 lambda p, m=m: self.mt.track_external(m.grad)))
         # gradient accumulation runs the model's forward again: MemTracker must forget the last one
-        forward_pre_hook = torch.nn.modules.module.register_module_forward_pre_hook
-        self.enter_context(forward_pre_hook(self.forget_model))
+        self.enter_context(
+            torch.nn.modules.module.register_module_forward_pre_hook(self.forget_model))
         self.enter_context(warnings.catch_warnings())
         # its own hook sees .grad = None after ours
         warnings.filterwarnings('ignore', message='Expected a tensor')
@@ -97,7 +97,8 @@ class Tracker(ExitStack):
         total = self.mt.get_tracker_snapshot().get(self.device, {}).get('Total', 0)
         # (offload_states: AdamW's step is on the host)
         peak = total > self.top and self.before_step is None
-        self.top = max(self.top, total)
+        if peak:
+            self.top = total
         if peak and self.on_host:
             self.host_grads = sum(p.grad.to_local().nbytes for p in self.params
                                   if p.grad is not None)
@@ -123,8 +124,8 @@ class Tracker(ExitStack):
     def ours(self, *trees):
         """{storage id: tensor} of the tensors on our device in the trees (nested lists, tuples and
         dicts of them)."""
-        tensors = [t for t in tree_leaves(trees) if isinstance(t, torch.Tensor)]
-        return {id(t.untyped_storage()): t for t in tensors if t.device == self.device}
+        return {id(t.untyped_storage()): t for t in tree_leaves(trees)
+                if isinstance(t, torch.Tensor) and t.device == self.device}
 
     def alive(self):
         """What the step made and still holds, each {**info, 'bytes'}, but host memory (offload's
@@ -143,8 +144,9 @@ class Tracker(ExitStack):
 
     def breakdown(self):
         snap = self.before_step or self.mt.get_tracker_snapshot('peak')
-        # MemTracker's categories on our device (a missing one: 0)
-        snap = Counter({getattr(k, 'value', k): v for k, v in snap.get(self.device, {}).items()})
+        # MemTracker's categories on our device (a missing one: 0); its keys are str enums:
+        # 'Parameter' finds _MemRefType.PARAM
+        snap = Counter(snap.get(self.device, {}))
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
         pool, rows = nbytes(offload.host_buffers()), nbytes(self.on_host)
         moments = nbytes(self.moments)
@@ -175,14 +177,14 @@ def to_fake(model, dtype):
     if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
         from torch._subclasses.fake_tensor import FakeTensorMode
         FakeTensorMode(allow_non_fake_inputs=True).__enter__()
-    made = {}  # a tied parameter is made once
+    made = {}  # a tied parameter is made once (a tensor hashes by its identity)
     for m in model.modules():
         for k, p in m.named_parameters(recurse=False):
-            if id(p) not in made:
-                new = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
-                                  device='cpu')
-                made[id(p)] = torch.nn.Parameter(new, p.requires_grad)
-            setattr(m, k, made[id(p)])
+            if p not in made:
+                # (every parameter of model.Llama is a float)
+                new = torch.empty(p.shape, dtype=dtype, device='cpu')
+                made[p] = torch.nn.Parameter(new, p.requires_grad)
+            setattr(m, k, made[p])
     return model
 
 def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):

@@ -334,7 +334,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
 
 
 # ----------------------------------------------------------------------- budget, verdict and table
-def device_bytes(device, budget_gb=0.0, dry_run=False):
+def device_bytes(device, budget_gb, dry_run):
     """memory_budget_gb if set; else 80 GiB (an H100's) for a dry run, the device's memory, or
     the RAM."""
     if budget_gb or dry_run:
@@ -365,7 +365,7 @@ def overhead_bytes(device_type, communicators=0):
     return 0 if device_type != 'cuda' else int(0.6 * GiB + 0.5 * GiB * communicators)
 
 def fits(est, budget, overhead=0):
-    return (est.total if isinstance(est, Estimate) else est) + overhead <= FIT_FRACTION * budget
+    return est.total + overhead <= FIT_FRACTION * budget
 
 def gib(n, width=8):
     """Bytes in GiB, MiB or KiB, whichever reads best."""
@@ -376,7 +376,7 @@ def gib(n, width=8):
             return f"{n / size:{width}.2f} {unit}"
     return f"{n / 1024:{width}.2f} KiB"
 
-def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=False):
+def table(title, est, budget, overhead, measured=None, dry=False):
     """A row per category, estimate and (when given) measured with the error in percent (a
     category's relative to the measured total), a bar each (the device is 40 characters, 80% at 32),
     the verdict."""
@@ -396,10 +396,9 @@ def table(est, budget, overhead=0, measured=None, title='memory per rank', dry=F
         if measured:
             err = ''
             if m is not None and mt:  # a category's error relative to the measured total
-                err = f"{100 * (e[k] - m) / (m if k == 'total' else mt):+7.1f}%"
+                err = f"{100 * (e[k] - m) / mt:+7.1f}%"
             row += f"{gib(m):>13s}{err:>8s}"
-        if budget:
-            row += '  ' + '█' * min(80, round(40 * e[k] / budget))
+        row += '  ' + '█' * min(80, round(40 * e[k] / budget))
         lines.append(row)
     if dry and e['workspace']:
         lines.append("  (the dry run's workspace is the formula's: fake tensors can't see inside a "
@@ -538,9 +537,10 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
 
 
 # ----------------------------------------------------------------------------- what train.py calls
-# estimate's keywords that are train.py's settings of the same names (the rest: the mesh's, dtype's)
-LAYOUT = ('cp_impl', 'pp_schedule', 'gradient_accumulation_steps', 'zero', 'offload_states',
-          'optimizer_in_backward', 'doc_mask')
+# estimate's arguments that are train.py's settings of the same names (the others: the mesh's,
+# dtype's)
+SETTINGS = ('batch_size', 'seq_len', 'cp_impl', 'pp_schedule', 'gradient_accumulation_steps',
+            'zero', 'offload_states', 'optimizer_in_backward', 'doc_mask')
 
 
 class Report:
@@ -553,31 +553,32 @@ class Report:
 
     def __init__(self, model, cfg, world, rank, mesh, device, dtype):
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
-        self.config, self.dry = model.config, bool(cfg.get('dry_run'))
-        self.B, self.S = cfg['batch_size'], cfg['seq_len']
+        self.config, self.dry = model.config, cfg.get('dry_run')
         self.measured, self.logged = None, False
         mesh = mesh or parallel.Mesh()
         self.at = mesh.rank  # the dry run's rank (its memory.json's name)
-        self.layout = {k: cfg[k] for k in LAYOUT if k in cfg}
-        self.layout.update(dtype='bfloat16' if dtype == torch.bfloat16 else 'float32',
-                           device_type='cuda' if self.dry else device.type, dp=mesh.dp,
-                           tp_size=mesh.tp, cp_size=mesh.cp, pp_size=mesh.pp, pp_rank=mesh.pp_rank)
+        # estimate's arguments (batch_size and seq_len too): 'torch.bfloat16' is train.py's
+        # 'bfloat16'; a dry run's target is CUDA
+        self.layout = {k: cfg[k] for k in SETTINGS if k in cfg}
+        self.layout.update(dtype=str(dtype)[6:], device_type='cuda' if self.dry else device.type,
+                           dp=mesh.dp, tp_size=mesh.tp, cp_size=mesh.cp, pp_size=mesh.pp,
+                           pp_rank=mesh.pp_rank)
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
         # NCCL's communicators: one per group of more than one rank
         groups = [mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.cp * mesh.dp, world]
         self.overhead = overhead_bytes(self.layout['device_type'], sum(n > 1 for n in groups))
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
         if cfg.get('auto_memory'):
-            self.auto_memory(model)
-        self.est = estimate(self.config, self.B, self.S, **self.layout)
+            self.auto_memory()
+        self.est = estimate(self.config, **self.layout)
         where = f"rank {self.at} of {world}"
         if world > 1:
             where += f" (dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp})"
         target = 'the target (dry run)' if self.dry else device
         if rank == 0:
-            print(table(self.est, self.budget, self.overhead,
-                        title=f"memory estimate per rank, {where}, {self.layout['dtype']} on "
-                              f"{target}, batch {self.B} x {self.S} tokens:"))
+            print(table(f"memory estimate per rank, {where}, {self.layout['dtype']} on {target}, "
+                        f"batch {cfg['batch_size']} x {cfg['seq_len']} tokens:",
+                        self.est, self.budget, self.overhead))
         states_on_host = cfg.get('offload_states', False)
         if self.config.offload > 0 or states_on_host:
             self.check_host(states_on_host)
@@ -588,28 +589,28 @@ class Report:
         if rank == 0:  # only now: a run stopped by a check writes nothing
             self.write()
 
-    def auto_memory(self, model):
+    def auto_memory(self):
         # rank 0 plans and every rank takes its knobs: no rank's own free memory can make it differ
         p = None
         if self.rank == 0:
-            p = plan(self.config, self.budget, self.overhead, self.host, self.B, self.S,
-                     **self.layout)
-        chosen = [p.changed if p else None]
+            p = plan(self.config, self.budget, self.overhead, self.host, **self.layout)
+        chosen = [p.changed if p else {}]
         if self.world > 1 and not self.dry and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(chosen, src=0)
-        for k, v in (chosen[0] or {}).items():  # forward reads model.config's knobs at every call
-            setattr(model.config, k, v)
+        # (self.config is the model's: forward reads its knobs at every call)
+        for k, v in chosen[0].items():
+            setattr(self.config, k, v)
         if self.rank != 0:
             return
         if p:
-            print(f"auto_memory chose {describe(chosen[0]) or 'the configured setting'}: "
+            print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
                   f"{gib(p.estimate.total, 0)}, {100 * p.cost:+.1f}% step time")
-        else:
-            unknown = ''
-            if self.host is None:
-                unknown = " (host memory unknown: set host_memory_budget_gb)"
-            print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
-                  + unknown)
+            return
+        unknown = ''
+        if self.host is None:
+            unknown = " (host memory unknown: set host_memory_budget_gb)"
+        print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
+              + unknown)
 
     def check_host(self, states):
         """This rank's offloaded blocks (offload.host_bytes) and the states' rows in host memory:
@@ -633,7 +634,7 @@ class Report:
             print(line + have)
 
     def suggest(self):
-        found = suggestions(self.config, self.budget, self.overhead, self.host or 0, self.B, self.S,
+        found = suggestions(self.config, self.budget, self.overhead, self.host or 0,
                             world=self.world, **self.layout)
         if not found:
             return ["nothing within reach fits: fewer tokens per step (batch_size, seq_len) or "
@@ -652,13 +653,13 @@ class Report:
         rank = {'rank': self.rank, 'estimate': self.est.as_dict(), 'measured': self.measured,
                 'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
                 'tp_size': self.layout['tp_size'], 'cp_size': self.layout['cp_size'],
-                'seq_len': self.S}
-        fit = fits(self.est, self.budget, self.overhead)
-        extra = {'peak_at': self.est.moment, 'fits': fit, **extra}
+                'seq_len': self.layout['seq_len']}
+        report = {'ranks': [rank], 'peak_at': self.est.moment,
+                  'fits': fits(self.est, self.budget, self.overhead), **extra}
         name = f'memory.rank{self.at}.json' if self.at > 0 else 'memory.json'
-        path = os.path.join(self.cfg.get('out_dir', '.'), name)
+        path = os.path.join(self.cfg['out_dir'], name)
         with open(path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
-            json.dump({'ranks': [rank], **extra}, f, indent=1)
+            json.dump(report, f, indent=1)
         os.replace(path + '.tmp', path)
 
     @contextmanager
@@ -669,13 +670,13 @@ class Report:
         if self.measured is not None or self.rank != 0:
             yield
             return
-        cuda, n, extra = self.device.type == 'cuda', self.cfg.get('dry_run_anatomy', 0), {}
+        cuda, n, extra = self.device.type == 'cuda', self.cfg['dry_run_anatomy'], {}
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker = nullcontext()
         if not compiled:
             tracker = Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0,
-                              states_on_host=self.cfg.get('offload_states', False))
+                              states_on_host=self.cfg['offload_states'])
         with tracker as tr:
             yield
         m = self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tr.breakdown()
@@ -686,14 +687,13 @@ class Report:
             extra['cuda'] = {'peak_allocated': peak, 'peak_reserved': reserved}
             m['workspace'] = None if compiled else max(0, peak - m['total'])
             m['total'] = max(m['total'] or 0, peak)
-        # fake tensors can't see inside a kernel: the formula's workspace, at its peak moment
-        if self.dry:
-            m['workspace'] = round(self.est.workspace)
-            m['total'] += m['workspace']
         title = "memory after the first step (measured: tensors alive at the step's peak):"
         if self.dry:
+            # fake tensors can't see inside a kernel: the formula's workspace, at its peak moment
+            m['workspace'] = round(self.est.workspace)
+            m['total'] += m['workspace']
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
-        print(table(self.est, self.budget, self.overhead, m, title, self.dry))
+        print(table(title, self.est, self.budget, self.overhead, m, self.dry))
         if cuda:
             print(f"  cuda: peak allocated {gib(peak, 0)}, reserved {gib(reserved, 0)}")
         # offloaded blocks and offload_states' rows, not the device's
@@ -721,7 +721,7 @@ class Report:
 
     def verdict(self, total, host):
         """The dry run's: its total, and its host memory where a budget is given."""
-        ok = fits(total, self.budget, self.overhead)
+        ok = total + self.overhead <= FIT_FRACTION * self.budget
         host_ok = self.host is None or host <= self.host
         verdict = (f"verdict: {'fits' if ok and host_ok else 'DOES NOT FIT'} on a "
                    f"{gib(self.budget, 0)} device: dry run {gib(total, 0)} + "
