@@ -126,16 +126,12 @@ class Rank(NamedTuple):
     t: int
     sequence: int  # S/c: one sequence's tokens on this rank
     T: int         # a micro-batch's tokens on this rank (under sp: of all t ranks)
-    lo: int        # its pipeline stage's blocks: lo .. hi - 1 (parallel.py)
-    hi: int
+    lo: int        # its pipeline stage's L blocks: lo .. lo + L - 1 (parallel.py)
+    L: int
     first: bool    # the first stage: it has the embedding
     last: bool     # the last stage: the final norm, the LM head and the loss
     F: int
     M: int
-
-    @property
-    def L(self):
-        return self.hi - self.lo
 
 
 class States(NamedTuple):
@@ -161,13 +157,14 @@ def model_states(r, d, zero, in_backward, on_host):
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
     # embedding's), in a block's backward, and last (the embedding's)
     head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
+    shard = 4 * N / d  # under FSDP2: this rank's rows of every parameter, in fp32
     if zero > 1:
         # FSDP2: the fp32 rows over d from the start (parallel.shard_states); gathered in b bytes,
         # the embedding, final norm and LM head for the whole step, and every block (2) or one (3)
-        params = 4 * N / d + b * (N - r.L * block + block * (r.L if zero == 2 else 1))
-        grads, head, optimizer, in_block, embedding = 4 * N / d, 4 * N / d, 8 * N / d, 0, 0
+        params = shard + b * (N - r.L * block + block * (r.L if zero == 2 else 1))
+        grads, head, optimizer, in_block, embedding = shard, shard, 2 * shard, 0, 0
     if on_host:  # offload_states: the rows in host memory; on the device what FSDP2 gathered
-        params, grads, head, optimizer, host = params - 4 * N / d, 0, 0, 0, 16 * N / d
+        params, grads, head, optimizer, host = params - shard, 0, 0, 0, 4 * shard
     alive = [grads, head, grads - embedding - in_block, grads - embedding - 2 * in_block]
     if in_backward:
         # optim.py (one rank, zero=0): AdamW's moments in b bytes, no fp32 copy; the gradients one
@@ -187,11 +184,10 @@ class Kept(NamedTuple):
     sent: int       # how many blocks send (offload.offloaded_blocks: all but the last KEEP_LAST)
 
 
-def kept_per_token(r, batch_size, cp_size):
+def kept_per_token(r, batch_size, cp_size, dtype):
     """k and R of a block, and of one that offload.py sends to host: offload.py's counts, then
     the layout's."""
     c, t, sequence = r.config, r.t, r.sequence
-    dtype = torch.bfloat16 if r.b == 2 else torch.float32
     # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm
     # outputs
     gathered_in = 2 * r.b * c.n_embd * (1 - 1 / t)
@@ -266,14 +262,14 @@ def moments(r, states, kept, activations, workspace):
     if r.last:
         out['forward and backward: LM head and loss'] = (
             accumulated, held + activations + head_kept, head_transient, 0)
-    out[f'backward: block {r.hi - 1}'] = (
+    out[f'backward: block {r.lo + r.L - 1}'] = (
         max(states.at_last_block, accumulated), held + activations + output, at_block, workspace)
     out[f'backward: block {r.lo}'] = (max(states.at_first_block, accumulated),
                                       held + kept.device * T + output,
                                       block_backward(r, kept.fetched), workspace)
-    out['optimizer step'] = (states.grads, 0, 2 * V * h / t * r.first if b == 2 else 0, 0)
+    out['optimizer step'] = (states.grads, 0, 2 * V * h / t * r.first * (b == 2), 0)
     if 1 < r.F == r.M:  # no forward after the first backward: the second has every gradient
-        out[f'backward: block {r.hi - 1}, the second micro-batch'] = (
+        out[f'backward: block {r.lo + r.L - 1}, the second micro-batch'] = (
             states.grads, held - one + activations + output, at_block, workspace)
     if kept.sent > 1:
         # block 1's backward: its own tensors back, block 0's host part prefetched
@@ -308,7 +304,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
     c, M = config, gradient_accumulation_steps
-    b = 2 if dtype == 'bfloat16' else 4
+    dtype = getattr(torch, dtype)  # 'bfloat16': torch.bfloat16
+    b = dtype.itemsize
     sequence = seq_len // cp_size
     # in flight: 1F1B fills the stages from this one on (without pp: 1); GPipe runs every forward
     F = min(M, pp_size - pp_rank)
@@ -316,10 +313,10 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         F = M
     lo, hi = pp_rank * c.n_layer // pp_size, (pp_rank + 1) * c.n_layer // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi, first, last, F, M)
+    r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi - lo, first, last, F, M)
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
     states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states)
-    kept = kept_per_token(r, batch_size, cp_size)
+    kept = kept_per_token(r, batch_size, cp_size, dtype)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
     # RoPE's fp32 cos and sin, per position (of every token, with doc_mask or pp)
     activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else sequence)
@@ -454,16 +451,16 @@ def variants(c, batch_size, seq_len, host, layout):
     for rc, m, lc in itertools.product(('none', 'selective', 'full'), sorted(mlps), sorted(losses)):
         v = replace(c, recompute=rc, mlp_chunks=m, loss_chunks=lc, offload=0.0)
         yield v
-        if not may_offload:
-            continue
-        seconds = offload.block_forward_seconds(v, batch_size, tokens, FLOPS)
-        alpha = offload.choose_alpha(replace(v, offload=1.0), batch_size, tokens, torch.bfloat16,
-                                     seconds, PCIE, host)
-        for a in sorted({round(alpha, 3), 1.0} - {0.0}):
-            w = replace(v, offload=a)
-            sent = offload.host_bytes(w, batch_size, tokens, torch.bfloat16)
-            if sent <= host and not parallel.check_layout(w, tp * cp, tp, cp, cp_impl, seq_len):
-                yield w
+        if may_offload:
+            seconds = offload.block_forward_seconds(v, batch_size, tokens, FLOPS)
+            alpha = offload.choose_alpha(replace(v, offload=1.0), batch_size, tokens,
+                                         torch.bfloat16, seconds, PCIE, host)
+            for a in sorted({round(alpha, 3), 1.0} - {0.0}):
+                w = replace(v, offload=a)
+                sent = offload.host_bytes(w, batch_size, tokens, torch.bfloat16)
+                broken = parallel.check_layout(w, tp * cp, tp, cp, cp_impl, seq_len)
+                if sent <= host and not broken:
+                    yield w
 
 def knobs(c, base):
     return {k: getattr(c, k) for k in MEMORY_KNOBS if getattr(c, k) != getattr(base, k)}
@@ -606,9 +603,7 @@ class Report:
             print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
                   f"{gib(p.estimate.total, 0)}, {100 * p.cost:+.1f}% step time")
             return
-        unknown = ''
-        if self.host is None:
-            unknown = " (host memory unknown: set host_memory_budget_gb)"
+        unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
         print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
               + unknown)
 
@@ -634,8 +629,9 @@ class Report:
             print(line + have)
 
     def suggest(self):
-        found = suggestions(self.config, self.budget, self.overhead, self.host or 0,
-                            world=self.world, **self.layout)
+        # (host memory unknown: None, no offload suggested)
+        found = suggestions(self.config, self.budget, self.overhead, self.host, world=self.world,
+                            **self.layout)
         if not found:
             return ["nothing within reach fits: fewer tokens per step (batch_size, seq_len) or "
                     "more GPUs"]
