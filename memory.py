@@ -95,6 +95,7 @@ from optim import STEP_CHUNK
 from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
+ROWS = CATEGORIES + ('total',)  # the table's and memory.json's
 GiB = 2 ** 30
 FIT_FRACTION = 0.8  # Fujii et al. 2024
 
@@ -116,7 +117,7 @@ class Estimate:
         return sum(getattr(self, k) for k in CATEGORIES)
 
     def as_dict(self):
-        return {k: round(getattr(self, k)) for k in CATEGORIES + ('total',)}  # (ints)
+        return {k: round(getattr(self, k)) for k in ROWS}  # (ints)
 
 
 class Rank(NamedTuple):
@@ -206,12 +207,11 @@ def kept_per_token(r, batch_size, cp_size, dtype):
     return Kept(kept, everything - kept, device, everything - device, host, sent)
 
 
-def lm_head(r):
+def lm_head(c, b, t, T):
     """(kept, transient) of the final norm, LM head and loss. Kept: the norm's input and output,
     and chunked.py's dh and fp32 dW made in forward, or F.cross_entropy's fp32 log-softmax;
     transient: one chunk's fp32 logits and their gradient (+ sp's gathered input), or the
     log-softmax's 2 gradients."""
-    c, b, t, T = r.config, r.b, r.t, r.T
     h, V = c.n_embd, c.vocab_size
     loss_chunks = chunked.loss_chunks(c, T)
     norm = 2 * b * h / t * T
@@ -251,7 +251,7 @@ def moments(r, states, kept, activations, workspace):
     kept for its backward) or its loss's."""
     b, t, T = r.b, r.t, r.T
     h, V = r.config.n_embd, r.config.vocab_size
-    head_kept, head_transient = lm_head(r)
+    head_kept, head_transient = lm_head(r.config, b, t, T)
     output = b * h / t * T * (not r.last)
     one = activations + output + head_kept * r.last
     held = (r.F - 1) * one
@@ -364,53 +364,14 @@ def overhead_bytes(device_type, communicators=0):
 def fits(est, budget, overhead=0):
     return est.total + overhead <= FIT_FRACTION * budget
 
-def gib(n, width=8):
-    """Bytes in GiB, MiB or KiB, whichever reads best."""
+def gib(n):
+    """Bytes in GiB, MiB or KiB, whichever reads best (a table aligns it)."""
     if n is None:
         return '-'
     for unit, size in (('GiB', GiB), ('MiB', 2 ** 20)):
         if abs(n) >= size:
-            return f"{n / size:{width}.2f} {unit}"
-    return f"{n / 1024:{width}.2f} KiB"
-
-def table(title, est, budget, overhead, measured=None, dry=False):
-    """A row per category, estimate and (when given) measured with the error in percent (a
-    category's relative to the measured total), a bar each (the device is 40 characters, 80% at 32),
-    the verdict."""
-    e, measured = est.as_dict(), measured or {}
-    # a dry run's figure is the verdict's, the estimate otherwise
-    label = 'dry run' if dry else 'measured'
-    header = f"  {'':12s}{'estimate':>12s}"
-    if measured:
-        header += f"{label:>13s}{'error':>8s}"
-    lines = [title, header]
-    mt = measured.get('total')
-    for k in CATEGORIES + ('total',):
-        m = measured.get(k)
-        if k == 'workspace' and not e[k] and not m:  # none: no row
-            continue
-        row = f"  {k:12s}{gib(e[k]):>12s}"
-        if measured:
-            err = ''
-            if m is not None and mt:  # a category's error relative to the measured total
-                err = f"{100 * (e[k] - m) / mt:+7.1f}%"
-            row += f"{gib(m):>13s}{err:>8s}"
-        row += '  ' + '█' * min(80, round(40 * e[k] / budget))
-        lines.append(row)
-    if dry and e['workspace']:
-        lines.append("  (the dry run's workspace is the formula's: fake tensors can't see inside a "
-                     "CUDA kernel)")
-    total = (mt if dry else e['total']) + overhead
-    verdict = 'fits' if total <= FIT_FRACTION * budget else 'DOES NOT FIT'
-    lines += [f"  {'+ overhead':12s}{gib(overhead):>12s}   (CUDA context, NCCL buffers: not in "
-              "tensors)",
-              f"  {'device':12s}{gib(budget):>12s}   80% rule: {gib(total, 0)} of "
-              f"{gib(FIT_FRACTION * budget, 0)} -> {verdict}",
-              f"  peak at: {est.moment}"]
-    if est.host:
-        lines[-1] += f"; {gib(est.host, 0)} offloaded to host"
-    return '\n'.join(lines)
-
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
 
 # ----------------------------------------------------------------------------- the planner
 # What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
@@ -489,8 +450,9 @@ def options(config, budget, overhead, host, batch_size, seq_len, layout):
     for v in variants(config, batch_size, seq_len, host, layout):
         e = estimate(v, batch_size, seq_len, **layout)
         if fits(e, budget, overhead):
-            extra = round(cost(v, config, batch_size, seq_len), 9)
-            fit.append(Option(v, knobs(v, config), e, extra))
+            # (rounded: two settings of the same cost compare equal)
+            fit.append(Option(v, knobs(v, config), e,
+                              round(cost(v, config, batch_size, seq_len), 9)))
     return sorted(fit, key=lambda o: (o.cost, len(o.changed), o.estimate.total))
 
 def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
@@ -552,7 +514,6 @@ class Report:
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
         self.config, self.dry = model.config, cfg.get('dry_run')
         self.measured, self.logged = None, False
-        mesh = mesh or parallel.Mesh()
         self.at = mesh.rank  # the dry run's rank (its memory.json's name)
         # estimate's arguments (batch_size and seq_len too): 'torch.bfloat16' is train.py's
         # 'bfloat16'; a dry run's target is CUDA
@@ -573,15 +534,14 @@ class Report:
             where += f" (dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp})"
         target = 'the target (dry run)' if self.dry else device
         if rank == 0:
-            print(table(f"memory estimate per rank, {where}, {self.layout['dtype']} on {target}, "
-                        f"batch {cfg['batch_size']} x {cfg['seq_len']} tokens:",
-                        self.est, self.budget, self.overhead))
+            print(self.table(f"memory estimate per rank, {where}, {self.layout['dtype']} on "
+                             f"{target}, batch {cfg['batch_size']} x {cfg['seq_len']} tokens:"))
         states_on_host = cfg.get('offload_states', False)
         if self.config.offload > 0 or states_on_host:
             self.check_host(states_on_host)
         if not self.dry and not fits(self.est, self.budget, self.overhead):
-            self.stop([f"error: does not fit: {gib(self.est.total, 0)} per rank + "
-                       f"{gib(self.overhead, 0)} overhead > 80% of {gib(self.budget, 0)}, peak at "
+            self.stop([f"error: does not fit: {gib(self.est.total)} per rank + "
+                       f"{gib(self.overhead)} overhead > 80% of {gib(self.budget)}, peak at "
                        f"{self.est.moment}"] + self.suggest())
         if rank == 0:  # only now: a run stopped by a check writes nothing
             self.write()
@@ -601,7 +561,7 @@ class Report:
             return
         if p:
             print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
-                  f"{gib(p.estimate.total, 0)}, {100 * p.cost:+.1f}% step time")
+                  f"{gib(p.estimate.total)}, {100 * p.cost:+.1f}% step time")
             return
         unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
         print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
@@ -636,7 +596,7 @@ class Report:
             return ["nothing within reach fits: fewer tokens per step (batch_size, seq_len) or "
                     "more GPUs"]
         return (["cheapest changes that fit (estimate per rank, extra step time):"]
-                + [f"  {s.change:52s} {gib(s.estimate.total)}  {100 * s.cost:+5.1f}%"
+                + [f"  {s.change:52s} {gib(s.estimate.total):>12s}  {100 * s.cost:+5.1f}%"
                    for s in found[:8]]
                 + ["or --auto_memory=True to take the first memory knob setting above"])
 
@@ -644,6 +604,44 @@ class Report:
         if self.rank == 0:
             print('\n'.join(lines), file=sys.stderr)
         sys.exit(2)
+
+    def table(self, title, measured=None, dry=False):
+        """A row per category, estimate and (when given) measured with the error in percent (a
+        category's relative to the measured total), a bar each (the device is 40 characters, 80%
+        at 32), the verdict."""
+        e, measured = self.est.as_dict(), measured or {}
+        # a dry run's figure is the verdict's, the estimate otherwise
+        label = 'dry run' if dry else 'measured'
+        header = f"  {'':12s}{'estimate':>12s}"
+        if measured:
+            header += f"{label:>13s}{'error':>8s}"
+        lines = [title, header]
+        mt = measured.get('total')
+        for k in ROWS:
+            m = measured.get(k)
+            if k == 'workspace' and not e[k] and not m:  # none: no row
+                continue
+            row = f"  {k:12s}{gib(e[k]):>12s}"
+            if measured:
+                err = ''
+                if m is not None and mt:  # a category's error relative to the measured total
+                    err = f"{100 * (e[k] - m) / mt:+7.1f}%"
+                row += f"{gib(m):>13s}{err:>8s}"
+            row += '  ' + '█' * min(80, round(40 * e[k] / self.budget))
+            lines.append(row)
+        if dry and e['workspace']:
+            lines.append("  (the dry run's workspace is the formula's: fake tensors can't see "
+                         "inside a CUDA kernel)")
+        total = (mt if dry else e['total']) + self.overhead
+        verdict = 'fits' if total <= FIT_FRACTION * self.budget else 'DOES NOT FIT'
+        lines += [f"  {'+ overhead':12s}{gib(self.overhead):>12s}   (CUDA context, NCCL buffers: "
+                  "not in tensors)",
+                  f"  {'device':12s}{gib(self.budget):>12s}   80% rule: {gib(total)} of "
+                  f"{gib(FIT_FRACTION * self.budget)} -> {verdict}",
+                  f"  peak at: {self.est.moment}"]
+        if self.est.host:
+            lines[-1] += f"; {gib(self.est.host)} offloaded to host"
+        return '\n'.join(lines)
 
     def write(self, **extra):
         rank = {'rank': self.rank, 'estimate': self.est.as_dict(), 'measured': self.measured,
@@ -671,11 +669,11 @@ class Report:
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker = nullcontext()
         if not compiled:
-            tracker = Tracker(model, masters, optimizer, device=self.device, anatomy=n > 0,
+            tracker = Tracker(model, masters, optimizer, device=self.device, anatomy=n,
                               states_on_host=self.cfg['offload_states'])
         with tracker as tr:
             yield
-        m = self.measured = dict.fromkeys(CATEGORIES + ('total',)) if compiled else tr.breakdown()
+        m = self.measured = dict.fromkeys(ROWS) if compiled else tr.breakdown()
         # its peak holds what kernels allocate beside the tensors: the total, the rest workspace
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -689,13 +687,13 @@ class Report:
             m['workspace'] = round(self.est.workspace)
             m['total'] += m['workspace']
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
-        print(table(title, self.est, self.budget, self.overhead, m, self.dry))
+        print(self.table(title, m, self.dry))
         if cuda:
-            print(f"  cuda: peak allocated {gib(peak, 0)}, reserved {gib(reserved, 0)}")
+            print(f"  cuda: peak allocated {gib(peak)}, reserved {gib(reserved)}")
         # offloaded blocks and offload_states' rows, not the device's
         if self.est.host and not compiled:
             extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
-            print(f"  host memory per rank: {gib(self.est.host, 0)} estimated, {gib(tr.host, 0)} "
+            print(f"  host memory per rank: {gib(self.est.host)} estimated, {gib(tr.host)} "
                   "measured")
         if n and not compiled:
             extra['anatomy'] = self.anatomy(tr, n, m['total'] - m['workspace'])
@@ -707,12 +705,12 @@ class Report:
         """Where the peak's `tensors` bytes are: what a change to the code added or removed."""
         largest, made = tracker.at_peak[:n], sum(x['bytes'] for x in tracker.at_peak)
         print(f"anatomy of the peak, after {tracker.moment}: the {len(largest)} largest of the "
-              f"{len(tracker.at_peak)} tensors made in the step and alive, {gib(made, 0)} (the "
-              f"other {gib(tensors - made, 0)} were there before it: parameters, optimizer, "
+              f"{len(tracker.at_peak)} tensors made in the step and alive, {gib(made)} (the "
+              f"other {gib(tensors - made)} were there before it: parameters, optimizer, "
               "batch):")
         for x in largest:
-            print(f"  {gib(x['bytes'])}  {x['category']:12s}{x['dtype']:9s}{str(x['shape']):22s} "
-                  f"{x['op']} in {x['module']}")
+            print(f"  {gib(x['bytes']):>12s}  {x['category']:12s}{x['dtype']:9s}"
+                  f"{str(x['shape']):22s} {x['op']} in {x['module']}")
         return {'moment': tracker.moment, 'made_bytes': made, 'largest': largest}
 
     def verdict(self, total, host):
@@ -720,11 +718,11 @@ class Report:
         ok = total + self.overhead <= FIT_FRACTION * self.budget
         host_ok = self.host is None or host <= self.host
         verdict = (f"verdict: {'fits' if ok and host_ok else 'DOES NOT FIT'} on a "
-                   f"{gib(self.budget, 0)} device: dry run {gib(total, 0)} + "
-                   f"{gib(self.overhead, 0)} overhead "
-                   f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget, 0)})")
+                   f"{gib(self.budget)} device: dry run {gib(total)} + "
+                   f"{gib(self.overhead)} overhead "
+                   f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget)})")
         if not host_ok:
-            verdict += f"; host {gib(host, 0)} > {gib(self.host, 0)}"
+            verdict += f"; host {gib(host)} > {gib(self.host)}"
         print(verdict)
         if not (ok and host_ok):
             print('\n'.join(self.suggest()))

@@ -474,7 +474,7 @@ PLAN_WORKER = """
 import os, sys
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
-import memory
+import memory, parallel
 from model import Llama, LlamaConfig
 dist.init_process_group('gloo')
 rank = dist.get_rank()
@@ -485,7 +485,7 @@ with torch.device('meta'):  # shapes only: the report is made before anything is
     model = Llama(LlamaConfig(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192,
                               vocab_size=32000, mlp_chunks=0, loss_chunks=0))
 cfg = dict(batch_size=1, seq_len=32768, auto_memory=True, memory_budget_gb=20, out_dir={out!r})
-memory.Report(model, cfg, 2, rank, None, torch.device('cpu'), torch.bfloat16)
+memory.Report(model, cfg, 2, rank, parallel.Mesh(), torch.device('cpu'), torch.bfloat16)
 open(os.path.join({out!r}, 'plan%d' % rank), 'w').write('%s %s' % (model.config.recompute, model.config.offload))
 dist.destroy_process_group()
 """
