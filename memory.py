@@ -76,6 +76,7 @@ in bf16 for CUDA: exact for tensors, a kernel's workspace the formula's at its p
 last stage's then, in a process of its own. `--dry_run_anatomy=N` lists the N largest tensors alive
 at the peak, and what made them.
 """
+import inspect
 import itertools
 import json
 import math
@@ -496,12 +497,6 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
 
 
 # ----------------------------------------------------------------------------- what train.py calls
-# estimate's arguments that are train.py's settings of the same names (the others: the mesh's,
-# dtype's)
-SETTINGS = ('batch_size', 'seq_len', 'cp_impl', 'pp_schedule', 'gradient_accumulation_steps',
-            'zero', 'offload_states', 'optimizer_in_backward', 'doc_mask')
-
-
 class Report:
     """Made before anything is on the device: auto_memory's plan applied (rank 0 decides, every rank
     takes its knobs), the estimate printed and written to out_dir/memory.json, offload's host memory
@@ -515,9 +510,10 @@ class Report:
         self.config, self.dry = model.config, cfg.get('dry_run')
         self.measured, self.logged = None, False
         self.at = mesh.rank  # the dry run's rank (its memory.json's name)
-        # estimate's arguments (batch_size and seq_len too): 'torch.bfloat16' is train.py's
-        # 'bfloat16'; a dry run's target is CUDA
-        self.layout = {k: cfg[k] for k in SETTINGS if k in cfg}
+        # estimate's arguments: train.py's settings of the same names (batch_size, seq_len, zero,
+        # ...), then the mesh's sizes and the weights' dtype over the settings' (dtype='auto'):
+        # 'torch.bfloat16' is the setting's 'bfloat16'; a dry run's target is CUDA
+        self.layout = {k: cfg[k] for k in inspect.signature(estimate).parameters if k in cfg}
         self.layout.update(dtype=str(dtype)[6:], device_type='cuda' if self.dry else device.type,
                            dp=mesh.dp, tp_size=mesh.tp, cp_size=mesh.cp, pp_size=mesh.pp,
                            pp_rank=mesh.pp_rank)
