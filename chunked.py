@@ -122,6 +122,8 @@ class _ChunkedMLP(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.shape[0], n):
                 xc = x[s:s + n]
+                # two statements: the previous chunk's `a` is freed before x W3ᵀ is made (on one
+                # line three [n, I] buffers are alive at once: +0.30 GiB at 1M tokens)
                 a = F.silu(torch.mm(xc, w1.t()), inplace=True)  # a := silu(x W1ᵀ)
                 a.mul_(torch.mm(xc, w3.t()))                    # a := silu(x W1ᵀ) · x W3ᵀ
                 torch.mm(a, w2.t(), out=y[s:s + n])             # y = a W2ᵀ

@@ -204,8 +204,18 @@ def _prefetch(i, attention, args, output):
     (its tensors don't add to that peak), before block i-1's backward needs them. (A recompute
     in backward runs it too: a hook on a recomputed tensor never runs.)"""
     previous = _device(output).offloaded.get(i - 1)
-    if previous is not None and output.requires_grad:
-        output.register_hook(lambda grad: previous.fetch())
+    if previous is None or not output.requires_grad:
+        return
+    # The hook holds block i-1 weakly: a spent graph can outlive its step (MemTracker's hooks keep
+    # them), and a strong reference would keep that block's tensors (RoPE's tables among them) too.
+    previous = weakref.ref(previous)
+
+    def fetch_previous(grad):
+        block = previous()
+        if block is not None:
+            block.fetch()
+
+    output.register_hook(fetch_previous)
 
 
 def _keep_or_recompute(inner, recompute, x, cos, sin, docs):
