@@ -108,20 +108,20 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     cp_size > 1: Ulysses) and those it keeps on the device (its saved tensors under MIN_BYTES)."""
     if config.offload == 0:
         return 0, 0
-    bh, S = dtype.itemsize * config.n_embd, seq_len
+    # B·b·h: a token of the block's input, in every sequence of the batch
+    bh, S = batch * dtype.itemsize * config.n_embd, seq_len
     if config.recompute == 'full':
-        per_sequence = [bh * S]  # the block's input
+        pieces = [bh * S]  # the block's input
     else:
         n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
         # the first S - n tokens' input (checkpoint's), wo's input for the last n (a view of their
         # attention output, packed apart from it), then every saved tensor
-        per_sequence = [bh * (S - n), bh * n]
+        pieces = [bh * (S - n), bh * n]
         if cp_size > 1 and n < S:
-            per_sequence.append(bh * S)  # Ulysses: the output the recompute replays
+            pieces.append(bh * S)  # Ulysses: the output the recompute replays
         for kind, sizes in saved_per_token(config, dtype, S).items():
             tokens = n if kind == 'other' else S
-            per_sequence += [per_token * tokens for per_token in sizes]
-    pieces = [batch * p for p in per_sequence]
+            pieces += [batch * per_token * tokens for per_token in sizes]
     host = sum(p for p in pieces if p >= MIN_BYTES)
     return host, sum(pieces) - host
 
@@ -149,11 +149,15 @@ def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host
     whole = dtype.itemsize * config.n_embd
     if config.recompute != 'full':
         whole += _per_token(config, dtype, seq_len, 'qkv', 'attention')
-    other = _per_token(config, dtype, seq_len, 'other') if config.recompute == 'none' else 0
-    budget = min(bandwidth * block_forward_s, host_bytes_free / max(blocks, 1)) / (batch * seq_len)
-    if blocks <= 0 or budget < whole:
+    if blocks <= 0:
         return 0.0
-    return 1.0 if other == 0 else min(1.0, (budget - whole) / other)
+    budget = min(bandwidth * block_forward_s, host_bytes_free / blocks) / (batch * seq_len)
+    if budget < whole:
+        return 0.0
+    if config.recompute != 'none':
+        return 1.0
+    other = _per_token(config, dtype, seq_len, 'other')
+    return min(1.0, (budget - whole) / other)
 
 
 def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
@@ -172,15 +176,14 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
 # ------------------------------------------------------------------------ the policy, per block
 def apply(model):
     """Wrap each block's forward (as torchtitan applies checkpointing) for model.config's knobs,
-    read at every call: apply once they are final (train.py: after auto_memory)."""
+    read at every call: apply once they are final (train.py: after auto_memory), and once (a
+    second apply would wrap the wrapper)."""
     c = model.config
     # nothing to keep, recompute or offload (the default): no block is wrapped, the model runs as
     # model.py writes it (the wrapper would only call the block's own forward)
     if c.recompute == 'none' and c.offload == 0:
         return model
     for i, block in model.layers.items():
-        if 'forward' in vars(block):
-            continue  # wrapped already
         block.forward = partial(_block_forward, c, int(i), block, block.forward)
         if c.offload > 0:
             block.attention.register_forward_hook(partial(_prefetch, int(i)))
@@ -203,7 +206,7 @@ def _prefetch(i, attention, args, output):
     starts coming back once this output has its gradient, i.e. once block i's MLP backward is done
     (its tensors don't add to that peak), before block i-1's backward needs them. (A recompute
     in backward runs it too: a hook on a recomputed tensor never runs.)"""
-    previous = _device(output).offloaded.get(i - 1)
+    previous = _offloaded.get(i - 1)
     if previous is None or not output.requires_grad:
         return
     # The hook holds block i-1 weakly: a spent graph can outlive its step (MemTracker's hooks keep
@@ -218,15 +221,16 @@ def _prefetch(i, attention, args, output):
     output.register_hook(fetch_previous)
 
 
-def _keep_or_recompute(inner, recompute, x, cos, sin, docs):
-    """A block on the device keeps everything ('none'), its input ('full'), or its input and
-    attention's output ('selective': checkpoint keeps what SDPA saves, any kernel)."""
+def _keep_or_recompute(inner, recompute, *args):
+    """A block on the device (`inner`, args: x, cos, sin, docs) keeps everything ('none'), its
+    input ('full'), or its input and attention's output ('selective': checkpoint keeps what SDPA
+    saves, any kernel)."""
     if recompute == 'none':
-        return inner(x, cos, sin, docs)
+        return inner(*args)
     if recompute == 'full':
-        return checkpoint(inner, x, cos, sin, docs, use_reentrant=False)
+        return checkpoint(inner, *args, use_reentrant=False)
     context = partial(create_selective_checkpoint_contexts, _keep_attention)
-    return checkpoint(inner, x, cos, sin, docs, use_reentrant=False, context_fn=context)
+    return checkpoint(inner, *args, use_reentrant=False, context_fn=context)
 
 
 def _keep_attention(ctx, op, *args, **kwargs):
@@ -253,21 +257,8 @@ def _offload(block, inner, x, cos, sin, docs, c, i):
             y = _Split(block.attention, block.attention.attend, inner, saved, cos, sin, docs,
                        S, S - n).forward(x)
     saved.send()
-    saved.dev.offloaded[i] = saved  # for block i+1's _prefetch
+    _offloaded[i] = saved  # for block i+1's _prefetch
     return y
-
-
-def _tokens(t, S, lo, hi):
-    """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run per tp
-    rank)."""
-    return t.unflatten(-2, (-1, S))[..., lo:hi, :].flatten(-3, -2)
-
-
-def _join(first, second, s0, S):
-    """The inverse of _tokens: in each run of S tokens along dim -2, `first`'s s0 tokens then
-    `second`'s S - s0."""
-    both = [first.unflatten(-2, (-1, s0)), second.unflatten(-2, (-1, S - s0))]
-    return torch.cat(both, -2).flatten(-3, -2)
 
 
 # The header's cut, as the events it performs. The block runs on each of two token ranges with
@@ -323,11 +314,22 @@ class _Split:
         second_y, self.second_y = self.second_y, None
         return y if second_y is None else torch.cat([y, second_y], 1)
 
+    def tokens(self, t, lo, hi):
+        """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run
+        per tp rank)."""
+        return t.unflatten(-2, (-1, self.S))[..., lo:hi, :].flatten(-3, -2)
+
+    def join(self, first, second):
+        """The inverse of tokens: in each run of S tokens along dim -2, `first`'s s0 tokens then
+        `second`'s S - s0."""
+        both = [first.unflatten(-2, (-1, self.s0)), second.unflatten(-2, (-1, self.S - self.s0))]
+        return torch.cat(both, -2).flatten(-3, -2)
+
     def run(self, attend, x, lo, hi):
         """The block on tokens [lo, hi) of each run, with attention.attend swapped for `attend`."""
         self.attention.attend = attend
         try:
-            cos, sin = _tokens(self.cos, self.S, lo, hi), _tokens(self.sin, self.S, lo, hi)
+            cos, sin = self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi)
             return self.block(x, cos, sin, self.docs)
         finally:
             # the real one back (also after step 2: the first range doesn't attend again)
@@ -337,7 +339,7 @@ class _Split:
         if self.replay is not None:
             # 6. requiring grad as in forward, so that the ops after it save what they saved then
             a = self.saved.unpack(self.replay)
-            return _tokens(a, self.S, 0, self.s0).detach().requires_grad_(self.requires_grad)
+            return self.tokens(a, 0, self.s0).detach().requires_grad_(self.requires_grad)
         with saved_tensors_hooks(self.saved.pack, self.saved.unpack):
             if self.second_x is None:
                 # no second range: attention on the first's q, k, v alone
@@ -349,21 +351,20 @@ class _Split:
                 self.second_y = self.run(self.attend_all, x, self.s0, self.S)
         # 5.
         a, self.a = self.a, None
-        return _tokens(a, self.S, 0, self.s0)
+        return self.tokens(a, 0, self.s0)
 
     def attend_all(self, q, k, v, docs):
         """3. Attention once, on every token (the second range's attend)."""
         if self.first_qkv is not None:
             # in each run of S tokens (one per tp rank under sequence parallelism): the first
-            # range's tokens, then the second's
-            pairs = zip(self.first_qkv, (q, k, v))
-            q, k, v = (_join(first, second, self.s0, self.S) for first, second in pairs)
+            # range's tokens, then the second's, for each of q, k, v
+            q, k, v = map(self.join, self.first_qkv, (q, k, v))
             self.first_qkv = None
         a = self.attend(q, k, v, docs)
         self.replay = self.saved.pack(a)
         self.a, self.requires_grad = a, a.requires_grad
         # 4. the second range takes its tokens
-        return _tokens(a, self.S, self.s0, self.S)
+        return self.tokens(a, self.s0, self.S)
 
 
 # ------------------------------------------------------------ one block's tensors, to host and back
@@ -374,17 +375,14 @@ class Offloaded:
     def __init__(self, dev, index, keep):
         self.dev, self.index, self.keep = dev, index, keep
         self.tensors, self.uses = [], []  # device tensors: to send (forward), then back (backward)
-        self.host, self.buffer, self.sent, self.back, self.ready = None, None, None, None, False
+        self.host, self.buffer, self.back, self.ready = None, None, None, False
 
     def pack(self, t):
-        storage = t.untyped_storage()
-        if t.nbytes < MIN_BYTES or storage in self.keep:  # (storages compare by identity)
+        if t.nbytes < MIN_BYTES or t.untyped_storage() in self.keep:
             return t  # stays where it is
-        # a tensor saved twice (by a norm, by a view) goes once: the same memory (storages compare
-        # by identity), dtype, shape and strides
-        where = (storage, t.dtype, t.shape, t.stride(), t.storage_offset())
+        # a tensor saved twice (by a norm, by a view) goes once
         for k, u in enumerate(self.tensors):
-            if (u.untyped_storage(), u.dtype, u.shape, u.stride(), u.storage_offset()) == where:
+            if _where(u) == _where(t):
                 self.uses[k] += 1
                 return k
         self.tensors.append(t)
@@ -394,26 +392,27 @@ class Offloaded:
     def send(self):
         if not self.tensors:
             return
-        dev, sizes = self.dev, [t.nbytes for t in self.tensors]
-        self.buffer = dev.pool.take(sum(_align(n) for n in sizes))
+        dev = self.dev
+        self.buffer = dev.pool.take(sum(_align(t.nbytes) for t in self.tensors))
         ready = _mark(dev)  # after this block's forward kernels: the copies read their results
         with torch.cuda.stream(dev.d2h):  # None: a no-op
+            _wait(ready)
             # and after the last host->device copy out of this buffer
-            _wait(ready, self.buffer.ready)
+            _wait(self.buffer.ready)
             self.host, offset = [], 0
-            for t, n in zip(self.tensors, sizes):
+            for t in self.tensors:
                 # with t's strides where t is dense (attention's output is [B, S, H, hd] in memory):
                 # it comes back with them, and what backward views of it stays a view, not a copy
                 stride = torch.empty_like(t, device='meta').stride()
-                h = self.buffer.data[offset:offset + n].view(t.dtype).as_strided(t.shape, stride)
-                self.host.append(h.copy_(t, non_blocking=dev.cuda))
-                offset += _align(n)
-            self.sent = _mark(dev)
+                carved = self.buffer.data[offset:offset + t.nbytes].view(t.dtype)
+                self.host.append(carved.as_strided(t.shape, stride).copy_(t, non_blocking=dev.cuda))
+                offset += _align(t.nbytes)
+            sent = _mark(dev)
         if not dev.fake:  # a dry run's fake bytes are not moved
-            _stats['bytes_to_host'] += sum(sizes)
+            _stats['bytes_to_host'] += sum(h.nbytes for h in self.host)
         # freed once compute has waited for these copies (_retire)
-        dev.in_flight.append((self.sent, self.tensors))
-        self.tensors = [None] * len(sizes)
+        dev.in_flight.append((sent, self.tensors))
+        self.tensors = None
         _retire(dev, MAX_IN_FLIGHT if dev.cuda else 0)
 
     def fetch(self):
@@ -423,9 +422,11 @@ class Offloaded:
         _retire(dev, 0)  # backward has begun: every device->host copy must be done
         # allocated on the compute stream, which frees them after use
         self.tensors = [torch.empty_like(h, device=dev.device) for h in self.host]
-        ready = _mark(dev)  # that memory may still be read by kernels queued before now
+        # that memory may still be read by kernels queued before now; and compute has waited for
+        # this block's device->host copies (_retire): they are done too
+        ready = _mark(dev)
         with torch.cuda.stream(dev.h2d):
-            _wait(self.sent, ready)
+            _wait(ready)
             for t, h in zip(self.tensors, self.host):
                 t.copy_(h, non_blocking=dev.cuda)
             self.back = _mark(dev)
@@ -455,6 +456,12 @@ class Offloaded:
         return t
 
 
+def _where(t):
+    """A saved tensor's memory: the same storage (storages compare by identity), dtype, shape and
+    strides."""
+    return t.untyped_storage(), t.dtype, t.shape, t.stride(), t.storage_offset()
+
+
 # ---------------------------------------------------------------------- host pool, streams, events
 def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype and for DMA
     return -(-nbytes // to) * to
@@ -474,7 +481,7 @@ class HostPool:
 
     def __init__(self, pin):
         self.pin, self.idle, self.buffers = pin, [], []
-        self.reserved = self.in_use = self.allocations = 0
+        self.allocations = 0
 
     def take(self, nbytes):
         big_enough = [buf for buf in self.idle if buf.nbytes >= nbytes]
@@ -486,9 +493,7 @@ class HostPool:
                 self.release(self.idle.pop())
             buf = _Buffer(self.allocate(nbytes))
             self.buffers.append(buf)
-            self.reserved += nbytes
             self.allocations += 1
-        self.in_use += buf.nbytes
         return buf
 
     def allocate(self, nbytes):
@@ -505,7 +510,6 @@ class HostPool:
 
     def give(self, buf, ready):
         buf.ready = ready
-        self.in_use -= buf.nbytes
         self.idle.append(buf)
 
     def release(self, buf):
@@ -514,26 +518,27 @@ class HostPool:
             torch.cuda.synchronize()
             torch.cuda.cudart().cudaHostUnregister(buf.data.data_ptr())
         self.buffers.remove(buf)
-        self.reserved -= buf.nbytes
 
 
 _devices = {}
 _stats = {'bytes_to_host': 0, 'bytes_to_device': 0}
+# the blocks offloaded in the forward under way, by index, while they live (a block's index is
+# unique within a forward, on any device)
+_offloaded = weakref.WeakValueDictionary()
 
 
 def _device(x):
-    """Per device (fake tensors: their own): copy streams (CUDA only), host pool, copies in flight,
-    and the blocks offloaded in the forward under way (by index, while they live)."""
+    """Per device (fake tensors: their own): copy streams (CUDA only), host pool, copies in
+    flight."""
     fake = isinstance(x, FakeTensor)
     key = (x.device, fake)
     if key not in _devices:
         cuda = x.device.type == 'cuda' and not fake
-        d2h = h2d = None
-        if cuda:
-            d2h, h2d = torch.cuda.Stream(x.device), torch.cuda.Stream(x.device)
-        _devices[key] = SimpleNamespace(device=x.device, fake=fake, cuda=cuda, d2h=d2h, h2d=h2d,
-                                        pool=HostPool(pin=cuda), in_flight=[],
-                                        offloaded=weakref.WeakValueDictionary())
+        _devices[key] = SimpleNamespace(
+            device=x.device, fake=fake, cuda=cuda, pool=HostPool(pin=cuda), in_flight=[],
+            # the copy streams, device->host and host->device (a CPU has none)
+            d2h=torch.cuda.Stream(x.device) if cuda else None,
+            h2d=torch.cuda.Stream(x.device) if cuda else None)
     return _devices[key]
 
 
@@ -545,11 +550,11 @@ def _mark(dev):
     return torch.cuda.current_stream(dev.device).record_event()
 
 
-def _wait(*events):
-    """The current stream waits for each event (not None); the host does not."""
-    for event in events:
-        if event is not None:
-            event.wait()
+def _wait(event):
+    """The current stream waits for the event (None, on a CPU: nothing to wait for); the host does
+    not."""
+    if event is not None:
+        event.wait()
 
 
 def _retire(dev, limit):
@@ -562,8 +567,9 @@ def stats():
     """Bytes moved each way since start (train.py logs bytes_to_host's rise per step) and the host
     pools' sizes."""
     pools = [d.pool for d in _devices.values() if not d.fake]
-    return dict(_stats, host_reserved=sum(p.reserved for p in pools),
-                host_in_use=sum(p.in_use for p in pools),
+    reserved = sum(buf.nbytes for p in pools for buf in p.buffers)
+    idle = sum(buf.nbytes for p in pools for buf in p.idle)
+    return dict(_stats, host_reserved=reserved, host_in_use=reserved - idle,
                 host_allocations=sum(p.allocations for p in pools))
 
 
