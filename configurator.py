@@ -19,6 +19,7 @@ import time
 import traceback
 from contextlib import suppress
 from datetime import timedelta
+from pathlib import Path
 from types import ModuleType
 
 _CONFIG_TYPES = (int, float, str, type(None), dict, list, tuple)  # bool is an int
@@ -79,7 +80,7 @@ def has_device(name):
         dev = torch.device(name)
     except RuntimeError:
         return False
-    count = {'cpu': 1, 'mps': int(torch.backends.mps.is_available()),
+    count = {'cpu': 1, 'mps': torch.backends.mps.is_available(),
              'cuda': torch.cuda.device_count()}
     return (dev.index or 0) < count.get(dev.type, 0)
 
@@ -91,7 +92,7 @@ def writable(path):
         path = os.path.dirname(path)
     return os.path.isdir(path) and os.access(path, os.W_OK)
 
-def fit(value, default, raw=None):
+def fit(value, default, raw):
     """value as the type of default, or None if it does not fit. raw: the command-line text, None
     from a file."""
     if default is None:
@@ -119,8 +120,7 @@ def override(g, defaults, key, value, raw, where=''):
 def load(path, g, defaults):
     try:
         # bytes: compile() then honours coding cookies and reports bad encodings
-        with open(path, 'rb') as f:
-            code = compile(f.read(), path, 'exec')
+        code = compile(Path(path).read_bytes(), path, 'exec')
     except OSError as e:  # missing, a directory, no permission
         die(f"cannot read config file {path}: {e.strerror}")
     except SyntaxError as e:

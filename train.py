@@ -199,16 +199,17 @@ def get_batch(meta, split, n, generator, device):
     """n random windows of seq_len + 1 tokens: a Batch."""
     # a fresh memmap per batch: numpy's memmap otherwise keeps every page it touched resident
     data = np.memmap(Path(meta['dir'], f'{split}.bin'), dtype=meta['dtype'], mode='r')
-    ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).tolist()
-    rows = [data[i:i + seq_len + 1].astype(np.int64) for i in ix]
+    ix = torch.randint(len(data) - seq_len - 1, (n,), generator=generator).numpy()
+    # t [n, seq_len + 1]: the windows' indices in the token stream
+    t = np.add.outer(ix, np.arange(seq_len + 1))
+    rows = data[t].astype(np.int64)
     if doc_mask:
         # n more rows: each token's place in its document, as if the window's first document
         # began at the window
         doc_starts = read_docs(meta, split)
-        for i in ix:
-            t = np.arange(i, i + seq_len + 1)
-            rows.append(t - np.maximum(doc_starts[np.searchsorted(doc_starts, t, 'right') - 1], i))
-    rows = torch.from_numpy(np.stack(rows))
+        starts = np.maximum(doc_starts[np.searchsorted(doc_starts, t, 'right') - 1], t[:, :1])
+        rows = np.concatenate([rows, t - starts])
+    rows = torch.from_numpy(rows)
     if device.type == 'cuda':  # pinned: the copy below overlaps the previous step
         rows = rows.pin_memory()
     tokens, positions = rows.to(device, non_blocking=True).tensor_split([n])
@@ -246,7 +247,7 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
         with autocast:
             loss = model(x, y, positions, docs)[1] * ((y != -100).sum() / count)
         loss.backward()
-        total = total + loss.detach()
+        total += loss.detach()
     return dpcp_sum(total, mesh)
 
 
@@ -255,10 +256,8 @@ def make_optimizer(model, masters, device_type, mesh=None):
     or in backward."""
     # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama). (A master has
     # its parameter's shape.)
-    decay = [m for m in masters if m.dim() >= 2]
-    no_decay = [m for m in masters if m.dim() < 2]
-    groups = [{'params': decay, 'weight_decay': weight_decay},
-              {'params': no_decay, 'weight_decay': 0.0}]
+    groups = [{'params': [m for m in masters if m.dim() >= 2], 'weight_decay': weight_decay},
+              {'params': [m for m in masters if m.dim() < 2], 'weight_decay': 0.0}]
     # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a
     # CPU it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of
     # width 128: 0.9 vs 5.9 ms). (fused skips a step: train_step)
@@ -275,7 +274,8 @@ def get_lr(it):
         return learning_rate * (it + 1) / (warmup_iters + 1)
     if it >= decay_iters:
         return min_lr
-    ratio = (it - warmup_iters) / max(1, decay_iters - warmup_iters)
+    # (here warmup_iters <= it < decay_iters: the span is >= 1)
+    ratio = (it - warmup_iters) / (decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
@@ -331,7 +331,7 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
                 mean = pipe.evaluate(x, y, positions)
         # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
         real = (y != -100).sum()
-        loss = loss + torch.stack([mean * real, real])
+        loss += torch.stack([mean * real, real])
     model.train()
     for m in model.modules():
         if hasattr(m, 'reshard'):  # FSDP2: no backward came to free the gathered weights
@@ -418,8 +418,9 @@ def device_and_dtype():
         ptdtype = torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32
     else:
         ptdtype = getattr(torch, dtype)
-    # TF32 for fp32 matmuls (CUDA only)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # TF32 for fp32 matmuls (CUDA only; cuDNN has it by default). Not
+    # set_float32_matmul_precision: that also changes the CPU's (oneDNN) fp32 matmuls
+    torch.backends.cuda.matmul.allow_tf32 = True
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16
                 else nullcontext())
     return dev, ptdtype, autocast
