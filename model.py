@@ -182,7 +182,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         if torch.compiler.is_compiling():
-            # Dynamo can't trace autograd.grad; inductor fuses the expression
+            # compiled, inductor fuses HF's expression into a kernel or two each way, and its
+            # partitioner chooses what to keep for backward
             return _normalized(x, self.weight, self.eps)
         return _RMSNorm.apply(x, self.weight, self.eps)
 
@@ -441,17 +442,23 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        # y = x/rms, dy = g·weight: dx = (dy - y·mean(dy·y)) / rms, dweight = Σ g·y
         x, weight = ctx.saved_tensors
+        h = x.shape[-1]
         # dweight summed over the chunks in fp32
         dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=torch.float32)
         for rows in fp32_chunks(x):
-            # dx by F.rms_norm's own backward on the chunk (its forward redone): CUDA's fused
-            # kernel, the CPU's autograd ops, so the plain path's bits; a formula by hand would
-            # round differently, and cost more on CUDA
-            with torch.enable_grad():
-                xf = x[rows].detach().float().requires_grad_()
-                y = F.rms_norm(xf, x.shape[-1:], eps=ctx.eps).to(x.dtype)
+            # the chunk's forward redone: y = x·r, r = (mean(x²) + eps)^(-1/2) a row
+            xf = x[rows].float()
+            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(ctx.eps))
+            y = (xf * r).to(x.dtype)
             dw += (g[rows] * y).flatten(0, -2).sum(0, dtype=torch.float32)
-            dx[rows] = torch.autograd.grad(y, xf, (g[rows] * weight).to(y.dtype))[0]
+            # then the backward autograd runs for F.rms_norm on a CPU, op for op (the plain
+            # path's bits, without the engine's cost): dy, the gradient of y, goes to x through
+            # x·r, and to r: dr = Σ dy·x, dv = -dr·r³/2 through r = v^(-1/2), and back to x
+            # through v = mean(x²): dv/h · 2x
+            dy = (g[rows] * weight).to(x.dtype)
+            dyf = dy.float()
+            two_x = 2 * xf
+            dv = (dyf * xf).sum(-1, keepdim=True) * -0.5 * r.pow(3)
+            dx[rows] = dyf * r + dv / h * two_x
         return dx, dw.to(weight.dtype), None

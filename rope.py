@@ -25,10 +25,10 @@ formula holds five fp32 tensors of q's size at once, in forward and in backward 
 R(x), R(x)·sin, their sum): 5·4·B·S·h bytes, 10 GiB for one call at S = 131,072 and h = 4,096.
 apply_rope runs the formula on FP32_CHUNK elements at a time instead, each written into the output
 in x's dtype: 5·4·FP32_CHUNK bytes, 1.25 GiB, whatever S. Its Function saves the tables alone for
-backward (every layer shares them), which is the same rotation by -θ. A tensor that fits in one
+backward (every layer shares them): backward is the same rotation, by -θ. A tensor that fits in one
 chunk (every short sequence) runs the formula itself under autograd: the same bits and the same
-saved tensors (the tables), without the Function's Python, which costs more than the arithmetic at
-small sizes. model.py's RMSNorm computes in fp32 by the same chunks (fp32_chunks).
+saved tensors (the tables), without the Function's Python and copies, which cost more than the
+arithmetic at small sizes. model.py's RMSNorm computes in fp32 by the same chunks (fp32_chunks).
 """
 
 import math
@@ -161,7 +161,7 @@ def fp32_chunks(x):
 def rotate(x, cos, sin):
     """The formula: x·cos + R(x)·sin in fp32, cast to x's dtype (R's sign is in the sin table)."""
     xf = x.float()
-    # R(x): the halves of x swapped, their signs being in the sin table
+    # R(x) but for its signs: the halves of x swapped
     first, second = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat([second, first], dim=-1) * sin).to(x.dtype)
 
