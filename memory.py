@@ -208,21 +208,6 @@ def kept_per_token(r, batch_size, cp_size, dtype):
     return Kept(kept, everything - kept, device, everything - device, host, sent)
 
 
-def lm_head(c, b, t, T):
-    """(kept, transient) of the final norm, LM head and loss. Kept: the norm's input and output,
-    and chunked.py's dh and fp32 dW made in forward, or F.cross_entropy's fp32 log-softmax;
-    transient: one chunk's fp32 logits and their gradient (+ sp's gathered input), or the
-    log-softmax's 2 gradients."""
-    h, V = c.n_embd, c.vocab_size
-    loss_chunks = chunked.loss_chunks(c, T)
-    norm = 2 * b * h / t * T
-    if loss_chunks == 1 and t == 1:
-        return norm + 4 * V * T, 8 * V * T
-    kept = norm + (b * h * T + 4 * V * h / t)
-    transient = (4 + b) * V / t * math.ceil(T / loss_chunks) + b * h * T * (t > 1)
-    return kept, transient
-
-
 def block_backward(r, rebuilt, back=0):
     """A block's backward, the larger of its two moments: at the MLP, with R = `rebuilt` bytes per
     token rebuilt or brought back, and past it, less the MLP's, with `back` bytes of the block
@@ -252,7 +237,17 @@ def moments(r, states, kept, activations, workspace):
     kept for its backward) or its loss's."""
     b, t, T = r.b, r.t, r.T
     h, V = r.config.n_embd, r.config.vocab_size
-    head_kept, head_transient = lm_head(r.config, b, t, T)
+    # the final norm, LM head and loss. Kept: the norm's input and output, and chunked.py's dh and
+    # fp32 dW made in forward, or F.cross_entropy's fp32 log-softmax. Transient: one chunk's fp32
+    # logits and their gradient (+ sp's gathered input), or the log-softmax's 2 gradients
+    loss_chunks = chunked.loss_chunks(r.config, T)
+    head_kept = 2 * b * h / t * T
+    if loss_chunks == 1 and t == 1:
+        head_kept += 4 * V * T
+        head_transient = 8 * V * T
+    else:
+        head_kept += b * h * T + 4 * V * h / t
+        head_transient = (4 + b) * V / t * math.ceil(T / loss_chunks) + b * h * T * (t > 1)
     output = b * h / t * T * (not r.last)
     one = activations + output + head_kept * r.last
     held = (r.F - 1) * one
