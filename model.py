@@ -423,11 +423,6 @@ class KVCache:
 # forward when compiling) keeps an fp32 copy of x and x/rms for backward, and its backward holds
 # five fp32 tensors the size of x at once: 4·(2 + 5)·B·S·h bytes. _RMSNorm keeps x alone, in its
 # own dtype, and redoes a chunk of positions at a time in backward: 7·4·FP32_CHUNK bytes at most.
-# Its backward is written out, op for op as autograd runs F.rms_norm's on a CPU: the same bits as
-# the plain path there, without a second autograd pass per call (about 5% of the eager CPU step
-# of bench/vs_nanogpt.py, 2026-11-26). On CUDA the plain path's fused kernel rounds a little
-# otherwise (within fp32), and does in one kernel what these ops do in a dozen: the norm is a
-# small part of the step.
 
 def _normalized(x, weight, eps):
     """HF's expression: weight · rms_norm(x in fp32), cast to x's dtype before the product."""
@@ -447,23 +442,17 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
+        # y = x/rms, dy = g·weight: dx = (dy - y·mean(dy·y)) / rms, dweight = Σ g·y
         x, weight = ctx.saved_tensors
-        h = x.shape[-1]
         # dweight summed over the chunks in fp32
         dx, dw = torch.empty_like(x), torch.zeros_like(weight, dtype=torch.float32)
         for rows in fp32_chunks(x):
-            # the chunk's forward redone: y = x·r, r = (mean(x²) + eps)^(-1/2) a row
-            xf = x[rows].float()
-            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(ctx.eps))
-            y = (xf * r).to(x.dtype)
+            # dx by F.rms_norm's own backward on the chunk (its forward redone): CUDA's fused
+            # kernel, the CPU's autograd ops, so the plain path's bits; a formula by hand would
+            # round differently, and cost more on CUDA
+            with torch.enable_grad():
+                xf = x[rows].detach().float().requires_grad_()
+                y = F.rms_norm(xf, x.shape[-1:], eps=ctx.eps).to(x.dtype)
             dw += (g[rows] * y).flatten(0, -2).sum(0, dtype=torch.float32)
-            # then autograd's backward of F.rms_norm: dy, the gradient of y, goes to x through
-            # x·r, and to r: dr = Σ dy·x, dv = -dr·r³/2 through r = v^(-1/2), and back to x
-            # through v = mean(x²): dv/h · 2x. (dy in x's dtype and 2x are tensors of their own,
-            # as in autograd: the same bits, the same tensors alive at the peak)
-            dy = (g[rows] * weight).to(x.dtype)
-            dyf = dy.float()
-            two_x = 2 * xf
-            dv = (dyf * xf).sum(-1, keepdim=True) * -0.5 * r.pow(3)
-            dx[rows] = dyf * r + dv / h * two_x
+            dx[rows] = torch.autograd.grad(y, xf, (g[rows] * weight).to(y.dtype))[0]
         return dx, dw.to(weight.dtype), None
