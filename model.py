@@ -182,8 +182,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         if torch.compiler.is_compiling():
-            # compiled, inductor fuses HF's expression into a kernel or two each way, and its
-            # partitioner chooses what to keep for backward
+            # Dynamo can't trace the autograd.grad in _RMSNorm's backward; inductor fuses the
+            # expression
             return _normalized(x, self.weight, self.eps)
         return _RMSNorm.apply(x, self.weight, self.eps)
 
