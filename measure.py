@@ -5,6 +5,7 @@ and the anatomy of that peak (train.py's dry_run_anatomy): the tensors alive at 
 each with the op and module that made it, so a forker sees where a change's bytes went. The dry
 run's model and batch are fake tensors (to_fake, fake_batch): shapes without data, on the CPU.
 """
+import re
 import warnings
 import weakref
 from collections import Counter
@@ -16,20 +17,32 @@ from torch.utils._pytree import tree_leaves
 import offload
 import parallel
 
+GiB = 2 ** 30
+# a block's module (model.Llama's layers.<i>), or a block's moment (backward: block <i>)
+BLOCK = re.compile(r'(?:layers\.|block )(\d+)$')
+# memory.py's categories, as memory.svg stacks them, bottom up
+COLORS = {'params': '#4e79a7', 'grads': '#f28e2b', 'optimizer': '#e15759', 'activations': '#76b7b2',
+          'transient': '#59a14f', 'workspace': '#edc948'}
+
 
 class Tracker(ExitStack):
-    """The header's MemTracker (.breakdown()) and anatomy (.at_peak, if anatomy). Entered, it enters
-    MemTracker and its hooks (a hook's handle removes it); left, it leaves them, last first.
-    masters: train.py's fp32 gradient holders when they are not the parameters; inputs: tensors made
-    before the step that it uses (the batch)."""
+    """The header's MemTracker: .breakdown() at the step's peak or any moment of it, .timeline()
+    (each moment's peak), and the anatomy (.at_peak, if anatomy). Entered, it enters MemTracker and
+    its hooks (a hook's handle removes it); left, it leaves them, last first. masters: train.py's
+    fp32 gradient holders when they are not the parameters; inputs: tensors made before the step
+    that it uses (the batch)."""
 
     def __init__(self, model, masters=(), optimizer=None, inputs=(), device=torch.device('cpu'),
                  anatomy=False, states_on_host=False):
         super().__init__()
         from torch.distributed._tools.mem_tracker import MemTracker
-        from torch.distributed._tools.mod_tracker import ModTracker  # MemTracker's: holds no tensor
 
-        class Anatomy(MemTracker):  # it updates its peak as an op returns: look then
+        class Moments(MemTracker):
+            def _update_peak_stats(mt, peak_state):
+                # MemTracker's walks every module's statistics at every op, for peaks per module we
+                # never read: a step's cost grew as blocks x ops. Ours: the peak of each moment
+                self.note(mt._curr_mem_snap.get(self.device, {}))
+
             def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
                 return self.look(func, out, args, kwargs)
@@ -38,19 +51,22 @@ class Tracker(ExitStack):
         if device.type == 'cuda' and device.index is None:
             device = torch.device('cuda', torch.cuda.current_device())
         self.device, self.root, self.optimizer = device, model, optimizer
-        self.mt = Anatomy() if anatomy or states_on_host else MemTracker()
-        self.mods = ModTracker() if anatomy else None
+        # its ModTracker: the modules an op runs in (parents), and whether in backward (is_bw)
+        self.mt, self.anatomy = Moments(), anatomy
+        self.mods = self.mt._mod_tracker
         self.inputs, self.params = inputs, list(model.parameters())
         self.made, self.top, self.at_peak, self.moment = {}, -1, [], ''
-        self.host_grads, self.before_step = 0, None
+        # the step's moments, each [name, its peak's bytes, MemTracker's categories then, the host's
+        # gradients then]
+        self.moments, self.stepping = [], False
         # offload_states: FSDP2's rows, their gradients (the host's at the device's peak) and
-        # AdamW's moments (local: a DTensor's storage is the whole tensor's) are host memory; the
+        # AdamW's states (local: a DTensor's storage is the whole tensor's) are host memory; the
         # device's peak is before AdamW's step
-        self.on_host, self.moments = [], []
+        self.on_host, self.adam = [], []
         if states_on_host:
             self.on_host = [parallel.local(p) for p in self.params]
             for state in optimizer.state.values():
-                self.moments += [parallel.local(v) for v in state.values()]
+                self.adam += [parallel.local(v) for v in state.values()]
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
         own = [parallel.local(p).untyped_storage() for p in self.params]
@@ -69,10 +85,8 @@ class Tracker(ExitStack):
         self.enter_context(warnings.catch_warnings())
         # its own hook sees .grad = None after ours
         warnings.filterwarnings('ignore', message='Expected a tensor')
-        if self.mods is not None:
-            self.enter_context(self.mods)
-        if self.on_host:  # AdamW steps on the host: the device's peak is the one before its step
-            self.enter_context(self.optimizer.register_step_pre_hook(self.peak_before_step))
+        if self.optimizer is not None:
+            self.enter_context(self.optimizer.register_step_pre_hook(self.optimizer_step))
         self.enter_context(self.mt)
         return self
 
@@ -83,26 +97,47 @@ class Tracker(ExitStack):
         if module is self.root:
             self.mt.memory_tracking.pop(module, None)
 
-    def peak_before_step(self, *_):
-        """offload_states: AdamW steps on the host, so the device's peak is MemTracker's before the
-        step. torch's AdamW.step fires this hook too: the first call counts."""
-        if not self.before_step:
-            self.before_step = self.mt.get_tracker_snapshot('peak')
+    def optimizer_step(self, *_):
+        """From here on the moment is the optimizer's step (torch's AdamW.step fires this hook
+        too)."""
+        self.stepping = True
+
+    def name(self):
+        """The moment an op belongs to, named as memory.py's estimate names them; None: the one
+        before's (RoPE's tables, the loss after the final norm, a pipeline's sends, ...)."""
+        phase = 'backward' if self.mods.is_bw else 'forward'
+        for parent in self.mods.parents:  # (a block's own modules end otherwise)
+            found = BLOCK.search(parent)
+            if found:
+                return f"{phase}: block {found[1]}"
+            if parent.endswith('.norm'):  # the final norm: the LM head and loss follow
+                return 'forward and backward: LM head and loss'
+            if parent.endswith('.tok_embeddings'):
+                return f"{phase}: embedding"
+        if self.stepping:
+            return 'optimizer step'
+
+    def note(self, now):
+        """At every op, MemTracker's bytes by category now: the peak of the op's moment (a new
+        moment when the name changes), with the host's gradients then (offload_states)."""
+        if self.stepping and self.on_host:  # AdamW steps on the host: the device's peak was before
+            return
+        name = self.name()
+        if not self.moments or name not in (None, self.moments[-1][0]):
+            self.moments.append([name or 'forward', -1])  # (its peak's figures follow)
+        moment = self.moments[-1]
+        total = now.get('Total', 0)
+        if total > moment[1]:
+            host_grads = sum(p.grad.to_local().nbytes for p in self.params
+                             if self.on_host and p.grad is not None)
+            moment[1:] = total, dict(now), host_grads, nbytes(offload.host_buffers())
 
     def look(self, func, out, args, kwargs):
-        """Note each storage on our device an op makes (not one of its inputs': a view, in place),
-        what made it and its category (made in forward: activations; in backward, a recompute's too,
-        or by the optimizer: transient; or grads); at a new peak of MemTracker's, the one breakdown
-        reads, keep those alive, and the bytes of the host gradients then (offload_states)."""
-        total = self.mt.get_tracker_snapshot().get(self.device, {}).get('Total', 0)
-        # (offload_states: AdamW's step is on the host)
-        peak = total > self.top and self.before_step is None
-        if peak:
-            self.top = total
-        if peak and self.on_host:
-            self.host_grads = sum(p.grad.to_local().nbytes for p in self.params
-                                  if p.grad is not None)
-        if self.mods is None:  # no anatomy
+        """The anatomy: note each storage on our device an op makes (not one of its inputs': a view,
+        in place), what made it and its category (made in forward: activations; in backward, a
+        recompute's too, or by the optimizer: transient; or grads); at a new peak of the step keep
+        those alive."""
+        if not self.anatomy:
             return out
         where = max(self.mods.parents, key=lambda m: (m.count('.'), m))
         if self.mods.is_bw:
@@ -116,7 +151,8 @@ class Tracker(ExitStack):
                             op=str(func), module=where)
                 storage = weakref.ref(t.untyped_storage(), lambda _, k=k: self.made.pop(k, None))
                 self.made[k] = (storage, info)
-        if peak:
+        if self.moments and self.moments[-1][1] > self.top:  # a new peak of the step
+            self.top = self.moments[-1][1]
             self.moment = f"{func} in {where}"
             self.at_peak = sorted(self.alive(), key=lambda x: -x['bytes'])
         return out
@@ -142,24 +178,34 @@ class Tracker(ExitStack):
                     rows[-1]['category'] = 'grads'
         return rows
 
-    def breakdown(self):
-        snap = self.before_step or self.mt.get_tracker_snapshot('peak')
+    def breakdown(self, moment=None):
+        """Our categories at a moment of the step, its peak's. Default: the step's peak, the moment
+        our device holds most, and its name (on a CPU standing in for it MemTracker's total counts
+        the host's tensors too: not the device's peak)."""
+        if moment is None:
+            return max(self.timeline(), key=lambda m: m['total'])
+        _, _, snap, host_grads, pool = moment
         # MemTracker's categories on our device (a missing one: 0); its keys are str enums:
         # 'Parameter' finds _MemRefType.PARAM
-        snap = Counter(snap.get(self.device, {}))
+        snap = Counter(snap)
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
-        pool, rows = nbytes(offload.host_buffers()), nbytes(self.on_host)
-        moments = nbytes(self.moments)
-        self.host = pool + 2 * rows + moments  # the rows and, by the step, every gradient's
+        rows, adam = nbytes(self.on_host), nbytes(self.adam)
+        # the pool, the rows and, by the step, every gradient's
+        self.host = nbytes(offload.host_buffers()) + 2 * rows + adam
         # on a CPU MemTracker counted the host's tensors with ours: taken out
         cpu = self.device.type == 'cpu'
         out = {'params': snap['Parameter'] + snap['Buffer'] - rows * cpu,
-               'grads': snap['Gradient'] + snap['Other'] - masters - inputs - self.host_grads * cpu,
-               'optimizer': snap['Optstate'] + masters - moments * cpu,
+               'grads': snap['Gradient'] + snap['Other'] - masters - inputs - host_grads * cpu,
+               'optimizer': snap['Optstate'] + masters - adam * cpu,
                'activations': snap['Activation'] + inputs - pool * cpu,
                'transient': snap['Temp'],
                'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
         return {**out, 'total': sum(out.values())}
+
+    def timeline(self):
+        """The step's moments in order, each {'moment': its name, category: bytes at its peak,
+        'host': the host memory of the step}."""
+        return [{'moment': m[0], **self.breakdown(m), 'host': self.host} for m in self.moments]
 
 
 def nbytes(tensors):
@@ -195,3 +241,98 @@ def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
     xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
     positions = torch.arange(seq_len).expand(batch_size, -1) if doc_mask else None
     return xy[:, :-1], xy[:, 1:], positions, None
+
+
+def gib(n):
+    """Bytes in GiB, MiB or KiB, whichever reads best (a table aligns it)."""
+    if n is None:
+        return '-'
+    for unit, size in (('GiB', GiB), ('MiB', 2 ** 20)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
+
+
+def anatomy(tracker, n, tensors):
+    """The n largest tensors alive at the peak, of its `tensors` bytes: what a change to the code
+    added or removed. Printed; returned for memory.json."""
+    largest, made = tracker.at_peak[:n], sum(x['bytes'] for x in tracker.at_peak)
+    print(f"anatomy of the peak, after {tracker.moment}: the {len(largest)} largest of the "
+          f"{len(tracker.at_peak)} tensors made in the step and alive, {gib(made)} (the "
+          f"other {gib(tensors - made)} were there before it: parameters, optimizer, batch):")
+    for x in largest:
+        print(f"  {gib(x['bytes']):>12s}  {x['category']:12s}{x['dtype']:9s}"
+              f"{str(x['shape']):22s} {x['op']} in {x['module']}")
+    return {'moment': tracker.moment, 'made_bytes': made, 'largest': largest}
+
+
+# ----------------------------------------------------------------------------- fewer blocks
+def renumbered(moment, past, shift):
+    """A moment's name, its block numbered `shift` more if it is past `past`."""
+    found = BLOCK.search(moment)
+    if not found or int(found[1]) <= past:
+        return moment
+    return f"{moment[:found.start(1)]}{int(found[1]) + shift}"
+
+
+def extrapolate(fewer, more, n, blocks, stage=0):
+    """Pipeline stage `stage`'s step with `blocks` blocks, from the timelines (Tracker.timeline) of
+    the same stage with n and n + 1 blocks. The blocks are identical but where they stand: the
+    first (after the embedding or another stage), and the last KEEP_LAST, which offload.py keeps on
+    the device. Run n + 1 has one more between, its stage's block 2 (counted from 0): without that
+    block's moments its timeline is run n's, moment for moment, and that block's pair with those of
+    run n's block 1 (both the last of those between). What one more block adds at a moment is the
+    pair's difference; with `blocks` blocks the moment holds run n + 1's bytes plus
+    (blocks - n - 1) times that. Exact while memory grows by the same bytes per block, as the
+    states and the kept activations do. A moment of a block between the first and the last of
+    those between lies between theirs: left out, and never the peak. Blocks are numbered in the
+    whole model."""
+    first = stage * (n + 1)  # run n + 1's first block (run n's: stage * n)
+    ones = iter(m for m in fewer if m['moment'].endswith(f' block {stage * n + 1}'))
+    rest = iter(fewer)
+    out = []
+    for m in more:
+        other = next(ones if m['moment'].endswith(f' block {first + 2}') else rest)
+        # its blocks 2 on are the stage's last; then all as the whole model numbers them
+        name = renumbered(m['moment'], first + 1, blocks - n - 1)
+        row = {k: v + (blocks - n - 1) * (v - other[k]) for k, v in m.items() if k != 'moment'}
+        out.append({'moment': renumbered(name, first - 1, stage * blocks - first), **row})
+    return out
+
+
+# ----------------------------------------------------------------------------- the picture
+def write_svg(path, timeline, estimate, device):
+    """memory.svg: the step's moments left to right, each a bar of its peak's bytes stacked by
+    category (hover one for its figures) over its name; the device's 80% line; the estimate's
+    peak marked (a black dash at its total on the moments of its name); the peak labelled.
+    Hand-written SVG: any browser shows it."""
+    top, width, height = 40, 1000, 320
+    scale = height / max([m['total'] for m in timeline] + [device])
+    bar = width / len(timeline)
+    keys = ' '.join(f'<tspan fill="{color}">&#9632; {k}</tspan>' for k, color in COLORS.items())
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 10}" '
+           f'height="{top + height + 170}" font-family="sans-serif" font-size="12">',
+           f'<text x="4" y="16">memory per rank at each moment of one step: {keys} &#8212; '
+           f"the estimate's peak <tspan fill='red'>- - 80% of the device, {gib(device)}</tspan>"
+           '</text>']
+    peak = max(timeline, key=lambda m: m['total'])
+    for i, m in enumerate(timeline):
+        x, y = i * bar, top + height
+        for k, color in COLORS.items():
+            y -= scale * m[k]
+            out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{0.9 * bar:.1f}" '
+                       f'height="{scale * m[k]:.1f}" fill="{color}"><title>{m["moment"]}: {k} '
+                       f'{gib(m[k])} of {gib(m["total"])}</title></rect>')
+        out.append(f'<text transform="translate({x + bar / 3:.1f},{top + height + 4}) '
+                   f'rotate(90)" font-size="7">{m["moment"]}</text>')
+        if m is peak:
+            out.append(f'<text x="{x}" y="{y - 6:.1f}">peak {gib(m["total"])}: {m["moment"]}'
+                       '</text>')
+        if m['moment'] == estimate.moment:
+            mark = top + height - scale * estimate.total
+            out.append(f'<path d="M{x:.1f},{mark:.1f}h{bar:.1f}" stroke="black" '
+                       'stroke-width="2"/>')
+    line = top + height - scale * 0.8 * device
+    out.append(f'<path d="M0,{line:.1f}h{width}" stroke="red" stroke-dasharray="6 3"/>')
+    with open(path, 'w') as f:
+        f.write('\n'.join(out + ['</svg>']) + '\n')

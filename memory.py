@@ -91,13 +91,13 @@ import torch
 import chunked
 import offload
 import parallel
-from measure import Tracker, fake_batch, to_fake  # (the dry run's fake model and batch: train.py's)
+# (the dry run's fake model and batch: train.py's)
+from measure import GiB, Tracker, anatomy, fake_batch, gib, to_fake, write_svg
 from optim import STEP_CHUNK
 from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
 ROWS = CATEGORIES + ('total',)  # the table's and memory.json's
-GiB = 2 ** 30
 FIT_FRACTION = 0.8  # Fujii et al. 2024
 
 
@@ -360,15 +360,6 @@ def overhead_bytes(device_type, communicators=0):
 def fits(est, budget, overhead=0):
     return est.total + overhead <= FIT_FRACTION * budget
 
-def gib(n):
-    """Bytes in GiB, MiB or KiB, whichever reads best (a table aligns it)."""
-    if n is None:
-        return '-'
-    for unit, size in (('GiB', GiB), ('MiB', 2 ** 20)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n / 1024:.2f} KiB"
-
 # ----------------------------------------------------------------------------- the planner
 # What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
 # FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
@@ -504,7 +495,8 @@ class Report:
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
         self.config, self.dry = model.config, cfg.get('dry_run')
         self.measured, self.logged = None, False
-        self.at = mesh.rank  # the dry run's rank (its memory.json's name)
+        self.at = mesh.rank  # the dry run's rank, in its memory.json's name
+        self.name = f'memory.rank{self.at}.json' if self.at > 0 else 'memory.json'
         # estimate's arguments: train.py's settings of the same names (batch_size, seq_len, zero,
         # ...), then the mesh's sizes and the weights' dtype over the settings' (dtype='auto'):
         # 'torch.bfloat16' is the setting's 'bfloat16'; a dry run's target is CUDA
@@ -641,30 +633,34 @@ class Report:
                 'seq_len': self.layout['seq_len']}
         report = {'ranks': [rank], 'peak_at': self.est.moment,
                   'fits': fits(self.est, self.budget, self.overhead), **extra}
-        name = f'memory.rank{self.at}.json' if self.at > 0 else 'memory.json'
-        path = os.path.join(self.cfg['out_dir'], name)
+        path = os.path.join(self.cfg['out_dir'], self.name)
         with open(path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
             json.dump(report, f, indent=1)
         os.replace(path + '.tmp', path)
+        return path
 
     @contextmanager
     def measure(self, model, masters, optimizer, compiled=False):
-        """Around a step: the first one (rank 0) is measured, printed beside the estimate and
-        recorded, in a dry run with the verdict. Compiled, MemTracker can't see into the graph:
-        CUDA's peak only."""
+        """Around a step: the first one (rank 0) is measured, then reported (report). Compiled,
+        MemTracker can't see into the graph: CUDA's peak only."""
         if self.measured is not None or self.rank != 0:
             yield
             return
-        cuda, n, extra = self.device.type == 'cuda', self.cfg['dry_run_anatomy'], {}
+        cuda, extra = self.device.type == 'cuda', {}
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         tracker = nullcontext()
         if not compiled:
-            tracker = Tracker(model, masters, optimizer, device=self.device, anatomy=n,
+            tracker = Tracker(model, masters, optimizer, device=self.device,
+                              anatomy=self.cfg['dry_run_anatomy'],
                               states_on_host=self.cfg['offload_states'])
         with tracker as tr:
             yield
-        m = self.measured = dict.fromkeys(ROWS) if compiled else tr.breakdown()
+        m = dict.fromkeys(ROWS)
+        if not compiled:
+            m, extra['timeline'] = tr.breakdown(), tr.timeline()
+            if self.cfg['dry_run_anatomy']:
+                extra['anatomy'] = anatomy(tr, self.cfg['dry_run_anatomy'], m['total'])
         # its peak holds what kernels allocate beside the tensors: the total, the rest workspace
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -672,6 +668,13 @@ class Report:
             extra['cuda'] = {'peak_allocated': peak, 'peak_reserved': reserved}
             m['workspace'] = None if compiled else max(0, peak - m['total'])
             m['total'] = max(m['total'] or 0, peak)
+        self.report(m, **extra)
+
+    def report(self, m, **extra):
+        """The measured breakdown m (and m['host'], the host memory measured) printed beside the
+        estimate and recorded (memory.json, and the step's timeline drawn in memory.svg), a dry
+        run's with the verdict."""
+        self.measured, host = m, m.get('host')
         title = "memory after the first step (measured: tensors alive at the step's peak):"
         if self.dry:
             # fake tensors can't see inside a kernel: the formula's workspace, at its peak moment
@@ -679,30 +682,15 @@ class Report:
             m['total'] += m['workspace']
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
         print(self.table(title, m, self.dry))
-        if cuda:
-            print(f"  cuda: peak allocated {gib(peak)}, reserved {gib(reserved)}")
         # offloaded blocks and offload_states' rows, not the device's
-        if self.est.host and not compiled:
-            extra['host'] = {'estimate': round(self.est.host), 'measured': tr.host}
-            print(f"  host memory per rank: {gib(self.est.host)} estimated, {gib(tr.host)} "
-                  "measured")
-        if n and not compiled:
-            extra['anatomy'] = self.anatomy(tr, n, m['total'] - m['workspace'])
+        if self.est.host and host is not None:
+            extra['host'] = {'estimate': round(self.est.host), 'measured': host}
+            print(f"  host memory per rank: {gib(self.est.host)} estimated, {gib(host)} measured")
         if self.dry:
-            extra.update(self.verdict(m['total'], tr.host))
-        self.write(dry_run=self.dry, **extra)
-
-    def anatomy(self, tracker, n, tensors):
-        """Where the peak's `tensors` bytes are: what a change to the code added or removed."""
-        largest, made = tracker.at_peak[:n], sum(x['bytes'] for x in tracker.at_peak)
-        print(f"anatomy of the peak, after {tracker.moment}: the {len(largest)} largest of the "
-              f"{len(tracker.at_peak)} tensors made in the step and alive, {gib(made)} (the "
-              f"other {gib(tensors - made)} were there before it: parameters, optimizer, "
-              "batch):")
-        for x in largest:
-            print(f"  {gib(x['bytes']):>12s}  {x['category']:12s}{x['dtype']:9s}"
-                  f"{str(x['shape']):22s} {x['op']} in {x['module']}")
-        return {'moment': tracker.moment, 'made_bytes': made, 'largest': largest}
+            extra.update(self.verdict(m['total'], host))
+        path = self.write(dry_run=self.dry, **extra)
+        if 'timeline' in extra:
+            write_svg(path[:-len('json')] + 'svg', extra['timeline'], self.est, self.budget)
 
     def verdict(self, total, host):
         """The dry run's: its total, and its host memory where a budget is given."""

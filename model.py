@@ -268,10 +268,11 @@ class Llama(nn.Module):
 
     # ------------------------------------------------------------------------- Hugging Face
     @classmethod
-    def from_pretrained(cls, hf_dir, **overrides):
+    def from_pretrained(cls, hf_dir, weights=True, **overrides):
         """Load a local HF Llama directory: config.json + model.safetensors, or shards with an
-        index. `overrides` set LlamaConfig fields: the memory knobs; a new rope_theta or
-        rope_scaling extends its context."""
+        index (weights=False: config.json only, the model as Llama(config) makes it). `overrides`
+        set LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling extends its
+        context."""
         from safetensors.torch import load_file
 
         @contextmanager
@@ -288,6 +289,8 @@ class Llama(nn.Module):
             config = _config_from_hf(json.load(f))
         # checked again: a bad override is the user's, not the file's
         config = replace(config, **overrides)
+        if not weights:
+            return cls(config)
         files = ['model.safetensors']
         index = os.path.join(hf_dir, 'model.safetensors.index.json')
         if os.path.exists(index):

@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import namedtuple
 from contextlib import nullcontext, suppress
@@ -47,6 +48,7 @@ from configurator import collective_failed, configure, die, has_device, writable
 from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
 import pipeline
+import measure
 import memory
 import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -124,7 +126,9 @@ seed = 1337
 # out_dir/memory.json
 # one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
 dry_run = False
-# N > 0: also list the N largest tensors alive at the measured peak (measure.py)
+# a long stage's dry run measures a few blocks and extrapolates (dry_run_step); True: every block
+dry_run_full = False
+# N > 0: also list the N largest tensors alive at the measured peak (measure.py; every block)
 dry_run_anatomy = 0
 # GiB per device the run must fit in (80% rule); 0: the device's own (80 for a dry run)
 memory_budget_gb = 0.0
@@ -147,7 +151,7 @@ _RULES = [
     ('device', "must be 'auto', 'cpu' or a device this machine has ('cuda', 'cuda:1', 'mps')",
      lambda v: dry_run or v == 'auto' or has_device(v)),
     ('init_from', "must be 'scratch', 'resume' or a Hugging Face model directory",
-     lambda v: v in ('scratch', 'resume') or os.path.isdir(v)),
+     lambda v: dry_run or v in ('scratch', 'resume') or os.path.isdir(v)),
     ('out_dir', 'must be a directory we can write in, or create', writable),
     ('optimizer_in_backward', "needs one rank, gradient_accumulation_steps=1 and zero=0 (no step's "
      "gradient to sum or share)", lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1'
@@ -449,18 +453,23 @@ def model_from_config(meta, cfg, world, dev, ptdtype):
             f"starts a new run (the old checkpoint stays until the new run saves one)")
     # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not a
     # bug of ours
+    if dry_run and init_from not in ('scratch', 'resume'):
+        print(f"dry run: no weights read; the model's shape is {init_from}/config.json's where it "
+              f"exists, else the config's")
     try:
-        if init_from == 'scratch':
-            config = LlamaConfig(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
-        elif init_from == 'resume':
+        if init_from == 'resume':
             ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
             config = LlamaConfig(**ckpt['model_args'], **knobs)
+        elif init_from == 'scratch' or not os.path.isdir(init_from):  # (a dry run's: the config's)
+            config = LlamaConfig(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
         else:
             # its architecture, but a rope_theta or rope_scaling given: a new one extends the
-            # model's context. The tokenizer first: another tokenizer's ids are nonsense to it
+            # model's context. The tokenizer first: another tokenizer's ids are nonsense to it (a
+            # dry run reads no weights)
             check_tokenizer(meta, init_from)
-            model = Llama.from_pretrained(init_from, **{k: v for k, v in given.items()
-                                                        if k in knobs or 'rope' in k})
+            model = Llama.from_pretrained(init_from, not dry_run,
+                                          **{k: v for k, v in given.items()
+                                             if k in knobs or 'rope' in k})
             config = model.config
     except ValueError as e:
         die(e)
@@ -491,15 +500,42 @@ def place_model(model, mesh, dev, ptdtype):
 def dry_run_step(mem, model, raw_model, autocast, mesh, optimizer, pipe):
     """One step on fake tensors, measured: the table and the verdict (memory.py). Two micro-steps
     show what gradient accumulation adds; under pp one more than rank 0's stage keeps in flight,
-    then the last stage's dry run in a fresh process."""
-    n = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)
-    # made before the step: they are not the step's
-    batches = [parallel.shard_batch(mesh, *memory.fake_batch(batch_size * mesh.dp, seq_len,
-                                                             model.config.vocab_size, doc_mask))
-               for _ in range(n)]
-    with mem.measure(pipe or raw_model, optimizer.masters, optimizer):
-        train_step(model, batches, autocast, mesh, optimizer, pipe)
-    if mesh.pp > 1 and mesh.pp_rank == 0:  # the LM head and loss, the fewest in flight
+    then the last stage's dry run in a fresh process. A stage of more than n + 1 blocks (unless
+    dry_run_full): the same command with n and n + 1 blocks a stage, measured fully, side by side
+    in processes of their own, and extrapolated (measure.extrapolate)."""
+    # n: the fewest blocks a stage extrapolates from, the first, one between, the last KEEP_LAST
+    blocks, n = len(raw_model.layers), offload_policy.KEEP_LAST + 2
+    if dry_run_full or dry_run_anatomy or blocks <= n + 1:
+        micro_steps = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)
+        # made before the step: they are not the step's
+        batches = [parallel.shard_batch(mesh, *memory.fake_batch(
+            batch_size * mesh.dp, seq_len, model.config.vocab_size, doc_mask))
+            for _ in range(micro_steps)]
+        with mem.measure(pipe or raw_model, optimizer.masters, optimizer):
+            train_step(model, batches, autocast, mesh, optimizer, pipe)
+    else:
+        # the model as it is here (auto_memory's knobs, a Hugging Face directory's shape)
+        config = [f'--{f.name}={getattr(mem.config, f.name)!r}' for f in fields(mem.config)]
+        timelines = []
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {m: subprocess.Popen([sys.executable, *sys.argv, *config, '--init_from=scratch',
+                                         f'--n_layer={m * mesh.pp}', '--auto_memory=False',
+                                         '--dry_run_full=True', f'--out_dir={tmp}/{m}'],
+                                        env={**os.environ, 'RANK': str(mesh.rank)},
+                                        stdout=subprocess.DEVNULL)
+                    for m in (n, n + 1)}
+            for m, run in runs.items():
+                if run.wait():  # (its error on our stderr)
+                    die(f"the dry run of {m} blocks a stage failed")
+                with open(f'{tmp}/{m}/{mem.name}') as f:
+                    timelines.append(json.load(f)['timeline'])
+        timeline = measure.extrapolate(*timelines, n, blocks, mesh.pp_rank)
+        print(f"(this stage's {blocks} blocks: measured with {n} and {n + 1}, each moment "
+              f"extrapolated from what one more block adds to it; --dry_run_full=True measures "
+              f"all {blocks})")
+        mem.report(dict(max(timeline, key=lambda m: m['total'])), timeline=timeline)
+    # the user's command: the LM head and loss, the fewest in flight
+    if mesh.pp > 1 and mesh.pp_rank == 0 and 'RANK' not in os.environ:
         subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)},
                        check=True)
 
