@@ -85,7 +85,7 @@ class Tracker(ExitStack):
         self.enter_context(warnings.catch_warnings())
         # its own hook sees .grad = None after ours
         warnings.filterwarnings('ignore', message='Expected a tensor')
-        if self.optimizer is not None:
+        if self.optimizer:
             self.enter_context(self.optimizer.register_step_pre_hook(self.optimizer_step))
         self.enter_context(self.mt)
         return self
@@ -127,10 +127,11 @@ class Tracker(ExitStack):
             self.moments.append([name or 'forward', -1])  # (its peak's figures follow)
         moment = self.moments[-1]
         total = now.get('Total', 0)
-        if total > moment[1]:
-            host_grads = sum(p.grad.to_local().nbytes for p in self.params
-                             if self.on_host and p.grad is not None)
-            moment[1:] = total, dict(now), host_grads, nbytes(offload.host_buffers())
+        if total > moment[1]:  # its figures, then the host's gradients and pool
+            moment[1:] = (total, dict(now),
+                          sum(p.grad.to_local().nbytes for p in self.params
+                              if self.on_host and p.grad is not None),
+                          nbytes(offload.host_buffers()))
 
     def look(self, func, out, args, kwargs):
         """The anatomy: note each storage on our device an op makes (not one of its inputs': a view,
@@ -288,26 +289,27 @@ def extrapolate(fewer, more, n, blocks, stage=0):
     those between lies between theirs: left out, and never the peak. Blocks are numbered in the
     whole model."""
     first = stage * (n + 1)  # run n + 1's first block (run n's: stage * n)
+    added = blocks - n - 1  # blocks beyond run n + 1's
     ones = iter(m for m in fewer if m['moment'].endswith(f' block {stage * n + 1}'))
     rest = iter(fewer)
     out = []
     for m in more:
         other = next(ones if m['moment'].endswith(f' block {first + 2}') else rest)
         # its blocks 2 on are the stage's last; then all as the whole model numbers them
-        name = renumbered(m['moment'], first + 1, blocks - n - 1)
-        row = {k: v + (blocks - n - 1) * (v - other[k]) for k, v in m.items() if k != 'moment'}
+        name = renumbered(m['moment'], first + 1, added)
+        row = {k: v + added * (v - other[k]) for k, v in m.items() if k != 'moment'}
         out.append({'moment': renumbered(name, first - 1, stage * blocks - first), **row})
     return out
 
 
 # ----------------------------------------------------------------------------- the picture
-def write_svg(path, timeline, estimate, device):
+def write_svg(path, timeline, measured, estimate, device):
     """memory.svg: the step's moments left to right, each a bar of its peak's bytes stacked by
-    category (hover one for its figures) over its name; the device's 80% line; the estimate's
-    peak marked (a black dash at its total on the moments of its name); the peak labelled.
-    Hand-written SVG: any browser shows it."""
+    category (hover one for its figures) over its name, the peak's as `measured` (with the
+    workspace no tensor shows) and labelled; the device's 80% line; the estimate's peak marked (a
+    black dash at its total on the moments of its name). Hand-written SVG: any browser shows it."""
     top, width, height = 40, 1000, 320
-    scale = height / max([m['total'] for m in timeline] + [device])
+    scale = height / max(measured['total'], device)
     bar = width / len(timeline)
     keys = ' '.join(f'<tspan fill="{color}">&#9632; {k}</tspan>' for k, color in COLORS.items())
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 10}" '
@@ -317,6 +319,8 @@ def write_svg(path, timeline, estimate, device):
            '</text>']
     peak = max(timeline, key=lambda m: m['total'])
     for i, m in enumerate(timeline):
+        if m is peak:
+            m = measured
         x, y = i * bar, top + height
         for k, color in COLORS.items():
             y -= scale * m[k]
@@ -325,7 +329,7 @@ def write_svg(path, timeline, estimate, device):
                        f'{gib(m[k])} of {gib(m["total"])}</title></rect>')
         out.append(f'<text transform="translate({x + bar / 3:.1f},{top + height + 4}) '
                    f'rotate(90)" font-size="7">{m["moment"]}</text>')
-        if m is peak:
+        if m is measured:
             out.append(f'<text x="{x}" y="{y - 6:.1f}">peak {gib(m["total"])}: {m["moment"]}'
                        '</text>')
         if m['moment'] == estimate.moment:

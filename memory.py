@@ -673,7 +673,8 @@ class Report:
     def report(self, m, **extra):
         """The measured breakdown m (and m['host'], the host memory measured) printed beside the
         estimate and recorded (memory.json, and the step's timeline drawn in memory.svg), a dry
-        run's with the verdict."""
+        run's with the verdict. m is the timeline's peak moment, the workspace added (a dry run's,
+        or CUDA's beyond the tensors): memory.svg draws it there."""
         self.measured, host = m, m.get('host')
         title = "memory after the first step (measured: tensors alive at the step's peak):"
         if self.dry:
@@ -690,7 +691,7 @@ class Report:
             extra.update(self.verdict(m['total'], host))
         path = self.write(dry_run=self.dry, **extra)
         if 'timeline' in extra:
-            write_svg(path[:-len('json')] + 'svg', extra['timeline'], self.est, self.budget)
+            write_svg(path.replace('.json', '.svg'), extra['timeline'], m, self.est, self.budget)
 
     def verdict(self, total, host):
         """The dry run's: its total, and its host memory where a budget is given."""

@@ -9,6 +9,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import replace
 from types import SimpleNamespace
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -192,7 +193,12 @@ def test_dry_run_of_llama2_7b_on_one_gpu_at_128k_tokens(tmp_path):
     assert report['fits'] is True
     assert set(rank) == {'rank', 'estimate', 'measured', 'overhead', 'device_bytes', 'world_size',
                          'tp_size', 'cp_size', 'seq_len'}
-    assert set(rank['estimate']) == set(rank['measured']) == set(memory.CATEGORIES) | {'total'}
+    assert set(rank['estimate']) == set(memory.CATEGORIES) | {'total'}
+    # the measured peak: the timeline's moment the device holds most (and the host memory measured then)
+    assert set(rank['measured']) == set(rank['estimate']) | {'moment', 'host'}
+    # (AdamW steps inside backward: no moment after the embedding's backward)
+    assert rank['measured']['moment'] == 'backward: block 31'
+    assert report['timeline'][-1]['moment'] == 'backward: embedding'
     assert rank['device_bytes'] == 80 * GiB and rank['seq_len'] == 131072
     # flash attention's fp32 dq accumulator and softmax_d, 32 heads of 128 (no grouped kv heads), in the
     # estimate at its peak (a block's backward) and added, as the formula's, to the dry run's total
@@ -281,6 +287,76 @@ def test_dry_run_fits_when_it_should(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert 'verdict: fits' in p.stdout
     assert json.loads((tmp_path / 'memory.json').read_text())['fits'] is True
+
+
+# small shapes, bf16 on the CUDA target: a dry run takes seconds
+DRY = ['--n_head=4', '--n_kv_head=2', '--n_embd=128', '--intermediate_size=384', '--vocab_size=512',
+       '--seq_len=2048', '--batch_size=1', '--dtype=bfloat16', '--recompute=full']
+
+
+def dry_run(out, *flags):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *DRY, *flags, '--dry_run=True',
+                        f'--out_dir={out}'], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.parametrize('flags', [
+    # Ulysses cp 2 with FSDP2, every block input but the last two's to the host, two micro-steps
+    ['--n_layer=8', '--cp_size=2', '--zero=2', '--offload=1.0', '--gradient_accumulation_steps=2'],
+    # two pipeline stages of 6 blocks, 1F1B over 4 micro-batches: both stages extrapolated
+    ['--n_layer=12', '--pp_size=2', '--gradient_accumulation_steps=4'],
+    # states on the host (FSDP2 over cp 2, AdamW on the CPU): the device's peak is before AdamW's step
+    ['--n_layer=7', '--cp_size=2', '--zero=3', '--offload_states=True', '--offload=1.0']],
+    ids=['offload+ulysses+zero2', 'pp2', 'states-on-host'])
+def test_dry_run_from_few_blocks_is_every_blocks_to_the_byte(tmp_path, flags):
+    """A stage of more than 5 blocks is measured with 4 and 5 and extrapolated (train.dry_run_step,
+    measure.extrapolate): the same verdict, peak and host memory to the byte as measuring every block, and each of its
+    moments (blocks 0, 1 and the last three) the whole run's moment of that name and turn. Then memory.svg: a bar of 6
+    categories per moment, the peak labelled, the device's 80% line; well-formed XML, as a browser needs it."""
+    fast, full = tmp_path / 'fast', tmp_path / 'full'
+    p = dry_run(fast, *flags)
+    assert 'measured with 4 and 5' in p.stdout and p.stdout.count('verdict: ') == 1 + ('--pp_size=2' in flags)
+    dry_run(full, *flags, '--dry_run_full=True')
+    names = sorted(os.listdir(full))
+    assert names == sorted(os.listdir(fast)) and 'memory.json' in names
+    for name in [n for n in names if n.endswith('.json')]:
+        a, b = (json.loads((out / name).read_text()) for out in (fast, full))
+        assert a['ranks'][0]['measured'] == b['ranks'][0]['measured'] and a['fits'] == b['fits']
+        assert a.get('host') == b.get('host') and a['verdict'] == b['verdict']
+        assert len(a['timeline']) < len(b['timeline'])
+        turns = {}
+        for m in b['timeline']:
+            turns.setdefault(m['moment'], []).append(m)
+        for m in a['timeline']:
+            assert m == turns[m['moment']].pop(0), m['moment']
+        svg = ElementTree.parse(fast / name.replace('.json', '.svg')).getroot()
+        ns = '{http://www.w3.org/2000/svg}'
+        assert len(svg.findall(f'{ns}rect')) == 6 * len(a['timeline'])
+        texts = [''.join(t.itertext()) for t in svg.iter(f'{ns}text')]
+        peak = a['ranks'][0]['measured']
+        assert f"peak {memory.gib(peak['total'])}: {peak['moment']}" in texts
+        assert sum(m['moment'] in texts for m in a['timeline']) == len(a['timeline'])
+        assert any('stroke-dasharray' in path.attrib for path in svg.iter(f'{ns}path'))
+
+
+def test_dry_run_reads_a_hugging_face_directory_for_its_shape_only(tmp_path):
+    """init_from: a dry run reads no weights. A directory with config.json and no weights: its shape (3 blocks, not
+    the default 4); a directory that isn't here (config/llama3_8b_extend.py's placeholder): the config's."""
+    hf = tmp_path / 'hf'
+    Llama(LlamaConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384,
+                      vocab_size=512)).save_pretrained(hf)
+    os.remove(hf / 'model.safetensors')
+    p = dry_run(tmp_path / 'a', f'--init_from={hf}')
+    timeline = json.loads((tmp_path / 'a' / 'memory.json').read_text())['timeline']
+    assert 'no weights read' in p.stdout and {'backward: block 2'} == {
+        m['moment'] for m in timeline if m['moment'].startswith('backward: block 2')}
+    assert not any(m['moment'].endswith('block 3') for m in timeline)
+    p = dry_run(tmp_path / 'b', '--init_from=path/to/Meta-Llama-3-8B', '--n_layer=2')
+    timeline = json.loads((tmp_path / 'b' / 'memory.json').read_text())['timeline']
+    assert "else the config's" in p.stdout and any(m['moment'] == 'forward: block 1' for m in timeline)
+    assert not any(m['moment'].endswith('block 2') for m in timeline)
 
 
 SETUP = dict(dtype='bfloat16', device_type='cuda')
@@ -393,7 +469,9 @@ def test_train_prints_measured_beside_the_estimate(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / 'log.jsonl').read_text().splitlines()]
     assert [r['iter'] for r in rows] == [0, 1] and 'memory' not in rows[1]
     assert rows[0]['memory'] == {'estimate': est, 'measured': meas}
-    assert set(meas) == set(memory.CATEGORIES) | {'total'} and meas['total'] == sum(meas[k] for k in memory.CATEGORIES)
+    # (and the peak's moment, and the host memory measured then)
+    assert set(meas) == set(memory.CATEGORIES) | {'total', 'moment', 'host'}
+    assert meas['total'] == sum(meas[k] for k in memory.CATEGORIES)
     assert meas['params'] > 0 and meas['activations'] > 0
 
 
