@@ -309,7 +309,7 @@ def write_svg(path, timeline, measured, estimate, device):
     workspace no tensor shows) and labelled; the device's 80% line; the estimate's peak marked (a
     black dash at its total on the moments of its name). Hand-written SVG: any browser shows it."""
     top, width, height = 40, 1000, 320
-    scale = height / max(measured['total'], device)
+    scale = height / max(measured['total'], 0.8 * device)  # the 80% line at the top at most
     bar = width / len(timeline)
     keys = ' '.join(f'<tspan fill="{color}">&#9632; {k}</tspan>' for k, color in COLORS.items())
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 10}" '

@@ -2,8 +2,9 @@
 #   torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=node0:29500 --rdzv_id=run70 \
 #       train.py config/llama3_70b_4d.py
 # Check the fit on a laptop first (memory.py's dry run on fake tensors, no GPU: rank 0's stage, then the last
-# stage's in a second process; 6 minutes on 2 cores):
-#   python train.py config/llama3_70b_4d.py --dry_run=True
+# stage's in a second process; 35 seconds on 2 cores). WORLD_SIZE gives the 64 ranks: without it a dry run stands
+# for tp x cp x pp = 32 (dp 1), where FSDP2 shards over half as many ranks and rank 0 does not fit (71.77 GiB):
+#   WORLD_SIZE=64 python train.py config/llama3_70b_4d.py --dry_run=True
 #
 # The layout, rank = ((dp·4 + pp)·2 + cp)·4 + tp: a node's 8 GPUs are tp 4 x cp 2, the 8 nodes pp 4 x dp 2.
 # - tp = 4 and cp = 2 (Ulysses) inside a node: their collectives run in every block (4 of whole activations for tp

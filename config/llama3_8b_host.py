@@ -1,10 +1,10 @@
 # Llama-3-8B's shape at 524,288 tokens on ONE 80 GB GPU, the model states in host memory (ALST, Bekman et al.
 # 2025: 500K tokens for Llama-3.1-8B on one H100):
 #   python train.py config/llama3_8b_host.py
-# Check the fit on a laptop first (memory.py's dry run on fake tensors, no GPU needed; 9 minutes on 2 cores):
+# Check the fit on a laptop first (memory.py's dry run on fake tensors, no GPU needed; 15 seconds on 2 cores):
 #   python train.py config/llama3_8b_host.py --dry_run=True
 #
-# The budget, line by line (P = 8.03e9 parameters, S = 524,288 tokens, h = 4096, 32 layers; dry run, 2026-11-24):
+# The budget, line by line (P = 8.03e9 parameters, S = 524,288 tokens, h = 4096, 32 layers; dry run, 2026-11-26):
 # - model states: none stay on the GPU. zero = 3 with offload_states = True runs FSDP2 (parallel.shard_states)
 #   over this one rank with CPUOffloadPolicy: the fp32 weights (the masters), the fp32 gradients and AdamW's two
 #   fp32 moments live in host memory, 16 bytes per parameter = 119.66 GiB; AdamW steps there, on the CPU. Each
@@ -17,14 +17,15 @@
 #   sends 30 of them to host memory (120 GiB), the last 2 stay on the GPU.
 # - transient: one block's recompute and backward (the MLP in 11 mini-sequences, RMSNorm and RoPE in fp32 chunks),
 #   the LM head + loss in 32 chunks. The dry run files what a recompute rebuilds under activations: activations
-#   and transient together are 41.91 GiB at the peak, block 31's backward (the estimate: 44.56).
+#   and transient together are 45.10 GiB at the peak, block 31's backward (the estimate: 44.56).
 # - workspace 16.06 GiB: flash attention's backward (its fp32 dq accumulator; dk and dv expanded to 32 heads).
-# Dry run: 59.37 GiB (the formula's estimate: 62.99, +6.1%) + 0.60 GiB of CUDA context = 59.97 GiB: 75% of
-# 80 GiB, under the 80% rule. It fits.
+# Dry run: 62.55 GiB (the formula's estimate: 62.99, +0.7%) + 0.60 GiB of CUDA context = 63.15 GiB: 79% of
+# 80 GiB, under the 80% rule. It fits. (Until 2026-11-26 the dry run read its peak where the device and the host's
+# tensors together were highest, not the device alone: it said 59.37 GiB.)
 # Host memory: 239.66 GiB per rank (the dry run, equal to the estimate): 119.66 of model states and 120.00 of
 # block inputs. A machine with 256 GiB of RAM is too tight for that and the OS; pinned memory can be rounded up
 # per tensor (REFERENCES: up to ~2x), so plan on 384 GiB or more.
-# Longest that fits by dry run, in steps of 8,192: 557,056 tokens (62.77 + 0.60 GiB; 565,248: 63.62 + 0.60 does not).
+# Longest that fits by dry run, in steps of 8,192: 524,288 tokens, this one (532,480: 63.47 + 0.60 GiB does not).
 out_dir = 'out-llama3-8b-host'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Llama 3's tokenizer)
 eval_interval = 50
