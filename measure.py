@@ -1,9 +1,19 @@
 """
-Memory, measured: torch's MemTracker over one step, read as memory.py's categories at the step's
-peak (what memory.py's formula is checked against, on the device or the dry run's fake tensors),
-and the anatomy of that peak (train.py's dry_run_anatomy): the tensors alive at it, largest first,
-each with the op and module that made it, so a forker sees where a change's bytes went. The dry
-run's model and batch are fake tensors (to_fake, fake_batch): shapes without data, on the CPU.
+Memory, measured: torch's MemTracker over one step, read as memory.py's categories at each moment
+of the step (a block's forward, the LM head and loss, a block's backward, the optimizer's step;
+named as memory.py's estimate names them) and at its peak, the moment the device holds most. That
+is what memory.py's formula is checked against, on the device or on the dry run's fake tensors
+(to_fake, fake_batch: shapes without data, on the CPU). Also the anatomy of the peak (train.py's
+dry_run_anatomy): the tensors alive at it, largest first, each with the op and module that made
+it, so a forker sees where a change's bytes went; and memory.svg, the step drawn moment by moment.
+
+What it saves is time. MemTracker keeps a peak per module by walking every module's statistics
+at every op: a step of L blocks, each of k ops and m modules, cost L·k·L·m. Tracker keeps one
+peak per moment instead: L·k. A dry run of a long stage goes further (extrapolate): its blocks
+are identical but where they stand, so it measures the stage with 4 and with 5 blocks and adds,
+at each moment, (L - 5) times what the fifth block added: 9·k ops, whatever L, and the same bytes
+as measuring all L. (Analytic formulas reason the same way, one layer's bytes times L, as
+Korthikanti et al. 2022's activations do; here one block's bytes are measured, not counted.)
 """
 import re
 import warnings
