@@ -702,8 +702,8 @@ CONFIG_ESTIMATES = {  # (config, WORLD_SIZE or None: tp x cp x pp, the last stag
         (8031059968, 4015529984, 8031059968, 8724152320, 3690987520, 807403520, 'backward: block 31', 0),
     ('llama3_8b_host', None, False):
         (2537578496, 0, 0, 9126805504, 38721814528, 17246978048, 'backward: block 31', 257333198848),
-    ('llama3_8b_node', None, False):
-        (2537578496, 0, 0, 7700742144, 32738639872, 21799895040, 'backward: block 31', 124776882176),
+    ('llama3_8b_node', None, False):  # (its seq_len 3,407,872 since issue 27's corrected dry run)
+        (2537578496, 0, 0, 7415529472, 31595692032, 20992491520, 'backward: block 31', 120750350336),
     ('llama3_8b_one_gpu', None, False):
         (16060522496, 1520435200, 32121044992, 2281701376, 11022630912, 4311744512, 'backward: block 31', 32212254720),
     ('llama7b_long', None, False):
