@@ -41,6 +41,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------- how many chunks
@@ -66,6 +67,20 @@ def mlp_chunks(config, n_tokens):
     The one place a count is chosen: model.py, offload.py and memory.py all ask here."""
     auto = auto_mlp_chunks(int(n_tokens), config.n_embd, config.intermediate_size)
     return config.mlp_chunks or auto
+
+def attention_chunks(config, heads, kv_heads, ulysses=1):
+    """config.attention_chunks, with 0 resolved for this rank's `heads` query and `kv_heads` kv heads:
+    the most groups (a kv head each at most) that still give each of Ulysses' `ulysses` ranks a
+    query head of every group, and a kv head (its own, or one it shares)."""
+    if config.attention_chunks:
+        return config.attention_chunks
+    most = 1
+    for g in range(2, kv_heads + 1):
+        kv = kv_heads // g  # kv heads in a group
+        spread = heads // g % ulysses == 0 and (kv % ulysses == 0 or ulysses % kv == 0)
+        if kv_heads % g == 0 and spread:
+            most = g
+    return most
 
 def loss_chunks(config, n_tokens):
     """config.loss_chunks, with 0 resolved from the n_tokens of one micro-batch (all its rows)."""
@@ -313,3 +328,25 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     x, weight = _autocast(x, weight)
     return _ChunkedCrossEntropy.apply(x, weight, targets, n, ignore_index, group, vocab_size,
                                       torch.is_grad_enabled())
+
+
+# ----------------------------------------------------------------------------- attention by head groups
+# The header's third tensor, cut along the heads instead of the tokens: attention's softmax needs
+# every key of a head, but no head needs another's. So the output is a sum over groups of heads
+# (their columns of wo), and each group can run alone.
+
+def head_groups(group, groups, x, *args):
+    """Attention as the sum of `groups` head groups' outputs, one group at a time: group(x, *args,
+    kv_cache, g, groups) is model.Attention.group, group g's projections, RoPE, attention (Ulysses'
+    all-to-alls or the ring's steps inside) and wo. Each runs under torch's checkpoint: forward
+    keeps x alone (the norm's output, which the block holds anyway) and frees the group's q, k, v,
+    output and the kernel's memory before the next group starts; backward runs the group again,
+    then its backward."""
+    y = None
+    for g in range(groups):
+        y_g = checkpoint(group, x, *args, None, g, groups, use_reentrant=False)
+        if y is None:
+            y = y_g
+        else:
+            y = y + y_g
+    return y

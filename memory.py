@@ -224,7 +224,9 @@ def block_backward(r, rebuilt, back=0):
     else:
         mlp_kept = 4 * b * I / t
         at_mlp = (u + gathered + 3 * b * I / t) * T
-    attention = (b * (3 * h + 2 * c.n_kv_head * c.head_dim) / t + gathered) * T
+    # gradient in, dx, and one head group's q, k, v, output and their gradients (all heads: G = 1)
+    G, kv = c.attention_chunks, c.n_kv_head * c.head_dim
+    attention = (b * (2 * h + (2 * h + 2 * kv) * (1 + (G > 1)) / G) / t + gathered) * T
     norm = 3 * u * T + 28 * min(h / t * T, FP32_CHUNK)
     past_mlp = max(attention, norm) + max(0, rebuilt - mlp_kept) * T + back
     return max(at_mlp + rebuilt * T, past_mlp)
@@ -280,13 +282,13 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
     the header's formula. Not counted: its forward's split-KV accumulators (flash_api.cpp,
     set_params_splitkv), made only when B·a·Sa/64 can't fill the SMs (short sequences); cuBLAS's
     workspace (in the overhead)."""
-    ring = cp_size > 1 and cp_impl == 'ring'
-    # sp and Ulysses gather the whole sequence, for H/(t·c) heads; the ring keeps its S/c tokens
-    a, Sa = c.n_head // tp_size // cp_size, seq_len
+    ring, G = cp_size > 1 and cp_impl == 'ring', c.attention_chunks  # (resolved: estimate)
+    # sp and Ulysses gather the whole sequence, for H/(t·c·G) heads; the ring keeps its S/c tokens
+    a, Sa = c.n_head // tp_size // cp_size // G, seq_len
     if ring:
-        a, Sa = c.n_head // tp_size, seq_len // cp_size
+        a, Sa = c.n_head // tp_size // G, seq_len // cp_size
     # then flash expands grouped kv heads itself (the ring repeats them before the kernel: a tensor)
-    grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size) < a
+    grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size // G) < a
     Sa_tiles, hd_tiles = -(-Sa // 128) * 128, -(-c.head_dim // 32) * 32  # rounded up to its tiles
     accumulators = 4 * batch_size * Sa_tiles * a * (hd_tiles + 1)
     return accumulators + 2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim
@@ -300,6 +302,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
     c, M = config, gradient_accumulation_steps
+    ulysses = cp_size if cp_impl == 'ulysses' else 1
+    G = chunked.attention_chunks(c, c.n_head // tp_size, c.n_kv_head // tp_size or 1, ulysses)
+    c = replace(c, attention_chunks=G)
     dtype = getattr(torch, dtype)  # 'bfloat16': torch.bfloat16
     b = dtype.itemsize
     sequence = seq_len // cp_size

@@ -40,7 +40,7 @@ from rope import (FP32_CHUNK, ROPE_SCALING_RULE, apply_rope, fp32_chunks, rope_f
                   rope_scaling_ok, rope_tables)
 
 
-MEMORY_KNOBS = ('mlp_chunks', 'loss_chunks', 'recompute', 'offload')
+MEMORY_KNOBS = ('mlp_chunks', 'loss_chunks', 'attention_chunks', 'recompute', 'offload')
 
 
 # ----------------------------------------------------------------------------- config
@@ -61,6 +61,7 @@ class LlamaConfig:
     # memory knobs: how forward runs, not what it computes
     mlp_chunks: int = 1     # mini-sequences of the MLP; 1 = off, 0 = automatic (chunked.py)
     loss_chunks: int = 1    # chunks of the LM head + loss; 1 = off, 0 = automatic (chunked.py)
+    attention_chunks: int = 1  # head groups attention runs one at a time; 1 = off, 0 = automatic
     recompute: str = 'none'  # 'none' | 'full' | 'selective' (offload.py)
     offload: float = 0.0    # Memo's alpha: fraction of kept activations sent to host (offload.py)
 
@@ -68,7 +69,7 @@ class LlamaConfig:
         # every field's rule, as one line naming it: train.py stops on it before anything is
         # allocated
         at_least = dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1,
-                        vocab_size=1, mlp_chunks=0, loss_chunks=0)
+                        vocab_size=1, mlp_chunks=0, loss_chunks=0, attention_chunks=0)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
                 automatic = " (0: automatic)" if least == 0 else ""
@@ -86,7 +87,13 @@ class LlamaConfig:
             ('n_head', self.n_head % self.n_kv_head == 0,
              f"must be divisible by n_kv_head={self.n_kv_head}"),
             ('n_embd', self.head_dim % 2 == 0,
-             f"n_embd / n_head = {self.head_dim} must be even (RoPE)")]
+             f"n_embd / n_head = {self.head_dim} must be even (RoPE)"),
+            ('attention_chunks', self.n_kv_head % max(1, self.attention_chunks) == 0,
+             f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)"),
+            # offload.py's token-wise cut runs attention once on every token, whole
+            ('attention_chunks', self.attention_chunks == 1 or not offload_splits(self),
+             f"with offload={self.offload} and recompute={self.recompute!r} offload.py cuts "
+             "attention by tokens, not heads: use recompute='full', or offload=1 with 'none'")]
         for key, ok, allowed in rules:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
@@ -94,6 +101,12 @@ class LlamaConfig:
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+
+def offload_splits(c):
+    """Whether offload.py runs a block on two token ranges around one attention call (its _Split)."""
+    whole = c.recompute == 'full' or c.recompute == 'none' and c.offload == 1
+    return c.offload > 0 and not whole
 
 
 # ----------------------------------------------------------------------------- attention
@@ -132,18 +145,33 @@ class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
         h, H, K, hd = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
+        self.config = config  # attention_chunks, read at every forward (chunked.attention_chunks)
         self.head_dim = hd
         self.attend = attention  # parallel.py wraps it for context parallelism (Ulysses, ring)
+        self.ulysses = 1  # parallel.py: the cp ranks Ulysses spreads each call's heads over
         self.wq = nn.Linear(h, H * hd, bias=False)
         self.wk = nn.Linear(h, K * hd, bias=False)
         self.wv = nn.Linear(h, K * hd, bias=False)
         self.wo = nn.Linear(H * hd, h, bias=False)
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
-        B, S, _ = x.shape
         # heads from the weights' shapes: under tensor parallelism this rank holds a share of them
-        q, k, v = (w(x).view(B, S, -1, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
+        heads, kv_heads = len(self.wq.weight) // self.head_dim, len(self.wk.weight) // self.head_dim
+        groups = chunked.attention_chunks(self.config, heads, kv_heads, self.ulysses)
+        if groups == 1 or kv_cache is not None:
+            return self.group(x, cos, sin, docs, kv_cache)
+        return chunked.head_groups(self.group, groups, x, cos, sin, docs)
+
+    def group(self, x, cos, sin, docs=None, kv_cache=None, g=0, groups=1):
+        """Heads of group g of `groups` (by default all of them): their q, k, v projections, RoPE,
+        attention and their share of the output projection wo."""
+        B, S, _ = x.shape
+        # group g's rows of wq, wk, wv (a kv head's query heads are next to each other) and its
+        # columns of wo
+        wq, wk, wv = (w.weight.chunk(groups)[g] for w in (self.wq, self.wk, self.wv))
+        wo = self.wo.weight.chunk(groups, dim=1)[g]
+        q, k, v = (F.linear(x, w).view(B, S, -1, self.head_dim).transpose(1, 2)
+                   for w in (wq, wk, wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is None:
             y = self.attend(q, k, v, docs)
@@ -151,7 +179,7 @@ class Attention(nn.Module):
             # sampling: append to the cache; one new token sees every key
             k, v = kv_cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+        return F.linear(y.transpose(1, 2).reshape(B, S, -1), wo)
 
 
 # ----------------------------------------------------------------------------- MLP

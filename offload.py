@@ -76,6 +76,10 @@ def saved_per_token(config, dtype=torch.float32, seq_len=None):
     saved = {'qkv': [b * h, b * kv, b * kv],
              'attention': [b * h, 4 * config.n_head],
              'other': [b * h] * 4}
+    if config.attention_chunks != 1:
+        # by head groups (chunked.py): attention keeps only its input, the norm's output (then
+        # not 'other'), and rebuilds the rest one group at a time
+        saved['qkv'], saved['attention'] = [], [saved['other'].pop()]
     if chunked.mlp_chunks(config, seq_len) == 1:
         saved['other'] += [b * config.intermediate_size] * 4
     return saved
@@ -116,7 +120,7 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
         n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
         # the first S - n tokens' input (checkpoint's), wo's input for the last n (a view of their
         # attention output, packed apart from it), then every saved tensor
-        pieces = [bh * (S - n), bh * n]
+        pieces = [bh * (S - n), bh * n * (config.attention_chunks == 1)]  # (groups keep no wo input)
         if cp_size > 1 and n < S:
             pieces.append(bh * S)  # Ulysses: the output the recompute replays
         for kind, sizes in saved_per_token(config, dtype, S).items():

@@ -130,8 +130,15 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (states_on_host and zero != 3,
          "offload_states=True streams each block's weights in from the host: zero=3"),
     ]
+    groups = c.attention_chunks or 1  # (0: chunked.py picks a count that fits the layout)
+    rules.append((kv_heads % groups,
+                  f"attention_chunks={groups} does not divide the {kv_heads} kv heads per tp rank"))
     if cp > 1 and cp_impl == 'ulysses':
+        kv_group = kv_heads // groups
         rules += [
+            (groups > 1 and (heads // groups % cp or kv_group % cp and cp % kv_group),
+             f"attention_chunks={groups}: Ulysses spreads each group's {heads // groups} query "
+             f"and {kv_group} kv heads over cp_size={cp} ranks; make fewer groups"),
             (S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
             (heads % cp,
              f"n_head / tp_size = {heads} heads per rank are not divisible by cp_size={cp} "
@@ -593,6 +600,7 @@ def parallelize(model, mesh):
             if mesh.cp_impl == 'ulysses':
                 block.attention.attend = functools.partial(ulysses, block.attention.attend,
                                                            mesh.cp_group)
+                block.attention.ulysses = mesh.cp
             else:
                 block.attention.attend = functools.partial(RingAttention.apply, mesh.cp_group)
     return model

@@ -88,6 +88,8 @@ tie_embeddings = False
 # memory knobs (chunked.py; offload.py)
 mlp_chunks = 1
 loss_chunks = 1
+# head groups attention runs one at a time (chunked.py): 1 off, 0 one per kv head
+attention_chunks = 1
 recompute = 'none'
 # Memo's alpha (offload.py): > 0 sends block inputs, attention and this fraction of the rest to host
 offload = 0.0
