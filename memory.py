@@ -112,6 +112,7 @@ class Estimate:
     workspace: float
     moment: str  # where in the step the peak is
     host: float  # bytes waiting in host memory (offload), never in the total
+    kernel: float = 0  # the workspace of every attention backward (the peak's may be another)
 
     @property
     def total(self):
@@ -145,6 +146,7 @@ class States(NamedTuple):
     at_last_block: float   # the LM head's and final norm's, made first
     at_first_block: float  # all but the embedding's and the block's own
     at_block_1: float      # all but the embedding's and two blocks'
+    at_root: float         # FSDP2's reduce-scatter of the embedding's, final norm's, LM head's
 
 
 def model_states(r, d, zero, in_backward, on_host):
@@ -160,7 +162,11 @@ def model_states(r, d, zero, in_backward, on_host):
     # embedding's), in a block's backward, and last (the embedding's)
     head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
     shard = 4 * N / d  # under FSDP2: this rank's rows of every parameter, in fp32
+    at_root = 0
     if zero > 1:
+        # at backward's end the root's gradients, whole, go to fp32 for the reduce-scatter: that
+        # copy, its divided copy and this rank's rows
+        at_root = (8 + 4 / d) * (N - r.L * block)
         # FSDP2: the fp32 rows over d from the start (parallel.shard_states); gathered in b bytes,
         # the embedding, final norm and LM head for the whole step, and every block (2) or one (3)
         params = shard + b * (N - r.L * block + block * (r.L if zero == 2 else 1))
@@ -173,7 +179,7 @@ def model_states(r, d, zero, in_backward, on_host):
         # at a time (the embedding's at most), beside its step's fp32 chunks
         optimizer = 2 * b * N
         alive = [min(g, b * vocab + 28 * STEP_CHUNK) for g in alive]
-    return States(params, optimizer, host, *alive)
+    return States(params, optimizer, host, *alive, at_root)
 
 
 class Kept(NamedTuple):
@@ -265,6 +271,8 @@ def moments(r, states, kept, activations, workspace):
     out[f'backward: block {r.lo}'] = (max(states.at_first_block, accumulated),
                                       held + kept.device * T + output,
                                       block_backward(r, kept.fetched), workspace)
+    if states.at_root:
+        out['backward: embedding'] = (states.grads, 0, states.at_root, 0)
     out['optimizer step'] = (states.grads, 0, 2 * V * h / t * r.first * (b == 2), 0)
     if 1 < r.F == r.M:  # no forward after the first backward: the second has every gradient
         out[f'backward: block {r.lo + r.L - 1}, the second micro-batch'] = (
@@ -326,9 +334,10 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         W = workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
     step = moments(r, states, kept, activations, W)
     peak = max(step, key=lambda moment: sum(step[moment]))
-    grads, activations, transient, W = step[peak]
+    grads, activations, transient, at_peak = step[peak]
     host = kept.sent * kept.host + states.host
-    return Estimate(states.params, grads, states.optimizer, activations, transient, W, peak, host)
+    return Estimate(states.params, grads, states.optimizer, activations, transient, at_peak, peak,
+                    host, W)
 
 
 # ----------------------------------------------------------------------- budget, verdict and table
@@ -683,9 +692,13 @@ class Report:
         self.measured, host = m, m.get('host')
         title = "memory after the first step (measured: tensors alive at the step's peak):"
         if self.dry:
-            # fake tensors can't see inside a kernel: the formula's workspace, at its peak moment
-            m['workspace'] = round(self.est.workspace)
-            m['total'] += m['workspace']
+            # fake tensors can't see inside a kernel: the formula's workspace, in every attention
+            # backward; the peak is then the moment that holds most
+            for row in extra['timeline']:
+                if row['moment'].startswith('backward: block'):
+                    row['workspace'] = round(self.est.kernel)
+                    row['total'] += row['workspace']
+            m = dict(max(extra['timeline'], key=lambda row: row['total']))
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
         print(self.table(title, m, self.dry))
         # offloaded blocks and offload_states' rows, not the device's

@@ -303,3 +303,90 @@ def test_auto_chunk_counts():
     assert auto_loss_chunks(8192, 256, 128256) == 32 and auto_loss_chunks(300, 256, 128256) == 2
     assert auto_loss_chunks(10, 256, 128256) == 1 and auto_mlp_chunks(1024, 64, 4096) == 4
     assert auto_loss_chunks(100000, 4096, 1000) == 1 and auto_mlp_chunks(0, 64, 256) == 1
+
+
+# ----------------------------------------------------------------------------- attention by head groups
+from conftest import packed_batch  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+import offload  # noqa: E402
+
+GROUPED = dict(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=96, vocab_size=97)
+
+
+def grouped_step(dtype=torch.float32, docs=False, **knobs):
+    """Loss and every gradient of one forward + backward of a 2-block Llama (8 query heads, 4 kv heads)."""
+    torch.manual_seed(0)
+    model = offload.apply(Llama(LlamaConfig(**GROUPED, **knobs)).to(dtype))
+    if docs:
+        x, y, pos, starts = packed_batch([[5, 27], [32], [3, 3, 26]], GROUPED['vocab_size'])
+    else:
+        g = torch.Generator().manual_seed(1)
+        x, y = (torch.randint(0, GROUPED['vocab_size'], (3, 32), generator=g) for _ in range(2))
+        pos = starts = None
+    _, loss = model(x, y, pos, starts)
+    loss.backward()
+    offload.reset()
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize('groups', [2, 4, 0])
+@pytest.mark.parametrize('knobs', [dict(), dict(recompute='full'), dict(recompute='selective'),
+                                   dict(recompute='full', offload=1.0), dict(offload=1.0),
+                                   dict(docs=True), dict(docs=True, recompute='full', mlp_chunks=3)],
+                         ids=lambda k: '-'.join(f'{a}={b}' for a, b in k.items()) or 'plain')
+def test_attention_by_head_groups_equals_all_heads_at_once(groups, knobs):
+    ref_loss, ref = grouped_step(**knobs)
+    loss, got = grouped_step(attention_chunks=groups, **knobs)
+    assert abs(loss - ref_loss) <= RTOL * ref_loss
+    for n in ref:
+        assert rel(got[n], ref[n]) <= RTOL, n
+
+
+def test_attention_by_head_groups_in_bf16_is_within_its_rounding():
+    _, exact = grouped_step()
+    _, whole = grouped_step(torch.bfloat16)
+    loss, grouped = grouped_step(torch.bfloat16, attention_chunks=4)
+    for n in exact:  # the groups' outputs are summed in bf16: rounded G times, as close as all heads at once
+        assert rel(grouped[n], exact[n]) <= max(BF16_RTOL, 1.5 * rel(whole[n], exact[n])), n
+
+
+def test_attention_by_head_groups_keeps_its_input_alone():
+    """After forward, all heads at once keep q, k, v, the output and its logsumexp; G groups keep the
+    block's normed input only (chunked.head_groups' checkpoints), and backward holds one group's q, k, v at a time."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    B, S, h, hd, H, K = 2, 256, 64, 8, 8, 4
+    kept, peak = {}, {}
+    for G in (1, 4):
+        torch.manual_seed(0)
+        attention = Llama(LlamaConfig(**GROUPED, attention_chunks=G)).layers['0'].attention
+        x = torch.randn(B, S, h, requires_grad=True)
+        cos, sin = torch.ones(S, hd), torch.zeros(S, hd)
+        mt = MemTracker()
+        mt.track_external(attention, x, cos, sin)
+        with mt:
+            y = attention(x, cos, sin)
+            kept[G] = sum(v for k, v in mt.get_tracker_snapshot()[torch.device('cpu')].items()
+                          if str(k).endswith(('ACT', 'TEMP')))
+            y.sum().backward()
+        peak[G] = mt.get_tracker_snapshot('peak')[torch.device('cpu')]['Total']
+    b = 4
+    q_k_v_out = B * S * b * (2 * h + 2 * K * hd)
+    assert kept[4] == B * S * h * b  # y itself: nothing else outlives forward
+    assert kept[1] >= kept[4] + q_k_v_out  # + q, k, v and the output (wo's input: a view of it)
+    assert peak[1] - peak[4] >= q_k_v_out * 3 / 4  # backward: a quarter of q, k, v and the output at once
+
+
+def test_attention_chunks_counts_and_refusals():
+    from chunked import attention_chunks
+    c = LlamaConfig(n_head=32, n_kv_head=8, n_embd=4096, attention_chunks=0)
+    assert attention_chunks(c, 32, 8) == 8        # one process: a kv head and its 4 query heads a group
+    assert attention_chunks(c, 32, 8, 8) == 4     # Ulysses over 8: 8 query heads a group, one per rank
+    assert attention_chunks(c, 16, 4, 2) == 4     # tp 2 (4 kv heads a rank), Ulysses 2: 4 query heads
+    assert attention_chunks(c, 4, 1) == 1         # tp 8: one kv head a rank
+    assert attention_chunks(LlamaConfig(n_head=32, n_kv_head=8, n_embd=4096, attention_chunks=2), 32, 8, 8) == 2
+    with pytest.raises(ValueError, match=r"attention_chunks=3: must divide n_kv_head=4"):
+        LlamaConfig(**GROUPED, attention_chunks=3)
+    with pytest.raises(ValueError, match=r"attention_chunks=2: with offload=0.5 and recompute='none'"):
+        LlamaConfig(**GROUPED, attention_chunks=2, offload=0.5)
+    with pytest.raises(ValueError, match=r"recompute='selective' offload.py cuts attention by tokens"):
+        LlamaConfig(**GROUPED, attention_chunks=0, offload=1.0, recompute='selective')

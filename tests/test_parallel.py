@@ -66,7 +66,18 @@ LAYOUTS = {
     # packed documents (doc_mask): attention within each, as in one process (which equals each alone: test_model)
     'tp_docs':       (2, 2, 1, 'ulysses', True, 0, dict(docs=True, recompute='selective')),
     'cp_docs':       (2, 1, 2, 'ulysses', True, 0, dict(docs=True, recompute='full')),
+    # attention by head groups (attention_chunks): each against one process with all heads at once (reference)
+    'tp_groups':     (2, 2, 1, 'ulysses', True, 0, dict(n_head=8, n_kv_head=4, attention_chunks=2,
+                                                        recompute='selective')),
+    'cp_groups':     (2, 1, 2, 'ulysses', True, 0, dict(n_head=8, n_kv_head=4, attention_chunks=0)),  # 4
+    'ring_groups':   (2, 1, 2, 'ring', True, 0, dict(attention_chunks=2, recompute='full')),
+    'docs_groups':   (2, 1, 2, 'ulysses', True, 0, dict(n_head=8, n_kv_head=4, docs=True, attention_chunks=2,
+                                                        recompute='full')),
+    'zero3_groups':  (2, 1, 1, 'ulysses', True, 3, dict(attention_chunks=2, recompute='full', offload=1.0)),
+    'tp_cp_groups':  (4, 2, 2, 'ulysses', True, 0, dict(n_head=8, n_kv_head=4, attention_chunks=0)),  # 2
 }
+# the head groups attention runs per block in the layouts above (attention_chunks; 0 resolved by chunked.py)
+GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2}
 DOC_LENS = [[5, 11], [16], [3, 3, 10], [9, 7]]  # the documents of global_batch's rows, for 'docs' layouts
 LR = 0.1
 
@@ -145,6 +156,8 @@ def one_step(model, mesh, config, zero, docs=False):
 
 
 def reference(overrides, zero):
+    # one process, all heads at once: a layout with attention_chunks equals attention_chunks=1
+    overrides = {k: v for k, v in overrides.items() if k != 'attention_chunks'}
     model = offload.apply(new_model(overrides))
     return one_step(model, parallel.Mesh(), model.config, zero, 'docs' in overrides)
 
@@ -292,6 +305,8 @@ def test_eval_does_no_gradient_work(results, name):
     """Under no_grad the vocabulary-parallel loss computes the logits only, as chunked.py's does in one
     process (it made dW and ran both gradient matmuls per chunk under tp: 9 matmuls for 3)."""
     *_, overrides = LAYOUTS[name]
+    if name in GROUPS:  # as many head groups as the layout ran (each group: its own matmuls)
+        overrides = {**overrides, 'attention_chunks': GROUPS[name]}
     assert results[name]['eval'] == eval_matmuls(new_model(overrides), parallel.Mesh())
 
 
@@ -316,6 +331,13 @@ EXPECTED_PER_BLOCK = {
     'cp_window': {'all_to_all': 4},
     'tp_docs': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_docs': {'all_to_all': 4},
+    # per group: its all-to-alls (or ring shifts) forward, again in its checkpoint's recompute, and backward
+    'tp_groups': {'all_gather': 4, 'reduce_scatter': 4},
+    'cp_groups': {'all_to_all': 4 * 6},
+    'ring_groups': {'ring_shift': 2 * 5},
+    'docs_groups': {'all_to_all': 2 * 6},
+    'zero3_groups': {},
+    'tp_cp_groups': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 2 * 6},
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
 # every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped
@@ -325,7 +347,9 @@ FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all
 @pytest.mark.parametrize('name', list(LAYOUTS))
 def test_collectives_per_block(results, name):
     assert results[name]['block'] == EXPECTED_PER_BLOCK[name]
-    again = {k: v + FORWARD_PER_BLOCK[k] for k, v in EXPECTED_PER_BLOCK[name].items()}
+    groups = GROUPS.get(name, 1)  # cp's collectives run per head group
+    again = {k: v + FORWARD_PER_BLOCK[k] * (groups if k in ('all_to_all', 'ring_shift') else 1)
+             for k, v in EXPECTED_PER_BLOCK[name].items()}
     assert results[name]['block_recompute'] == again
 
 
@@ -589,6 +613,14 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, cp=2, cp_impl='ring', offload=1.0), None),
     (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='full'), None),
     (dict(world=2, cp=2, cp_impl='ring', offload=0.5, recompute='selective'), "recompute='full' or cp_impl='ulysses'"),
+    (dict(world=2, tp=2, n_head=8, n_kv_head=4, attention_chunks=4),
+     'attention_chunks=4 does not divide the 2 kv heads per tp rank'),
+    (dict(world=2, tp=2, n_head=8, n_kv_head=4, attention_chunks=2), None),
+    (dict(world=4, cp=4, n_head=8, n_kv_head=4, attention_chunks=4),
+     "attention_chunks=4: Ulysses spreads each group's 2 query and 1 kv heads over cp_size=4 ranks"),
+    (dict(world=4, cp=4, n_head=8, n_kv_head=4, attention_chunks=2), None),  # 4 query heads, 2 kv heads copied
+    (dict(world=4, cp=4, n_head=8, n_kv_head=4, attention_chunks=0), None),  # chunked.py picks 2
+    (dict(world=2, cp=2, cp_impl='ring', n_head=8, n_kv_head=4, attention_chunks=4), None),  # the ring: any
     (dict(world=6, pp=4), 'not divisible by pp_size * cp_size * tp_size = 4 * 1 * 1'),
     (dict(world=16, pp=2, cp=2, tp=2, microbatches=2), None),  # dp 2 x pp 2 x cp 2 x tp 2
     (dict(world=4, pp=4, microbatches=4), 'pp_size=4 stages need a block each: n_layer=2'),
@@ -749,6 +781,10 @@ PP_LAYOUTS = {
     'pp2_cp2':       (4, 2, 1, 2, 'ulysses', 0, '1f1b', dict(recompute='selective')),
     'pp2_ring2':     (4, 2, 1, 2, 'ring', 0, 'gpipe', dict(recompute='full')),
     'pp2_dp2_zero3': (4, 2, 1, 1, 'ulysses', 3, '1f1b', {}),
+    # attention by head groups, against one process with all heads at once
+    'pp2_groups':    (2, 2, 1, 1, 'ulysses', 0, '1f1b', dict(attention_chunks=2)),
+    'pp2_cp2_groups': (4, 2, 1, 2, 'ulysses', 0, 'gpipe', dict(n_head=8, n_kv_head=4, attention_chunks=0,
+                                                              recompute='full')),
 }
 PP_M = 4
 
@@ -802,7 +838,7 @@ def pp_results(tmp_path_factory):
 def test_a_pipeline_step_equals_single_process(pp_results, name):
     """torch's schedule over our stages (pipeline.Pipeline), with tp, Ulysses or the ring, FSDP2: every stage's loss
     and gradient norm are one process's, and the stages' gradients together are its gradients, each once."""
-    overrides = PP_LAYOUTS[name][-1]
+    overrides = {k: v for k, v in PP_LAYOUTS[name][-1].items() if k != 'attention_chunks'}  # all heads at once
     ref_loss, ref_norm, ref_grads, ref_val = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(),
                                                      model_config(overrides))
     grads = {}
