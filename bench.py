@@ -8,6 +8,9 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                  plain              recompute='none', mlp_chunks=1, loss_chunks=1
                  recompute          recompute='full', mlp_chunks=1, loss_chunks=1
                  chunked+recompute  recompute='full', mlp_chunks=0, loss_chunks=0 (automatic)
+                 +heads             that, and attention_chunks=0 (one head group at a time)
+               with the model's and the hardware's GFLOP/s (model.flops_per_token: attention's
+               groups run their forward again in backward, counted in the hardware's)
   --mode=loss  the LM head + loss alone, forward + backward, N=8192 tokens, D=256, V=128,256:
                ours chunked_cross_entropy (automatic chunks: 256 tokens each here, and 384-token
                chunks), torch F.linear_cross_entropy with LinearCrossEntropyOptions (batch_chunk_size
@@ -56,6 +59,7 @@ mode = 'step'                 # 'step' | 'loss'
 seq_lens = '2048,8192'        # step mode: comma-separated
 variants = ''                 # comma-separated subset of the mode's variants; '' = all
 n_layer, n_embd, n_head, n_kv_head, intermediate_size, vocab_size = 2, 256, 4, 4, 768, 128256
+batch_size = 1                # step mode: sequences per step (train_tiny's shape: 16 x 256)
 loss_tokens = 8192            # loss mode: N
 reps = 3                      # loss mode: timed runs per variant and round (median)
 rounds = 1                    # loss mode: rounds over the variants (a fresh process per variant and round)
@@ -69,10 +73,11 @@ seed = 1337
 # -----------------------------------------------------------------------------
 configure(globals())
 
-STEP_VARIANTS = {  # name -> (recompute, mlp_chunks, loss_chunks)
-    'plain': ('none', 1, 1),
-    'recompute': ('full', 1, 1),
-    'chunked+recompute': ('full', 0, 0),
+STEP_VARIANTS = {  # name -> (recompute, mlp_chunks, loss_chunks, attention_chunks)
+    'plain': ('none', 1, 1, 1),
+    'recompute': ('full', 1, 1, 1),
+    'chunked+recompute': ('full', 0, 0, 1),
+    'chunked+recompute+heads': ('full', 0, 0, 0),
 }
 LOSS_VARIANTS = ['ours chunked (auto)', 'ours chunked (384 tokens)', 'torch LCE chunk=256',
                  'torch LCE chunk=384', 'torch LCE default', 'plain F.cross_entropy(h@W.T)', '3 matmuls alone']
@@ -110,17 +115,18 @@ def loadavg():
 # ----------------------------------------------------------------------------- workers (one process each)
 
 def step_worker(name, S):
-    from model import Llama, LlamaConfig
+    from model import Llama, LlamaConfig, flops_per_token
     import offload
-    recompute, mlp_chunks, loss_chunks = STEP_VARIANTS[name]
+    recompute, mlp_chunks, loss_chunks, attention_chunks = STEP_VARIANTS[name]
     torch.manual_seed(seed)
     cfg = LlamaConfig(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                       intermediate_size=intermediate_size, vocab_size=vocab_size,
-                      recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks)
+                      recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
+                      attention_chunks=attention_chunks)
     model = offload.apply(Llama(cfg))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
-    idx = torch.randint(0, vocab_size, (1, S + 1))
+    idx = torch.randint(0, vocab_size, (batch_size, S + 1))
     x, y = idx[:, :-1], idx[:, 1:]
 
     def step(x, y):
@@ -142,7 +148,10 @@ def step_worker(name, S):
     t0 = time.perf_counter()
     loss = step(x, y)
     dt = time.perf_counter() - t0
-    return dict(peak=peak_rise(base), base=base, time=dt, tok_s=S / dt, loss=loss)
+    tok_s = batch_size * S / dt
+    model_flops, hardware_flops = flops_per_token(cfg, S)
+    return dict(peak=peak_rise(base), base=base, time=dt, tok_s=tok_s, loss=loss,
+                mflops=model_flops * tok_s, hflops=hardware_flops * tok_s)
 
 
 def loss_worker(name):
@@ -202,7 +211,7 @@ if worker:
 def spawn(spec):
     args = [sys.executable, os.path.abspath(__file__), f'--mode={mode}', f'--worker={json.dumps(spec)}']
     for k in ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'vocab_size',
-              'loss_tokens', 'reps', 'slow_reps', 'warmup', 'threads', 'seed'):  # not rounds: the driver's
+              'batch_size', 'loss_tokens', 'reps', 'slow_reps', 'warmup', 'threads', 'seed'):  # not rounds: the driver's
         args.append(f'--{k}={globals()[k]!r}' if isinstance(globals()[k], str) else f'--{k}={globals()[k]}')
     p = subprocess.run(args, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     for line in p.stdout.splitlines():
@@ -226,21 +235,21 @@ def pick(all_names):
 
 rows, loads = [], []
 if mode == 'step':
-    header = '| seq_len | variant | peak RSS rise | tokens/s | step time | loss | load avg before |\n' \
-             '|---:|---|---:|---:|---:|---:|---|'
+    header = ('| seq_len | variant | peak RSS rise | tokens/s | model GFLOP/s | hardware GFLOP/s | step time '
+              '| loss | load avg before |\n|---:|---|---:|---:|---:|---:|---:|---:|---|')
     for S in [int(s) for s in str(seq_lens).split(',') if s.strip()]:
         for name in pick(STEP_VARIANTS):
             la = loadavg()
-            est = 3 * S * vocab_size * 4
+            est = 3 * batch_size * S * vocab_size * 4
             if STEP_VARIANTS[name][2] == 1 and est > mem_limit_gb * 1e9:
-                row = f'| {S:,} | {name} | OOM (est. {est / 1e9:.0f} GB logits > {mem_limit_gb:g} GB) | - | - | - | {la} |'
+                row = f'| {S:,} | {name} | OOM (est. {est / 1e9:.0f} GB logits > {mem_limit_gb:g} GB) | - | - | - | - | - | {la} |'
             else:
                 r = spawn(dict(name=name, S=S))
                 if 'error' in r:
-                    row = f'| {S:,} | {name} | error: {r["error"]} | - | - | - | {la} |'
+                    row = f'| {S:,} | {name} | error: {r["error"]} | - | - | - | - | - | {la} |'
                 else:
-                    row = (f'| {S:,} | {name} | {gb(r["peak"])} | {r["tok_s"]:,.0f} | {r["time"]:.2f} s '
-                           f'| {r["loss"]:.4f} | {la} |')
+                    row = (f'| {S:,} | {name} | {gb(r["peak"])} | {r["tok_s"]:,.0f} | {r["mflops"] / 1e9:,.1f} '
+                           f'| {r["hflops"] / 1e9:,.1f} | {r["time"]:.2f} s | {r["loss"]:.4f} | {la} |')
             print(row, flush=True)
             rows.append(row)
 elif mode == 'loss':

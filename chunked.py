@@ -1,5 +1,6 @@
 """
-Mini-sequence MLP and chunked LM head + cross-entropy, as autograd Functions.
+Mini-sequence MLP and chunked LM head + cross-entropy, as autograd Functions; attention by head
+groups.
 
 Two tensors grow with the number of tokens S and dwarf everything else in a long-context step
 (b = bytes per element: 2 in bf16, 4 in fp32; h = width, I = MLP intermediate size, V = vocabulary):
@@ -27,6 +28,29 @@ with at least MIN_CHUNK_TOKENS = 256 tokens per chunk (M <= ceil(S / 256): fewer
 matmuls slow for little memory) and M in [1, S]. Llama 3 8B at S = 8,192: M = 32 for the loss, 11
 for the MLP. Or from a memory budget: M = ceil(S · bytes_per_token / budget).
 
+A third grows with the heads a rank's attention runs at once (a heads and the S_a tokens each sees:
+a = H, S_a = S in one process; under Ulysses a = H/c of the whole sequence):
+
+  attention    q, k, v (b·(h + 2kv) per token), the output (b·h) and flash attention's backward
+               workspace (its fp32 dq accumulator, kv expanded to the query heads, Ulysses'
+               head-major copies: about 4·a·hd + 4·b·a·hd per token of S_a, `workspace` below)
+               exist for every head at once, forward to backward (recompute='none') or in the block's
+               backward (recompute='full').
+               by head groups (attention_chunks = G): a kv head with its query heads, or several,
+               one group at a time: projections, RoPE, Ulysses' all-to-alls or the ring, the kernel
+               and its share of wo; the output is the sum of the groups' (wo's columns split as the
+               heads are). Each group runs under torch's checkpoint, so forward keeps only the
+               norm's output x (kept anyway) and backward runs the group again, then its backward.
+               b·(2h + 2kv)·S + W(a)  ->  b·(2h + 2kv)·S / G + W(a / G)
+               Llama 3 8B under Ulysses over 8 GPUs at 5.5M tokens: 4 heads a rank -> 1; the
+               workspace 31.6 -> 5.3 GiB a rank.
+               The price: attention's forward once more in backward (a third time under
+               recompute='full'), and the G groups' outputs summed in bf16 (rounded G times).
+
+How many groups (attention_chunks = 0): one per kv head, the most a rank's heads allow: under
+Ulysses each group must still give every one of the c ranks a query head and a kv head (Llama 3 8B,
+c = 8: 4 groups of 8 query heads), under tensor parallelism the heads are the rank's.
+
 Where it comes from: the Mini-Sequence Transformer (Luo et al. 2024, arXiv 2407.15892) chunks both
 and, with activation recomputation, trains Llama 3 8B at 60K tokens on one 80 GB A100. Its public
 code drops the last S mod M tokens of the loss and chunks the MLP with split + cat (which saves
@@ -34,7 +58,10 @@ nothing, see below); we do neither. The loss gradient computed in forward and ha
 Liger's fused linear cross-entropy (FLCE), also torch's `F.linear_cross_entropy(options=...)`.
 Given a process group, the same loss runs over a shard of the vocabulary (Megatron's
 vocabulary-parallel cross-entropy): ⌈V/t⌉ rows of W per rank, the logits [S/M, V/t], per chunk one
-all-gather of S/M floats.
+all-gather of S/M floats. Attention by head groups is UPipe's (Untied Ulysses, arXiv 2602.21196,
+2026: Llama 3 8B at 5M tokens on 8 H100s), which keeps each group's output and logsumexp and calls
+the kernel's backward itself; we run the group's forward again instead, so every attention
+(SDPA, the document loop, Ulysses, the ring) works unchanged inside a group.
 """
 import math
 
@@ -69,9 +96,9 @@ def mlp_chunks(config, n_tokens):
     return config.mlp_chunks or auto
 
 def attention_chunks(config, heads, kv_heads, ulysses=1):
-    """config.attention_chunks, with 0 resolved for this rank's `heads` query and `kv_heads` kv heads:
-    the most groups (a kv head each at most) that still give each of Ulysses' `ulysses` ranks a
-    query head of every group, and a kv head (its own, or one it shares)."""
+    """config.attention_chunks, with 0 resolved for this rank's `heads` query and `kv_heads` kv
+    heads: the most groups (a kv head each at most) that still give each of Ulysses' `ulysses`
+    ranks a query head of every group, and a kv head (its own, or one it shares)."""
     if config.attention_chunks:
         return config.attention_chunks
     most = 1
@@ -330,7 +357,7 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
                                       torch.is_grad_enabled())
 
 
-# ----------------------------------------------------------------------------- attention by head groups
+# ------------------------------------------------------------------------- attention by head groups
 # The header's third tensor, cut along the heads instead of the tokens: attention's softmax needs
 # every key of a head, but no head needs another's. So the output is a sum over groups of heads
 # (their columns of wo), and each group can run alone.
@@ -350,3 +377,20 @@ def head_groups(group, groups, x, *args):
         else:
             y = y + y_g
     return y
+
+
+def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysses'):
+    """What flash attention's backward allocates inside the kernel, for this rank's attention call
+    (of one head group): memory.py's formula (its header), here beside what cuts it. Not counted:
+    its forward's split-KV accumulators (flash_api.cpp, set_params_splitkv), made only when
+    B·a·Sa/64 can't fill the SMs (short sequences); cuBLAS's workspace (in the overhead)."""
+    ring, G = cp_size > 1 and cp_impl == 'ring', c.attention_chunks  # (resolved: estimate)
+    # sp and Ulysses gather the whole sequence, for H/(t·c·G) heads; the ring keeps its S/c tokens
+    a, Sa = c.n_head // tp_size // cp_size // G, seq_len
+    if ring:
+        a, Sa = c.n_head // tp_size // G, seq_len // cp_size
+    # then flash expands grouped kv heads itself (the ring repeats them before the kernel: a tensor)
+    grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size // G) < a
+    Sa_tiles, hd_tiles = -(-Sa // 128) * 128, -(-c.head_dim // 32) * 32  # rounded up to its tiles
+    accumulators = 4 * batch_size * Sa_tiles * a * (hd_tiles + 1)
+    return accumulators + 2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim

@@ -30,9 +30,10 @@ current one's "held" beside every moment (pipeline.py):
                  (28·optim.STEP_CHUNK), in every moment
   activations  L · k · T, T = B·S/c tokens of a micro-batch, k the bytes a block keeps per token
                (offload.kept_bytes: 'none' all, 'selective' its input and attention's output,
-               'full' its input); k/t under tensor + sequence parallelism (Korthikanti et al.
-               2022), but 'none' keeps the gathered input of the column-parallel matmuls (b·h per
-               token of all t ranks, twice). With α > 0 the first L - KEEP_LAST blocks keep on the
+               'full' its input; by head groups attention keeps the norm's output alone); k/t
+               under tensor + sequence parallelism (Korthikanti et al. 2022), but 'none' keeps
+               the gathered input of the column-parallel matmuls (b·h per token of all t ranks,
+               twice). With α > 0 the first L - KEEP_LAST blocks keep on the
                device only what offload.py doesn't send (offload.block_bytes); the rest is host
                memory, reported apart, never in the total. Plus RoPE's fp32 cos and sin: 8·hd
                bytes per position (per token of B·S with doc_mask).
@@ -49,11 +50,17 @@ current one's "held" beside every moment (pipeline.py):
                                         and the fp32 dW1..3, 12·h·I/t (unchunked: 3·b·I/t·T)
                             past it     R less the MLP's (unchunked: its four kept tensors,
                                         4·b·I/t), + the larger of attention's backward (gradient
-                                        in, dq, dk, dv, dx: b·(3h + 2kv)/t) and an RMSNorm's
+                                        in, dq, dk, dv, dx: b·(3h + 2kv)/t; by G > 1 head
+                                        groups the gradient in, dx and one group's q, k, v,
+                                        output and their gradients, b·(2h + 2·(2h + 2kv)/G)/t)
+                                        and an RMSNorm's
                                         (dx, dy, the residual's: 3u; 7 fp32 chunks,
                                         28·model.FP32_CHUNK), + the block before's input back
                                         from host. Under sp + 2·b·h per token of all t
                                         (gathered inputs)
+                 root       zero > 1: at backward's end FSDP2 reduce-scatters the embedding's,
+                            final norm's and LM head's gradients (N_root of them) from a whole
+                            fp32 copy and its divided copy: (8 + 4/d)·N_root
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32
                             copy
                gradients are alive as the moment has them: none at the LM head's forward (all
@@ -66,13 +73,15 @@ current one's "held" beside every moment (pipeline.py):
                under cp attention's output and its gradient come head-major and
                _flash_attention_backward (attention_backward.cu) copies both, 2·b·B·Sa·a·hd. The
                call: a = H/t, Sa = S (sp gathers the sequence); Ulysses a = H/(t·c); the ring
-               Sa = S/c, its kv heads already repeated (a tensor). Alive in one attention
-               backward: in the block-backward moments.
+               Sa = S/c, its kv heads already repeated (a tensor); by head groups a/G
+               (attention_chunks, chunked.py). Alive in one attention backward: in the
+               block-backward moments. (chunked.workspace: beside the head groups that cut it.)
 
 Measured (measure.py): MemTracker over the first step in our categories; on CUDA its peak is the
 total, workspace what it holds beyond the tensors. The dry run (`--dry_run=True`): the same on rank
 0 of the configured world with a fake process group, FakeTensors (shapes, no data) and CPU autocast
-in bf16 for CUDA: exact for tensors, a kernel's workspace the formula's at its peak; under pp the
+in bf16 for CUDA: exact for tensors, a kernel's workspace the formula's in every block's backward
+(the peak is the moment that then holds most); under pp the
 last stage's then, in a process of its own. `--dry_run_anatomy=N` lists the N largest tensors alive
 at the peak, and what made them.
 """
@@ -230,9 +239,13 @@ def block_backward(r, rebuilt, back=0):
     else:
         mlp_kept = 4 * b * I / t
         at_mlp = (u + gathered + 3 * b * I / t) * T
-    # gradient in, dx, and one head group's q, k, v, output and their gradients (all heads: G = 1)
+    # gradient in, dq, dk, dv, dx; by G head groups the gradient in, dx and one group's q, k, v,
+    # output and their gradients
     G, kv = c.attention_chunks, c.n_kv_head * c.head_dim
-    attention = (b * (2 * h + (2 * h + 2 * kv) * (1 + (G > 1)) / G) / t + gathered) * T
+    per_token = 3 * h + 2 * kv
+    if G > 1:
+        per_token = 2 * h + 2 * (2 * h + 2 * kv) / G
+    attention = (b * per_token / t + gathered) * T
     norm = 3 * u * T + 28 * min(h / t * T, FP32_CHUNK)
     past_mlp = max(attention, norm) + max(0, rebuilt - mlp_kept) * T + back
     return max(at_mlp + rebuilt * T, past_mlp)
@@ -285,23 +298,6 @@ def moments(r, states, kept, activations, workspace):
     return out
 
 
-def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysses'):
-    """What flash attention's backward allocates inside the kernel, for this rank's attention call:
-    the header's formula. Not counted: its forward's split-KV accumulators (flash_api.cpp,
-    set_params_splitkv), made only when B·a·Sa/64 can't fill the SMs (short sequences); cuBLAS's
-    workspace (in the overhead)."""
-    ring, G = cp_size > 1 and cp_impl == 'ring', c.attention_chunks  # (resolved: estimate)
-    # sp and Ulysses gather the whole sequence, for H/(t·c·G) heads; the ring keeps its S/c tokens
-    a, Sa = c.n_head // tp_size // cp_size // G, seq_len
-    if ring:
-        a, Sa = c.n_head // tp_size // G, seq_len // cp_size
-    # then flash expands grouped kv heads itself (the ring repeats them before the kernel: a tensor)
-    grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size // G) < a
-    Sa_tiles, hd_tiles = -(-Sa // 128) * 128, -(-c.head_dim // 32) * 32  # rounded up to its tiles
-    accumulators = 4 * batch_size * Sa_tiles * a * (hd_tiles + 1)
-    return accumulators + 2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim
-
-
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', dp=1,
              tp_size=1, cp_size=1, cp_impl='ulysses', pp_size=1, pp_rank=0, pp_schedule='1f1b',
              gradient_accumulation_steps=1, zero=0, offload_states=False,
@@ -331,7 +327,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else sequence)
     W = 0
     if device_type == 'cuda' and b == 2:
-        W = workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
+        W = chunked.workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
     step = moments(r, states, kept, activations, W)
     peak = max(step, key=lambda moment: sum(step[moment]))
     grads, activations, transient, at_peak = step[peak]
@@ -689,17 +685,18 @@ class Report:
         estimate and recorded (memory.json, and the step's timeline drawn in memory.svg), a dry
         run's with the verdict. m is the timeline's peak moment, the workspace added (a dry run's,
         or CUDA's beyond the tensors): memory.svg draws it there."""
-        self.measured, host = m, m.get('host')
+        host = m.get('host')
         title = "memory after the first step (measured: tensors alive at the step's peak):"
         if self.dry:
             # fake tensors can't see inside a kernel: the formula's workspace, in every attention
-            # backward; the peak is then the moment that holds most
+            # backward (a few blocks' dry runs added it to theirs); the peak: the moment holding most
             for row in extra['timeline']:
-                if row['moment'].startswith('backward: block'):
+                if row['moment'].startswith('backward: block') and not row['workspace']:
                     row['workspace'] = round(self.est.kernel)
                     row['total'] += row['workspace']
             m = dict(max(extra['timeline'], key=lambda row: row['total']))
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
+        self.measured = m
         print(self.table(title, m, self.dry))
         # offloaded blocks and offload_states' rows, not the device's
         if self.est.host and host is not None:

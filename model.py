@@ -16,8 +16,9 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   residual stream (wo, w2) scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow
   with depth; norms at 1.
 
-The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, recompute, offload) change how forward
-runs, never what it computes: MLP and the LM head chunk (chunked.py), and `offload.apply(model)`
+The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, attention_chunks, recompute, offload)
+change how forward runs, never what it computes: MLP, LM head and attention's heads chunk
+(chunked.py: Attention.group runs one group of heads, or all of them), and `offload.apply(model)`
 wraps each block to keep, recompute or offload at build time, so forward is a plain loop over
 blocks. Tensor and context parallelism shard the weights and wrap `Attention.attend` (parallel.py):
 a new attention variant changes `attention()` alone. `Llama.from_pretrained()` reads a local HF
@@ -89,11 +90,7 @@ class LlamaConfig:
             ('n_embd', self.head_dim % 2 == 0,
              f"n_embd / n_head = {self.head_dim} must be even (RoPE)"),
             ('attention_chunks', self.n_kv_head % max(1, self.attention_chunks) == 0,
-             f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)"),
-            # offload.py's token-wise cut runs attention once on every token, whole
-            ('attention_chunks', self.attention_chunks == 1 or not offload_splits(self),
-             f"with offload={self.offload} and recompute={self.recompute!r} offload.py cuts "
-             "attention by tokens, not heads: use recompute='full', or offload=1 with 'none'")]
+             f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)")]
         for key, ok, allowed in rules:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
@@ -101,12 +98,6 @@ class LlamaConfig:
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
-
-
-def offload_splits(c):
-    """Whether offload.py runs a block on two token ranges around one attention call (its _Split)."""
-    whole = c.recompute == 'full' or c.recompute == 'none' and c.offload == 1
-    return c.offload > 0 and not whole
 
 
 # ----------------------------------------------------------------------------- attention
@@ -424,12 +415,16 @@ def flops_per_token(config, seq_len):
     """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
     parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or not).
     Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections
-    for 'selective', the attention kernel not)."""
+    for 'selective', the attention kernel not); attention by head groups its forward again: the
+    projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·L·h·S."""
     c, N = config, num_params(config)
     attn = 12 * c.n_layer * c.n_embd * seq_len
     recompute = {'none': 0, 'full': 2 * N + attn // 3,
-                 'selective': 2 * (N - c.vocab_size * c.n_embd)}
-    return 6 * N + attn, 6 * N + attn + recompute[c.recompute]
+                 'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]
+    if c.attention_chunks != 1:
+        kv = c.n_kv_head * c.head_dim
+        recompute += 2 * c.n_layer * c.n_embd * (2 * c.n_embd + 2 * kv) + attn // 3
+    return 6 * N + attn, 6 * N + attn + recompute
 
 
 # ----------------------------------------------------------------------------- sampling

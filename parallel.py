@@ -130,9 +130,19 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         (states_on_host and zero != 3,
          "offload_states=True streams each block's weights in from the host: zero=3"),
     ]
+    # offload.py's token-wise recompute replays attention's output, made once from every token's
+    # q, k, v ('selective', or 'none' with α < 1: its _Split)
+    token_wise = c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1
+    replay = c.offload > 0 and token_wise
     groups = c.attention_chunks or 1  # (0: chunked.py picks a count that fits the layout)
-    rules.append((kv_heads % groups,
-                  f"attention_chunks={groups} does not divide the {kv_heads} kv heads per tp rank"))
+    rules += [
+        (kv_heads % groups,
+         f"attention_chunks={groups} does not divide the {kv_heads} kv heads per tp rank"),
+        (c.attention_chunks != 1 and replay,
+         f"attention_chunks={c.attention_chunks} with offload={c.offload} and recompute="
+         f"{c.recompute!r}: offload.py cuts attention by tokens, not heads; use recompute='full', "
+         "or offload=1 with recompute='none'"),
+    ]
     if cp > 1 and cp_impl == 'ulysses':
         kv_group = kv_heads // groups
         rules += [
@@ -147,9 +157,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
              f"{kv_heads} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
         ]
     if cp > 1 and cp_impl == 'ring':
-        # offload.py's token-wise recompute replays attention's saved output: the ring's is merged
-        # from several kernel calls
-        replay = c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1
+        # (the ring's output is merged from several kernel calls: it can't be replayed)
         instead = (", cp_impl='ulysses' or offload=1" if c.recompute == 'none'
                    else " or cp_impl='ulysses'")
         rules += [
@@ -159,7 +167,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
             (doc_mask,
              "doc_mask=True with cp_impl='ring': a document crosses the ring's zigzag chunks, and "
              "each step would need its own mask; use cp_impl='ulysses' (it sees whole documents)"),
-            (c.offload > 0 and replay,
+            (replay,
              f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring "
              "attention's output can't be replayed in a recompute (offload.py); use "
              f"recompute='full'{instead}"),

@@ -42,7 +42,7 @@ vocab_size = 128256
 rope_theta = 500000.0
 norm_eps = 1e-5
 
-seq_len = 524288
+seq_len = 851968
 batch_size = 1
 gradient_accumulation_steps = 1
 
@@ -50,6 +50,7 @@ zero = 3              # FSDP2 (parallel.shard_states), here over one rank: what 
 offload_states = True # fp32 weights, gradients and AdamW's moments in host memory; AdamW steps on the CPU
 mlp_chunks = 0        # automatic: ceil(3I / h) = 11 mini-sequences (chunked.py)
 loss_chunks = 0       # automatic: ceil(V / h) = 32 chunks of the LM head + loss
+attention_chunks = 0  # automatic: one head group at a time (chunked.py)
 recompute = 'full'
 offload = 1.0         # every block input to host memory (Memo's alpha; with 'full' only the input is kept)
 

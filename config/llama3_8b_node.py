@@ -48,7 +48,7 @@ vocab_size = 128256
 rope_theta = 500000.0
 norm_eps = 1e-5
 
-seq_len = 3407872  # the longest that fits by dry run in steps of 65,536 (3,473,408: 62.85 + 2.10 GiB)
+seq_len = 5767168  # the longest that fits by dry run in steps of 65,536 (5,832,704: 62.20 + 2.10 GiB)
 batch_size = 1
 gradient_accumulation_steps = 1
 
@@ -59,6 +59,7 @@ zero = 3              # FSDP2 (parallel.shard_states) over the 8 cp ranks
 offload_states = True # fp32 weights, gradients and AdamW's moments in host memory; AdamW steps on the CPU
 mlp_chunks = 0        # automatic: ceil(3I / h) = 11 mini-sequences (chunked.py)
 loss_chunks = 0       # automatic: ceil(V / h) = 32 chunks of the LM head + loss
+attention_chunks = 0  # automatic: one head group at a time (chunked.py)
 recompute = 'full'
 offload = 1.0         # every block input to host memory (Memo's alpha; with 'full' only the input is kept)
 

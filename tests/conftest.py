@@ -12,6 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+# tests that need a CUDA GPU: skipped without one (CI has none); bench/gpu_check.sh runs them on one
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+
 def pytest_sessionstart(session):
     data_dir = os.path.join(ROOT, 'data', 'stdlib')
     if not os.path.exists(os.path.join(data_dir, 'meta.json')):

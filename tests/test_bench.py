@@ -1,6 +1,6 @@
 """bench.py and bench/vs_nanogpt.py run end to end at toy sizes (their figures are for bench/RESULTS.md, not
 for tests: nothing here is timed). What they compute is checked where it has a right answer: the step
-benchmark's three variants train the same model, so their losses agree."""
+benchmark's four variants train the same model, so their losses agree."""
 import os
 import subprocess
 import sys
@@ -24,10 +24,13 @@ def table_rows(out):
 
 def test_step_mode_runs_every_variant_to_the_same_loss():
     rows = table_rows(run('bench.py', '--mode=step', '--seq_lens=300', *TOY))
-    assert [(r[0], r[1]) for r in rows] == [('300', v) for v in ('plain', 'recompute', 'chunked+recompute')]
-    assert len({float(r[5]) for r in rows}) == 1, rows  # recompute and chunking change memory, not the loss
+    names = ('plain', 'recompute', 'chunked+recompute', 'chunked+recompute+heads')
+    assert [(r[0], r[1]) for r in rows] == [('300', v) for v in names]
+    assert len({float(r[7]) for r in rows}) == 1, rows  # recompute and chunking change memory, not the loss
     for r in rows:
         assert r[2].endswith(' GB') and float(r[3].replace(',', '')) > 0
+        # GFLOP/s, the model's and the hardware's (recompute's forward counted: test_model checks the counts)
+        assert 0 <= float(r[4].replace(',', '')) <= float(r[5].replace(',', ''))
 
 
 def test_loss_mode_runs_the_variants_in_rounds():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import chunked  # noqa: E402
 import memory  # noqa: E402
 import offload  # noqa: E402
 import optim  # noqa: E402
@@ -70,9 +71,9 @@ def cfg(L=2, h=64, H=4, K=2, I=None, V=384, **knobs):
                        vocab_size=V, **knobs)
 
 
-# 30 configurations: depth, width, GQA ratio (1, 2, 4, 8), sequence length, batch, MLP and loss
+# 34 configurations: depth, width, GQA ratio (1, 2, 4, 8), sequence length, batch, MLP and loss
 # chunks (off, odd counts, automatic), recompute modes, tied embeddings, gradient accumulation, bf16,
-# activation offload (α = 0.5 and 1, every recompute mode, fp32 and bf16)
+# activation offload (α = 0.5 and 1, every recompute mode, fp32 and bf16), attention by head groups
 GRID = [
     (cfg(), 2, 128, 'float32', 1),
     (cfg(L=1, h=32, H=4, K=4), 2, 256, 'float32', 1),
@@ -107,6 +108,13 @@ GRID = [
     (cfg(L=4, h=128, H=4, K=4, offload=0.5, recompute='full', mlp_chunks=0, loss_chunks=0), 1, 2048, 'float32', 1),
     (cfg(L=3, h=64, I=96, V=128, offload=1.0, recompute='full', mlp_chunks=2), 8, 1024, 'bfloat16', 1),
     (cfg(L=3, h=64, I=96, V=128, offload=1.0, recompute='selective'), 8, 1024, 'bfloat16', 1),
+    # attention by head groups (chunked.py): the norm's output kept, one group's q, k, v in backward
+    (cfg(L=3, h=128, H=8, K=4, attention_chunks=0, recompute='full', mlp_chunks=0, loss_chunks=0), 1, 1024,
+     'float32', 1),
+    (cfg(L=3, h=128, H=8, K=4, attention_chunks=4, recompute='selective', mlp_chunks=2), 2, 512, 'float32', 1),
+    (cfg(L=4, h=128, H=8, K=2, attention_chunks=2, mlp_chunks=0, loss_chunks=0), 2, 512, 'bfloat16', 1),
+    (cfg(L=5, h=128, H=4, K=2, attention_chunks=2, offload=1.0, mlp_chunks=2, loss_chunks=2), 2, 1024, 'float32',
+     1),
 ]
 
 
@@ -378,7 +386,7 @@ def test_workspace_is_flash_attentions_backward_by_hand(layout, gqa, mha):
     S = 131072
     for c, want in ((LLAMA3_8B, gqa), (cfg(L=32, h=4096, H=32, K=32, I=11008, V=32000), mha)):
         c = replace(c, recompute='full', offload=1.0, mlp_chunks=0, loss_chunks=0)  # the peak: a block's backward
-        assert memory.workspace(c, 1, S, 2, layout.get('tp_size', 1), layout.get('cp_size', 1),
+        assert chunked.workspace(c, 1, S, 2, layout.get('tp_size', 1), layout.get('cp_size', 1),
                                 layout.get('cp_impl', 'ulysses')) == want
         est = memory.estimate(c, 1, S, **SETUP, **layout)
         assert est.moment.startswith('backward: block') and est.workspace == want
@@ -388,10 +396,23 @@ def test_workspace_is_flash_attentions_backward_by_hand(layout, gqa, mha):
         assert memory.estimate(c, 1, S, dtype='float32', device_type='cuda', **layout).workspace == 0
 
 
+def test_workspace_by_head_groups_is_one_groups():
+    # Llama-3-8B at 131,072 tokens, attention_chunks automatic. One GPU: 8 groups of 4 query heads over 1 kv head,
+    # an eighth of the 32 heads' (above)
+    S, c = 131072, replace(LLAMA3_8B, attention_chunks=0, recompute='full', mlp_chunks=0, loss_chunks=0)
+    assert memory.estimate(c, 1, S, **SETUP).kernel == (2 * GiB + 16 * MiB + 2 * GiB) // 8
+    # Ulysses over 8: 4 groups of 8 query heads, 1 a rank with its kv head (no expansion): the dq accumulator
+    # 4·S·1·128 = 64 MiB, softmax_d 0.5 MiB, the head-major copies 2·2·S·1·128 = 64 MiB
+    # (kernel: the workspace of every attention backward, whichever moment is the peak)
+    assert memory.estimate(c, 1, S, cp_size=8, **SETUP).kernel == 128 * MiB + MiB // 2
+    # all heads at once: 4 a rank over 1 kv head, expanded, and the copies, 4 times as wide
+    assert memory.estimate(replace(c, attention_chunks=1), 1, S, cp_size=8, **SETUP).kernel == 258 * MiB + 512 * MiB
+
+
 def test_workspace_rounds_and_stays_in_attentions_moments():
     # the kernel rounds the sequence up to 128 and hd up to 32: 300 tokens, hd 16, 4 heads over 2 kv heads
     c = cfg(L=2, h=64, H=4, K=2)
-    assert memory.workspace(c, 2, 300) == 4 * 2 * 384 * 4 * (32 + 1) + 2 * 2 * 2 * 300 * 4 * 16
+    assert chunked.workspace(c, 2, 300) == 4 * 2 * 384 * 4 * (32 + 1) + 2 * 2 * 2 * 300 * 4 * 16
     # alive in an attention backward only: a peak at the LM head (a large vocabulary, the plain loss) has none
     head = memory.estimate(cfg(L=2, h=64, V=32000), 2, 1024, **SETUP)
     assert head.moment.startswith('forward and backward: LM head') and head.workspace == 0
@@ -661,7 +682,7 @@ CONFIG_CASES = [('llama2_7b_one_gpu', None, False), ('llama3_70b_4d', 64, False)
                 ('llama3_8b_node', None, False), ('llama3_8b_one_gpu', None, False), ('llama7b_long', None, False),
                 ('train_tiny', None, False)]
 
-# memory.workspace(config, batch, seq_len, b, tp, cp, cp_impl)
+# chunked.workspace(config, batch, seq_len, b, tp, cp, cp_impl)
 WORKSPACE_CASES = [(small(), 1, 1000, 2, 1, 1, 'ulysses'), (small(K=8), 2, 4096, 2, 2, 1, 'ulysses'),
                    (small(), 1, 4096, 2, 1, 2, 'ulysses'), (small(), 1, 4096, 2, 2, 4, 'ulysses'),
                    (small(), 1, 4096, 2, 1, 2, 'ring'), (small(K=8), 1, 4096, 4, 2, 2, 'ring')]
@@ -945,7 +966,7 @@ def test_the_estimate_stays_the_same_to_the_byte(capsys, tmp_path, monkeypatch):
         assert figures(memory.estimate(c, B, S, **layout)) == want, (c, B, S, layout)
         small_vocab = replace(c, vocab_size=64)
         assert figures(memory.estimate(small_vocab, B, S, **layout)) == want_v64, (c, B, S, layout)
-    assert [memory.workspace(*args) for args in WORKSPACE_CASES] == WORKSPACES
+    assert [chunked.workspace(*args) for args in WORKSPACE_CASES] == WORKSPACES
     over = memory.overhead_bytes('cuda')
     for (c, budget, host, B, S, layout), want, want_sug in zip(PLAN_CASES, PLANS, SUGGESTIONS, strict=True):
         p = memory.plan(c, budget, over, host, B, S, **layout)

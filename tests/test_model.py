@@ -2,6 +2,7 @@
 import json
 import os
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import transformers
 from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import packed_batch
+from conftest import cuda, packed_batch
 from model import Llama, LlamaConfig
 from rope import apply_rope, rope_frequencies, rope_tables
 
@@ -391,3 +392,39 @@ def test_rmsnorm_and_rope_hold_no_full_size_fp32_copy(monkeypatch):
         bound = inp.nbytes + 32 * chunk  # its output or gradient, and a few chunks' fp32 tensors
         assert max(peaks[0]) <= bound < max(peaks[1])  # (the plain expression: 5 fp32 copies at once)
         assert saved[0] == (inp.nbytes if ours is norm else 0) and saved[1] >= 3 * inp.nbytes * (ours is norm)
+
+
+def test_flops_per_token_counts_what_recompute_runs_again():
+    """6·N + 12·L·h·S for the model (MFU); the hardware's (HFU) adds what backward runs again: 'full' the
+    forward, 2·N + 4·L·h·S; attention by head groups each group's projections and kernel once more."""
+    from model import flops_per_token, num_params
+    c = LlamaConfig(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=96, vocab_size=97)
+    N, L, h, kv, S = num_params(c), 2, 64, 4 * 8, 1000
+    attention = 12 * L * h * S
+    assert flops_per_token(c, S) == (6 * N + attention, 6 * N + attention)
+    full = replace(c, recompute='full')
+    assert flops_per_token(full, S) == (6 * N + attention, 8 * N + attention + attention // 3)
+    groups = 2 * L * h * (2 * h + 2 * kv) + attention // 3  # wq, wk, wv, wo and the kernel's forward
+    assert flops_per_token(replace(full, attention_chunks=0), S) == (6 * N + attention,
+                                                                    8 * N + attention + attention // 3 + groups)
+
+
+@cuda
+def test_sdpa_on_cuda_in_bf16_is_the_cpu_fp32_model():
+    """On a CUDA GPU, attention is SDPA's flash or memory-efficient kernel under bf16 autocast: the loss and
+    gradients of a small model stay within bf16's rounding of the CPU's fp32 math."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=256, vocab_size=97))
+    idx = torch.randint(0, 97, (2, 256))
+    results = []
+    for dev in ('cpu', 'cuda'):
+        m = model.to(dev)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast('cuda', dtype=torch.bfloat16, enabled=dev == 'cuda'):
+            _, loss = m(idx.to(dev), idx.roll(-1, 1).to(dev))
+        loss.backward()
+        # (cloned: a CPU gradient would move with the model to the GPU)
+        results.append((loss.float().cpu(), {n: p.grad.float().cpu().clone() for n, p in m.named_parameters()}))
+    (l32, g32), (l16, g16) = results
+    assert abs(l16 - l32) < 2e-2 * l32
+    assert all(rel_err(g16[n], g32[n]) < 5e-2 for n in g32), max(rel_err(g16[n], g32[n]) for n in g32)

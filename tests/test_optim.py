@@ -11,7 +11,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import optim  # noqa: E402
+import optim
+from conftest import cuda  # noqa: E402
 import parallel  # noqa: E402
 from model import Llama, LlamaConfig, num_params  # noqa: E402
 
@@ -132,3 +133,13 @@ def test_bf16_in_backward_resumes_bit_for_bit(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
     losses = [[json.loads(line)['loss'] for line in open(tmp_path / d / 'log.jsonl')] for d in ('straight', 'split')]
     assert len(losses[0]) == 7 and losses[0] == losses[1]
+
+
+@cuda
+def test_stochastic_rounding_on_cuda_is_unbiased():
+    """optim.stochastic_round on a CUDA GPU: a value a quarter of a bf16 spacing above 1 rounds up a quarter of the
+    time, so the mean of many roundings is the value (to nearest, it is lost)."""
+    x = torch.full((1 << 20,), 1 + 2 ** -9, device='cuda')  # bf16's spacing at 1 is 2^-7
+    r = optim.stochastic_round(x, torch.bfloat16).float()
+    assert abs(r.mean().item() - (1 + 2 ** -9)) < 2e-5
+    assert x.bfloat16().float().mean().item() == 1.0

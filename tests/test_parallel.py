@@ -34,6 +34,7 @@ import pipeline  # noqa: E402
 import train  # noqa: E402
 import model as model_py  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
+from conftest import cuda  # noqa: E402
 from test_chunked import CountMatmuls  # noqa: E402
 
 RTOL = 1e-5
@@ -865,3 +866,15 @@ def test_a_pipeline_trains_as_one_process_and_resumes_on_other_stage_counts(tmp_
         shutil.copytree(pp2, out)
         torchrun(nproc, *run, f'--pp_size={nproc}', '--max_iters=6', f'--out_dir={out}', '--init_from=resume')
         assert_close_losses(read_log(out), read_log(ref))
+
+
+@cuda
+def test_states_on_the_host_on_one_cuda_rank_train_as_on_the_gpu(tmp_path):
+    """FSDP2's CPUOffloadPolicy on one CUDA rank (zero=3, offload_states=True: the fp32 rows, gradients and AdamW's
+    moments in host memory, the step on the CPU): the bf16 losses of the states kept on the GPU, to bf16's
+    rounding."""
+    run = [*TINY, '--device=cuda', '--dtype=bfloat16', '--batch_size=4', '--max_iters=4']
+    torchrun(1, *run, f'--out_dir={tmp_path / "gpu"}')
+    torchrun(1, *run, '--zero=3', '--offload_states=True', f'--out_dir={tmp_path / "host"}')
+    for a, b in zip(read_log(tmp_path / 'host'), read_log(tmp_path / 'gpu')):
+        assert abs(a['loss'] - b['loss']) <= 2e-2 * b['loss'], (a, b)
