@@ -34,8 +34,8 @@ a = H, S_a = S in one process; under Ulysses a = H/c of the whole sequence):
   attention    q, k, v (b·(h + 2kv) per token), the output (b·h) and flash attention's backward
                workspace (its fp32 dq accumulator, kv expanded to the query heads, Ulysses'
                head-major copies: about 4·a·hd + 4·b·a·hd per token of S_a, `workspace` below)
-               exist for every head at once, forward to backward (recompute='none') or in the block's
-               backward (recompute='full').
+               exist for every head at once, forward to backward (recompute='none') or in the
+               block's backward (recompute='full').
                by head groups (attention_chunks = G): a kv head with its query heads, or several,
                one group at a time: projections, RoPE, Ulysses' all-to-alls or the ring, the kernel
                and its share of wo; the output is the sum of the groups' (wo's columns split as the

@@ -689,7 +689,8 @@ class Report:
         title = "memory after the first step (measured: tensors alive at the step's peak):"
         if self.dry:
             # fake tensors can't see inside a kernel: the formula's workspace, in every attention
-            # backward (a few blocks' dry runs added it to theirs); the peak: the moment holding most
+            # backward (a few blocks' dry runs added it to theirs); the peak: the moment holding
+            # most
             for row in extra['timeline']:
                 if row['moment'].startswith('backward: block') and not row['workspace']:
                     row['workspace'] = round(self.est.kernel)

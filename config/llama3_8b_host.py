@@ -42,7 +42,7 @@ vocab_size = 128256
 rope_theta = 500000.0
 norm_eps = 1e-5
 
-seq_len = 851968
+seq_len = 860160
 batch_size = 1
 gradient_accumulation_steps = 1
 

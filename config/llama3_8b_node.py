@@ -48,7 +48,7 @@ vocab_size = 128256
 rope_theta = 500000.0
 norm_eps = 1e-5
 
-seq_len = 5767168  # the longest that fits by dry run in steps of 65,536 (5,832,704: 62.20 + 2.10 GiB)
+seq_len = 6356992  # the longest that fits by dry run in steps of 65,536 (6,422,528: 61.97 + 2.10 GiB)
 batch_size = 1
 gradient_accumulation_steps = 1
 

@@ -731,6 +731,28 @@ def test_parallel_mlp_chunks_as_the_estimate_counts_them(tmp_path):
     assert abs(est - measured) <= 0.10 * measured, (est, measured)
 
 
+@pytest.mark.parametrize('layout', [['--cp_size=2'], ['--cp_size=2', '--cp_impl=ring'], ['--tp_size=2', '--cp_size=2']],
+                         ids=['ulysses', 'ring', 'tp-ulysses'])
+def test_head_groups_dry_run_is_what_the_estimate_says(tmp_path, layout):
+    """attention_chunks=0 (one kv head's group at a time) at 32K tokens, rank 0's dry run (bf16, the CUDA target: flash
+    attention's workspace by group) within the estimate's 10%, and under the same dry run with all heads at once."""
+    totals = []
+    for groups in (0, 1):
+        out = tmp_path / str(groups)
+        p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, '--n_embd=512', '--n_head=8',
+                            '--n_kv_head=4', '--intermediate_size=1376', '--n_layer=2', '--seq_len=32768',
+                            '--batch_size=1', '--mlp_chunks=0', '--loss_chunks=0', '--recompute=full', *layout,
+                            f'--attention_chunks={groups}', '--dry_run=True', f'--out_dir={out}'],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'WORLD_SIZE': '4'})
+        assert p.returncode == 0, p.stderr[-2000:]
+        with open(out / 'memory.json') as f:
+            rank0 = json.load(f)['ranks'][0]
+        est, measured = rank0['estimate']['total'], rank0['measured']['total']
+        assert abs(est - measured) <= 0.10 * measured, (groups, est, measured)
+        totals.append(measured)
+    assert totals[0] < totals[1]
+
+
 def test_the_lm_head_peak_under_tp_is_what_the_estimate_says(tmp_path):
     """A bf16 step whose peak is the vocabulary-parallel loss's forward (Llama 3's vocabulary, 16K tokens,
     tp 2): the dry run of rank 0 equals the estimate for the kernels it ran. Before, the last block's
