@@ -25,7 +25,7 @@ the next blocks compute, with n = floor(α·S) host tokens:
 plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves).
 By head groups (chunked.py's attention_chunks) attention keeps the norm's output alone: no qkv or
 attention, nor wo's input; its groups can't run on two token ranges, so offload cuts no tokens
-there ('full', or 'none' with α = 1: model.LlamaConfig says so).
+there ('full', or 'none' with α = 1: parallel.check_layout says so).
 The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
 The cut (`_Split`, its events numbered above it): all but the attention core works on each token
@@ -122,8 +122,7 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     else:
         n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
         # the first S - n tokens' input (checkpoint's), wo's input for the last n (a view of their
-        # attention output, packed apart from it), then every saved tensor
-        # (by head groups no wo input)
+        # attention output, packed apart from it; by head groups none), then every saved tensor
         pieces = [bh * (S - n), bh * n * (config.attention_chunks == 1)]
         if cp_size > 1 and n < S:
             pieces.append(bh * S)  # Ulysses: the output the recompute replays

@@ -49,6 +49,9 @@ CASES = [
     ('weight_decay=-1', ['--weight_decay=-1'], 'weight_decay'),
     ('mlp_chunks=-1', ['--mlp_chunks=-1'], 'mlp_chunks'),
     ('loss_chunks=-3', ['--loss_chunks=-3'], 'loss_chunks'),
+    ('attention_chunks=3', ['--attention_chunks=3'], 'attention_chunks=3: must divide n_kv_head=4'),
+    ('attention_chunks with a token-wise offload', ['--attention_chunks=0', '--offload=0.5'],
+     'offload.py cuts attention by tokens, not heads'),
     ('intermediate_size=0', ['--intermediate_size=0'], 'intermediate_size'),
     ('rope_theta=0', ['--rope_theta=0'], 'rope_theta'),
     ('rope_scaling of an unknown type', ["--rope_scaling={{'rope_type': 'ntk', 'factor': 2.0}}"],  # ({{: format's)
