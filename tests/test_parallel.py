@@ -755,12 +755,14 @@ def test_head_groups_dry_run_is_what_the_estimate_says(tmp_path, layout):
 
 def test_the_lm_head_peak_under_tp_is_what_the_estimate_says(tmp_path):
     """A bf16 step whose peak is the vocabulary-parallel loss's forward (Llama 3's vocabulary, 16K tokens,
-    tp 2): the dry run of rank 0 equals the estimate for the kernels it ran. Before, the last block's
-    output stayed bound in Llama.forward through the head (now rebound to the final norm's output) and the
-    estimate left out that norm output's sequence shard, bound while the loss runs: 1.2% over."""
+    tp 2, 32 loss chunks): the dry run of rank 0 is the estimate for the kernels it ran, within 10% (-4.1%:
+    a CPU's matmul makes a bf16 chunk of logits before its fp32 copy, CUDA's writes fp32). Before, the last
+    block's output stayed bound in Llama.forward through the head (now rebound to the final norm's output)
+    and the estimate left out that norm output's sequence shard, bound while the loss runs. (With the
+    automatic 251 chunks the peak is a block's backward since flash's workspace is counted there only.)"""
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *TINY, '--n_embd=512', '--n_head=8',
                         '--intermediate_size=1376', '--n_layer=2', '--vocab_size=128256', '--seq_len=16384',
-                        '--batch_size=1', '--mlp_chunks=0', '--loss_chunks=0', '--recompute=full', '--tp_size=2',
+                        '--batch_size=1', '--mlp_chunks=0', '--loss_chunks=32', '--recompute=full', '--tp_size=2',
                         '--dtype=bfloat16', '--dry_run=True', f'--out_dir={tmp_path}'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, 'WORLD_SIZE': '2'})
     assert p.returncode == 0, p.stderr[-2000:]
