@@ -21,6 +21,7 @@ import weakref
 from collections import Counter
 from contextlib import ExitStack
 
+import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
@@ -246,12 +247,14 @@ def to_fake(model, dtype):
 
 def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
     """A batch as train.py's get_batch returns it, (x, y, positions, docs): inputs and targets,
-    views of one (B, S+1) tensor; with doc_mask per-row positions, one document per row, else None.
-    docs stays None: one document per row is what attention does without them, and documents
-    attended one by one save what the whole window's would."""
+    views of one (B, S+1) tensor; with doc_mask per-row positions and one document per row (a
+    window's documents are known when it is drawn: varlen's kernel saves the same for any), else
+    None."""
     xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
-    positions = torch.arange(seq_len).expand(batch_size, -1) if doc_mask else None
-    return xy[:, :-1], xy[:, 1:], positions, None
+    if not doc_mask:
+        return xy[:, :-1], xy[:, 1:], None, None
+    positions = torch.arange(seq_len).expand(batch_size, -1)
+    return xy[:, :-1], xy[:, 1:], positions, np.arange(batch_size) * seq_len
 
 
 def gib(n):

@@ -7,8 +7,9 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
 - grouped-query attention: F.scaled_dot_product_attention (flash on a GPU), `enable_gqa=True` (kv
   heads never repeated in memory), queries and keys rotated by RoPE (rope.py: `rope_theta`, an
   optional `rope_scaling` that extends a checkpoint's context, tables in fp32). Packed documents
-  (train.py's doc_mask, as Llama 3 trains long contexts): one causal call per document, positions
-  restarting at each.
+  (train.py's doc_mask, as Llama 3 trains long contexts): on CUDA one variable-length flash
+  kernel for all the window's documents (torch's varlen_attn), on a CPU one causal call per
+  document, positions restarting at each.
 - RMSNorm in fp32 with the config's eps, as HF computes it, a chunk of positions at a time (the
   Function at the end of this file), keeping no fp32 copy of x.
 - no biases; optional tied embeddings; weight init as GPT-2/nanoGPT do for Llama-shaped models:
@@ -31,6 +32,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -101,26 +103,29 @@ class LlamaConfig:
 
 
 # ----------------------------------------------------------------------------- attention
-def attention(q, k, v, docs=None):
+def attention(q, k, v, docs=None, varlen=False):
     """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd] and k, v
     [B, K, S, hd], K | H. With `docs` (doc_mask: the start of every document in the flattened B·S
-    tokens, a CPU int64 tensor, flash-attn's cu_seqlens) each document attends only to itself. A
+    tokens, a host array, flash-attn's cu_seqlens) each document attends only to itself: one
+    varlen kernel for them all (train.py sets varlen on CUDA), else one call per document. A
     fork that adds a variant (a sliding window) changes this function; parallel.py's Ulysses calls
     it unchanged on the whole sequence for a share of the heads."""
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if varlen:
+        return one_kernel(q, k, v, docs)
     return per_document(q, k, v, docs)
 
 
 # a loop whose length changes with every batch: eager inside a compiled model
 @torch.compiler.disable
 def per_document(q, k, v, docs):
-    """One causal SDPA call per document: exact on every device and kernel (flash on CUDA: no mask
-    tensor), and no S x S mask; each call saves for backward what one whole-window call would save
-    of its tokens. (FlexAttention's document mask is one fused kernel on CUDA but has no CPU
+    """One causal SDPA call per document: exact on every device and kernel, and no S x S mask; each
+    call saves for backward what one whole-window call would save of its tokens. The reference,
+    and the CPU's way. (FlexAttention's document mask is one fused kernel on CUDA but has no CPU
     backward in torch 2.13.)"""
     B, S = q.shape[0], q.shape[2]
-    cuts = docs.tolist() + [B * S]
+    cuts = [*docs.tolist(), B * S]
     y = []
     for a, b in zip(cuts, cuts[1:]):
         # tokens a..b-1 of the flattened batch: a document lies in one row
@@ -130,6 +135,25 @@ def per_document(q, k, v, docs):
                                                 enable_gqa=True))
     # [1, H, B·S, hd], the documents one after the other -> [B, H, S, hd]
     return torch.cat(y, dim=2).unflatten(2, (B, S)).squeeze(0).transpose(0, 1)
+
+
+# the documents' lengths change with every batch: eager inside a compiled model
+@torch.compiler.disable
+def one_kernel(q, k, v, docs):
+    """Every document of the batch in one call of torch's variable-length flash attention
+    (varlen_attn, CUDA only): one kernel launch per layer where per_document makes one per
+    document, kv heads not expanded, saving what SDPA's flash saves (q, k, v, out, an fp32
+    log-sum-exp). Documents are packed one after the other, tokens first: [B·S, heads, hd] (a
+    view: q, k, v come from [B, S, heads, hd] projections)."""
+    from torch.nn.attention.varlen import varlen_attn
+    B, S = q.shape[0], q.shape[2]
+    cuts = np.append(docs, B * S)
+    cu_seqlens = torch.as_tensor(cuts, dtype=torch.int32, device=q.device)
+    longest = int(np.diff(cuts).max())
+    q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
+    y = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, window_size=(-1, 0),
+                    enable_gqa=True)
+    return y.unflatten(0, (B, S)).transpose(1, 2)
 
 
 class Attention(nn.Module):

@@ -63,7 +63,9 @@ import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from itertools import pairwise
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -103,8 +105,7 @@ class Mesh:
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
-                 dtype=torch.float32, doc_mask=False, states_on_host=False, pp=1, microbatches=1,
-                 schedule='1f1b'):
+                 dtype=torch.float32, states_on_host=False, pp=1, microbatches=1, schedule='1f1b'):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules:
     the first broken rule of the table is the answer."""
@@ -164,9 +165,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
             (S % (2 * cp),
              f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"),
             (True, flash_error(device_type, dtype, c.n_embd // H)),
-            (doc_mask,
-             "doc_mask=True with cp_impl='ring': a document crosses the ring's zigzag chunks, and "
-             "each step would need its own mask; use cp_impl='ulysses' (it sees whole documents)"),
             (replay,
              f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring "
              "attention's output can't be replayed in a recompute (offload.py); use "
@@ -186,8 +184,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
              f"through {pp} stages: it needs at least as many (or pp_schedule='gpipe')"),
             (c.tie_embeddings,
              "tie_embeddings=True with pp_size > 1: one weight on the first and last stage"),
-            (doc_mask,
-             "doc_mask=True with pp_size > 1: torch's schedule can't split the documents' starts"),
             (c.offload > 0,
              f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
              "micro-batch's blocks, a stage keeps up to pp_size; use recompute"),
@@ -429,29 +425,54 @@ def flash_error(device_type, dtype, head_dim):
     return None
 
 
-def flash(q, k, v, causal):
-    """(out, lse [B, H, S] fp32, saved: what its backward needs besides) of the fused flash kernel;
-    k, v have q's heads. SDPA hides the log-sum-exp the ring merges with: a private aten kernel, by
-    keyword."""
+def flash(q, k, v, cu_q, cu_k, causal):
+    """(out [Tq, H, hd], lse [H, Tq] fp32, saved: what its backward needs besides) of the fused
+    flash kernel over documents packed one after the other: document i is rows cu_q[i]:cu_q[i+1]
+    of q [Tq, H, hd] and cu_k[i]:cu_k[i+1] of k, v [Tk, H, hd] (flash-attn's cu_seqlens; k, v have
+    q's heads). On CUDA one variable-length call for them all; on a CPU one call per document.
+    SDPA hides the log-sum-exp the ring merges with: private aten kernels, by keyword."""
     if why := flash_error(q.device.type, q.dtype, q.shape[-1]):
         raise ValueError(why)
-    kw = dict(key=k, value=v, dropout_p=0.0, is_causal=causal)
-    if not q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query=q, **kw)
-        return out, lse, {}
-    out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(query=q, **kw)
-    # what its backward needs besides (not the last, a debug mask)
-    return out, lse, dict(zip(('cum_seq_q', 'cum_seq_k', 'max_q', 'max_k', 'philox_seed',
-                               'philox_offset'), rest))
+    if q.is_cuda:
+        cu = [torch.as_tensor(c, dtype=torch.int32, device=q.device) for c in (cu_q, cu_k)]
+        longest = [int(np.diff(c).max()) for c in (cu_q, cu_k)]
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, *cu, *longest, dropout_p=0.0, is_causal=causal, return_debug_mask=False)
+        return out, lse, dict(cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0],
+                              max_k=longest[1], rng_state=seed, unused=offset)
+    outs, lses = [], []
+    for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
+        # document [a, b) of q, [c, d) of k, v
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query=_one(q, a, b), key=_one(k, c, d), value=_one(v, c, d), dropout_p=0.0,
+            is_causal=causal)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1), {}
 
 
-def flash_backward(dout, q, k, v, out, lse, causal, saved):
-    """(dq, dk, dv) of flash(q, k, v, causal) -> out, lse, saved."""
-    backward = (torch.ops.aten._scaled_dot_product_flash_attention_backward if q.is_cuda
-                else torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
-    grads = backward(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
-                     is_causal=causal, **saved)
-    return grads[:3]  # (dq, dk, dv)
+def _one(t, first, last):
+    """Tokens [first, last) of t [tokens, heads, hd] as a batch of one: [1, heads, tokens, hd],
+    what the CPU's flash kernel takes."""
+    return t[first:last].transpose(0, 1)[None]
+
+
+def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, saved):
+    """(dq, dk, dv) of flash(q, k, v, cu_q, cu_k, causal) -> out, lse, saved."""
+    if q.is_cuda:
+        return torch.ops.aten._flash_attention_backward(
+            grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
+            is_causal=causal, **saved)
+    grads = []
+    for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
+        # as flash's loop: one document at a time
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out=_one(dout, a, b), query=_one(q, a, b), key=_one(k, c, d),
+            value=_one(v, c, d), out=_one(out, a, b), logsumexp=lse[None, :, a:b], dropout_p=0.0,
+            is_causal=causal)
+        grads.append([g[0].transpose(0, 1) for g in (dq, dk, dv)])
+    dq, dk, dv = zip(*grads)
+    return torch.cat(dq), torch.cat(dk), torch.cat(dv)
 
 
 def ring_step_blocks(step, rank, world, n):
@@ -469,67 +490,112 @@ def ring_step_blocks(step, rank, world, n):
     return second, everything, False
 
 
-def _ring_steps(q, k, v, group):
-    """Around the ring, one step per rank: (our q rows, the visiting k, v rows, causal, those k, v
-    with q's heads). At step s we hold rank r - s's k, v; the next rank's move meanwhile, as kv
-    heads (never repeats)."""
+def ring_documents(docs, B, n, step, rank, world):
+    """Step `step`'s attention as documents (flash's packing): (our query tokens that attend,
+    the visiting tokens they attend, cu_q, cu_k, causal), tokens as indices into B·2n (each
+    rank's rows one after the other, its two chunks in each). A query attends the keys of its own
+    document only: a document absent from either side drops out of the step, so documents of any
+    length, cut anywhere, need no padding. docs: the starts of documents in the B whole
+    sequences of 2·n·world tokens (None: one per sequence)."""
+    rows, cols, causal = ring_step_blocks(step, rank, world, n)
+    S = 2 * n * world
+    if docs is None:
+        docs = np.arange(B) * S
+
+    def tokens(r, part):
+        # rank r's tokens `part` of each of its rows: (index in B·2n, place in the B·S tokens)
+        place = np.concatenate([np.arange(r * n, r * n + n), np.arange(S - r * n - n, S - r * n)])
+        row = np.arange(B)[:, None]
+        return (row * 2 * n + np.arange(2 * n)[part]).ravel(), (row * S + place[part]).ravel()
+
+    q_tokens, q_places = tokens(rank, rows)
+    k_tokens, k_places = tokens((rank - step) % world, cols)
+    # each token's document (both sides' places ascend: a document is a run of tokens)
+    q_docs, k_docs = (np.searchsorted(docs, p, 'right') for p in (q_places, k_places))
+    q_kept, k_kept = np.isin(q_docs, k_docs), np.isin(k_docs, q_docs)
+    cu_q, cu_k = ([0, *np.cumsum(np.unique(d, return_counts=True)[1])]
+                  for d in (q_docs[q_kept], k_docs[k_kept]))
+    return q_tokens[q_kept], k_tokens[k_kept], cu_q, cu_k, causal
+
+
+def _ring_steps(q, kv, B, docs, group):
+    """Around the ring, one step per rank: (our query tokens, the visiting tokens they attend,
+    cu_q, cu_k, causal: ring_documents'; the visiting k, v's tokens with q's heads). q [B·2n, H,
+    hd], kv [2, B·2n, K, hd]: tokens first. At step s we hold rank r - s's k, v; the next rank's
+    move meanwhile, as kv heads (never repeats)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    repeats = q.shape[1] // k.shape[1]  # q heads per kv head: flash wants as many kv heads as q
-    kv = torch.stack([k, v])  # one message
+    repeats = q.shape[1] // kv.shape[2]  # q heads per kv head: flash wants as many kv heads as q
     for step in range(world):
         if step < world - 1:  # the next k, v move while we compute on these
             arriving = ring_shift(kv, group)
-        rows, cols, causal = ring_step_blocks(step, rank, world, k.shape[2] // 2)
-        k_step, v_step = kv[:, :, :, cols].repeat_interleave(repeats, dim=2)
-        yield rows, cols, causal, k_step, v_step
+        *tokens, cu_q, cu_k, causal = ring_documents(docs, B, len(q) // B // 2, step, rank, world)
+        rows, cols = (torch.as_tensor(t, device=q.device) for t in tokens)
+        k_step, v_step = kv[:, cols].repeat_interleave(repeats, dim=2)
+        yield rows, cols, cu_q, cu_k, causal, k_step, v_step
         if step < world - 1:
             kv = arriving()
 
 
+def _tokens_first(t):
+    """[B, heads, tokens, hd] -> [B·tokens, heads, hd], flash's packing (a view where t came from
+    a [B, tokens, heads, hd] projection, as q, k, v do)."""
+    return t.transpose(1, 2).flatten(0, 1)
+
+
 class RingAttention(Function):
     """Attention.attend under ring attention (partial(RingAttention.apply, group)):
-    q [B, H, 2n, hd], k, v [B, K, 2n, hd] zigzag shards -> y like q, causal. Forward: online
-    softmax merges each step's flash (out, lse) over one block of keys. Backward: given the final
-    out and lse, each block's flash backward is its exact share; dk, dv ride the ring home. docs:
-    refused by check_layout."""
+    q [B, H, 2n, hd], k, v [B, K, 2n, hd] zigzag shards -> y like q, causal, within documents
+    (docs: doc_mask's starts in our rows' whole sequences). Forward: online softmax merges each
+    step's flash (out, lse) over the visiting keys of our documents. Backward: given the final out
+    and lse, each step's flash backward is its exact share; dk, dv ride the ring home."""
 
     @staticmethod
     def forward(ctx, group, q, k, v, docs=None):
-        # the output so far and its log-sum-exp per query row, fp32
+        B = len(q)
+        q, kv = _tokens_first(q), torch.stack([_tokens_first(k), _tokens_first(v)])
+        # the output so far and its log-sum-exp per query token and head, fp32
         out = q.new_zeros(q.shape, dtype=torch.float32)
-        lse = q.new_full(q.shape[:3], -torch.inf, dtype=torch.float32)
-        ctx.saved, ctx.group = [], group
-        for rows, cols, causal, k_step, v_step in _ring_steps(q, k, v, group):
-            block_out, block_lse, saved = flash(q[:, :, rows].contiguous(), k_step, v_step, causal)
+        lse = q.new_full(q.shape[:2], -torch.inf, dtype=torch.float32)
+        ctx.saved, ctx.group, ctx.docs = [], group, docs
+        for rows, _, cu_q, cu_k, causal, k_step, v_step in _ring_steps(q, kv, B, docs, group):
+            if len(rows) == 0:  # none of our documents is among the visiting tokens
+                ctx.saved.append(None)
+                continue
+            block_out, block_lse, saved = flash(q[rows], k_step, v_step, cu_q, cu_k, causal)
+            block_lse = block_lse.T  # [tokens, H], as lse
             # online softmax: the output over the keys so far and this block's is their mean
             # weighted by each one's sum of exponentials; this block's share, e^l / (e^lse + e^l),
-            # is sigmoid(l - lse) (1 at the first block: lse = -inf)
-            share = torch.sigmoid(block_lse - lse[:, :, rows]).unsqueeze(-1)
-            out[:, :, rows] = torch.lerp(out[:, :, rows], block_out.float(), share)
-            lse[:, :, rows] = torch.logaddexp(lse[:, :, rows], block_lse)
+            # is sigmoid(l - lse) (1 at the first block: lse = -inf; every token attends itself
+            # at step 0)
+            share = torch.sigmoid(block_lse - lse[rows]).unsqueeze(-1)
+            out[rows] = torch.lerp(out[rows], block_out.float(), share)
+            lse[rows] = torch.logaddexp(lse[rows], block_lse)
             ctx.saved.append(saved)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        ctx.save_for_backward(q, kv, out, lse)
+        return out.unflatten(0, (B, -1)).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq = q.new_zeros(q.shape, dtype=torch.float32)
+        q, kv, out, lse = ctx.saved_tensors
+        B = len(dout)
+        dout = _tokens_first(dout)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         # the visiting k, v's gradients travel with them: P shifts bring each dk, dv home
-        dkv = k.new_zeros((2, *k.shape), dtype=torch.float32)
-        steps = zip(_ring_steps(q, k, v, ctx.group), ctx.saved)
-        for (rows, cols, causal, k_step, v_step), saved in steps:
-            q_rows, dout_rows, out_rows, lse_rows = (t[:, :, rows].contiguous()
-                                                     for t in (q, dout, out, lse))
-            dq_rows, dk, dv = flash_backward(dout_rows, q_rows, k_step, v_step, out_rows, lse_rows,
-                                             causal, saved)
-            dq[:, :, rows] += dq_rows.float()
-            # dk, dv are per q head: sum each kv head's repeats
-            per_kv_head = torch.stack([dk, dv]).float().unflatten(2, (k.shape[1], -1)).sum(3)
-            dkv[:, :, :, cols] += per_kv_head
+        dkv = torch.zeros_like(kv, dtype=torch.float32)
+        steps = zip(_ring_steps(q, kv, B, ctx.docs, ctx.group), ctx.saved)
+        for (rows, cols, cu_q, cu_k, causal, k_step, v_step), saved in steps:
+            if saved is not None:
+                dq_rows, dk, dv = flash_backward(dout[rows], q[rows], k_step, v_step, out[rows],
+                                                 lse[rows].T.contiguous(), cu_q, cu_k, causal,
+                                                 saved)
+                dq.index_add_(0, rows, dq_rows.float())
+                # dk, dv are per q head: sum each kv head's repeats
+                per_kv_head = torch.stack([dk, dv]).float().unflatten(2, (kv.shape[2], -1)).sum(3)
+                dkv.index_add_(1, cols, per_kv_head)
             dkv = ring_shift(dkv, ctx.group)()
-        return None, dq, dkv[0], dkv[1], None  # fp32: autograd casts each to its input's dtype
+        dq, dk, dv = (t.unflatten(0, (B, -1)).transpose(1, 2) for t in (dq, *dkv))
+        return None, dq, dk, dv, None  # fp32: autograd casts each to its input's dtype
 
 
 def shard_batch(mesh, x, y, positions=None, docs=None):

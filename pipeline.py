@@ -19,6 +19,7 @@ of L/p blocks, one micro-batch's worth of all L blocks, as a rank without pp (Ko
 schedule's order itself (Pipeline.fake_step): torch's schedule can't start on fake tensors or a fake
 process group, its warm-up exchanges shapes with the other stages.
 """
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -28,11 +29,22 @@ import parallel
 
 
 def _positions(x, positions):
-    """RoPE's positions of tokens x (the cp shard's, or 0 .. S-1): x's, not a stage's input's, which
-    under sp holds S/t of them."""
+    """RoPE's positions of tokens x [B, S] (the cp shard's, or 0 .. S-1), a row per sequence: x's,
+    not a stage's input's, which under sp holds S/t of them."""
     if positions is None:
-        return torch.arange(x.shape[1], device=x.device)
+        return torch.arange(x.shape[1], device=x.device).expand(len(x), -1)
     return positions
+
+
+def _starts(x, docs, cp):
+    """doc_mask's documents (docs: their starts in the flattened rows) as rows torch's schedule can
+    split as it splits x: True at each document's first token of the rows' whole sequences
+    (x's tokens · cp), a numpy array. None without."""
+    if docs is None:
+        return None
+    starts = np.zeros(len(x) * x.shape[1] * cp, dtype=bool)
+    starts[docs] = True
+    return starts.reshape(len(x), -1)
 
 
 class Pipeline(nn.Module):
@@ -56,12 +68,13 @@ class Pipeline(nn.Module):
         self.schedule = kind(stage, microbatches, loss_fn=lambda h, y: self(h, targets=y),
                              scale_grads=False)
 
-    def forward(self, x, positions=None, targets=None):
-        """The stage's blocks on x; with targets (the last stage's loss_fn), the LM head's loss of
-        x, weighted by its share of the step's count of targets."""
+    def forward(self, x, positions=None, targets=None, starts=None):
+        """The stage's blocks on x (starts: _starts'); with targets (the last stage's loss_fn), the
+        LM head's loss of x, weighted by its share of the step's count of targets."""
         with self.autocast:
             if targets is None:  # contiguous: what a stage sends and receives is flat memory
-                return self.model(x, positions=positions).contiguous()
+                docs = None if starts is None else np.flatnonzero(np.asarray(starts))
+                return self.model(x, positions=positions, docs=docs).contiguous()
             return self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
 
     def step(self, micro_batches, count, fake=False):
@@ -69,34 +82,37 @@ class Pipeline(nn.Module):
         losses on the last stage, 0 before it. micro_batches: (x, y, positions, docs) each; count:
         the step's targets. fake (the dry run): fake_step in the schedule's stead."""
         self.count = count
-        # the micro-batches as one batch, as torch's schedule takes it (it splits every input by
-        # rows; the dry run makes these copies too), positions the same for every micro-batch
-        # (doc_mask is refused)
-        x = torch.cat([batch[0] for batch in micro_batches])
-        y = torch.cat([batch[1] for batch in micro_batches])
-        positions = _positions(x, micro_batches[0][2]).expand(len(x), -1)
         losses = []  # the last stage's, one per micro-batch
         if fake:
-            self.fake_step(micro_batches, positions, losses)
-        else:
-            # x: the first stage's input (torch's schedule gives a later stage the one before's
-            # output); y: the last stage's targets
-            self.schedule.step(x, target=y, losses=losses, positions=positions)
+            self.fake_step(micro_batches, losses)
+            return sum(losses, torch.zeros((), device=micro_batches[0][0].device))
+        # the micro-batches as one batch, as torch's schedule takes it: it splits every input by
+        # rows, each micro-batch's positions and documents with its tokens
+        x = torch.cat([batch[0] for batch in micro_batches])
+        y = torch.cat([batch[1] for batch in micro_batches])
+        positions = torch.cat([_positions(batch[0], batch[2]) for batch in micro_batches])
+        kwargs = dict(positions=positions)
+        if micro_batches[0][3] is not None:  # doc_mask: a tensor, or the schedule won't split it
+            starts = [_starts(batch[0], batch[3], self.mesh.cp) for batch in micro_batches]
+            kwargs['starts'] = torch.from_numpy(np.concatenate(starts))
+        # x: the first stage's input (torch's schedule gives a later stage the one before's
+        # output); y: the last stage's targets
+        self.schedule.step(x, target=y, losses=losses, **kwargs)
         return sum(losses, torch.zeros((), device=x.device))
 
-    def fake_step(self, micro_batches, positions, losses):
+    def fake_step(self, micro_batches, losses):
         """The dry run's step (the header): this stage's forwards and backwards of the
-        micro-batches, run by hand in the schedule's order; positions: step's, a row per sequence.
-        The stage runs alone: what it would receive is an empty tensor, the gradient from the stage
-        after too; what it would send is dropped. The last stage's losses go to losses."""
+        micro-batches, run by hand in the schedule's order. The stage runs alone: what it would
+        receive is an empty tensor, the gradient from the stage after too; what it would send is
+        dropped. The last stage's losses go to losses."""
         # In the schedule's order, F = self.in_flight (1F1B: min(M, p - r); GPipe: M):
         #   1. forward micro-batch i, keeping its output (its activations live until its backward)
         #   2. once F are kept, backward the oldest (micro-batch i - F + 1): F in flight at most
         #   3. after the last forward, backward every kept one, oldest first (1F1B's cool-down)
         kept = []
-        for i, (x, y, _, _) in enumerate(micro_batches):
+        for i, (x, y, positions, docs) in enumerate(micro_batches):
             h = x if self.first else self.received(x).requires_grad_()
-            out = self(h, positions[:len(x)])
+            out = self(h, _positions(x, positions), starts=_starts(x, docs, self.mesh.cp))
             if self.last:  # the LM head and loss too
                 out = self(out, targets=y)
             kept.append(out)
@@ -112,7 +128,7 @@ class Pipeline(nn.Module):
                            dtype=self.dtype)
 
     @torch.no_grad()
-    def evaluate(self, x, y, positions=None):
+    def evaluate(self, x, y, positions=None, docs=None):
         """The loss of one batch, on every stage: forward only, the stages in turn (a schedule of
         one micro-batch)."""
         rank, group = self.mesh.pp_rank, self.mesh.pp_group
@@ -120,7 +136,7 @@ class Pipeline(nn.Module):
         if not self.first:  # the stage before's output
             h = self.received(x)
             dist.recv(h, group_src=rank - 1, group=group)
-        out = self(h, _positions(x, positions))
+        out = self(h, _positions(x, positions), starts=_starts(x, docs, self.mesh.cp))
         loss = torch.zeros((), device=x.device)
         if self.last:
             with self.autocast:

@@ -25,6 +25,7 @@ weights, 18 bytes per parameter, or 6 with optimizer_in_backward; dtype='float32
 weights themselves (optim.py).
 """
 
+import functools
 import json
 import math
 import os
@@ -197,7 +198,7 @@ def read_dataset(world, rank):
 
 # A micro-batch: inputs x [B, S] and next-token targets y (-100: not predicted). With doc_mask
 # also each input's position in its document, and docs: the documents' starts in the flattened
-# inputs (on the host: model.attention); both None without.
+# inputs (a numpy array: host metadata, model.attention); both None without.
 Batch = namedtuple('Batch', 'x y positions docs', defaults=(None, None))
 
 
@@ -224,7 +225,7 @@ def get_batch(meta, split, n, generator, device):
         return Batch(x, y)
     # a document's first token is not predicted from the one before it
     y = y.masked_fill(positions[:, 1:] == 0, -100)
-    docs = (rows[n:, :-1].flatten() == 0).nonzero()[:, 0]
+    docs = np.flatnonzero(rows[n:, :-1].numpy() == 0)
     return Batch(x, y, positions[:, :-1], docs)
 
 
@@ -334,7 +335,7 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
             if pipe is None:
                 mean = model(x, y, positions, docs)[1].float()
             else:  # pp: the last stage's, on every stage
-                mean = pipe.evaluate(x, y, positions)
+                mean = pipe.evaluate(x, y, positions, docs)
         # each batch's mean weighs by its real targets (doc_mask ignores some), on every rank
         real = (y != -100).sum()
         loss += torch.stack([mean * real, real])
@@ -436,8 +437,8 @@ def check_layout(config, world, dev, ptdtype):
     """Stop on every rank, in one line, before anything is allocated, if this layout can't run
     config."""
     why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type,
-                                ptdtype, doc_mask, offload_states, pp_size,
-                                gradient_accumulation_steps, pp_schedule)
+                                ptdtype, offload_states, pp_size, gradient_accumulation_steps,
+                                pp_schedule)
     if why:
         die(why)
 
@@ -485,6 +486,10 @@ def model_from_config(meta, cfg, world, dev, ptdtype):
 def place_model(model, mesh, dev, ptdtype):
     """This rank's share of the full model (every rank built the same one, from the seed), its
     blocks' activation policy wrapped, on its device in its weights' dtype."""
+    if doc_mask and (dev.type == 'cuda' or dry_run):  # (a dry run stands in for CUDA devices)
+        # a window's documents in one varlen kernel, not one call each (model.attention)
+        for block in model.layers.values():
+            block.attention.attend = functools.partial(block.attention.attend, varlen=True)
     if mesh.world > 1:  # sharded (and staged) for this rank; one process keeps it whole
         parallel.parallelize(model, mesh)
     # keep, recompute or offload each block's activations (every knob off: no block wrapped)

@@ -78,8 +78,6 @@ CASES = [
     ('val.bin missing', ['--dataset={d}/no_val'], 'val.bin'),
     ('data shorter than a sequence', ['--dataset={d}/one_sequence'], 'train.bin'),
     ('doc_mask without document boundaries', ['--doc_mask=True', '--dataset={d}/no_docs'], 'doc_mask=True'),
-    ('doc_mask with ring attention', ['--dry_run=True', '--vocab_size=256', '--cp_size=2', '--cp_impl=ring',
-                                      '--doc_mask=True'], "doc_mask=True with cp_impl='ring'"),
     ('docs file missing', ['--dataset={d}/docs_missing'], 'train.docs.npy: missing'),
     ('docs file not .npy', ['--dataset={d}/docs_not_npy'], 'train.docs.npy: not a .npy file'),
     ('docs not increasing', ['--dataset={d}/docs_repeated'], 'val.docs.npy: offsets not strictly increasing'),

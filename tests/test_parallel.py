@@ -76,10 +76,22 @@ LAYOUTS = {
                                                         recompute='full')),
     'zero3_groups':  (2, 1, 1, 'ulysses', True, 3, dict(attention_chunks=2, recompute='full', offload=1.0)),
     'tp_cp_groups':  (4, 2, 2, 'ulysses', True, 0, dict(n_head=8, n_kv_head=4, attention_chunks=0)),  # 2
+    # packed documents under ring attention: each step attends within documents, cut anywhere by the zigzag chunks
+    'ring_docs':     (2, 1, 2, 'ring', True, 0, dict(docs=True, recompute='full')),
+    'tp_ring_docs':  (4, 2, 2, 'ring', True, 0, dict(docs=True, recompute='full')),
+    # cp 4 (8 chunks of 2 tokens): 16 one-token documents, a window that is one document, documents across 3 and
+    # more ranks' chunks
+    'ring4_docs':    (4, 1, 4, 'ring', True, 0, dict(docs=[[1] * 16, [16], [2, 13, 1], [1, 1, 14]], recompute='full')),
 }
 # the head groups attention runs per block in the layouts above (attention_chunks; 0 resolved by chunked.py)
 GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2}
 DOC_LENS = [[5, 11], [16], [3, 3, 10], [9, 7]]  # the documents of global_batch's rows, for 'docs' layouts
+
+
+def doc_lens(overrides):
+    """The documents of a layout's rows: docs=True takes DOC_LENS; a list, its own; None: no doc_mask."""
+    docs = overrides.get('docs')
+    return DOC_LENS if docs is True else docs
 LR = 0.1
 
 
@@ -133,13 +145,13 @@ def gather_full(named_tensors, mesh, config, grads=False):
     return out
 
 
-def one_step(model, mesh, config, zero, docs=False):
+def one_step(model, mesh, config, zero, docs=None):
     """A train.py step: two micro-batches (this rank's rows, this cp rank's tokens; with docs, packed documents),
     grad sync, clipping at a norm it reaches, then SGD (AdamW for zero=2, 3). Returns (loss, grad norm, grads, new
     weights)."""
     from conftest import packed_batch
     x, y = global_batch(config.vocab_size)
-    micro = [(x[i::2], y[i::2]) if not docs else packed_batch(DOC_LENS[i::2], config.vocab_size, seed=i)
+    micro = [(x[i::2], y[i::2]) if not docs else packed_batch(docs[i::2], config.vocab_size, seed=i)
              for i in range(2)]  # 2 micro-steps of 2 rows
     micro = [parallel.shard_batch(mesh, *m) for m in micro]
     loss = train.forward_backward(model, micro, nullcontext(), mesh)
@@ -160,7 +172,7 @@ def reference(overrides, zero):
     # one process, all heads at once: a layout with attention_chunks equals attention_chunks=1
     overrides = {k: v for k, v in overrides.items() if k != 'attention_chunks'}
     model = offload.apply(new_model(overrides))
-    return one_step(model, parallel.Mesh(), model.config, zero, 'docs' in overrides)
+    return one_step(model, parallel.Mesh(), model.config, zero, doc_lens(overrides))
 
 
 def eval_matmuls(model, mesh):
@@ -251,7 +263,7 @@ def _worker(rank, world, port, names, out_dir):
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32, overrides.get('host', False))
         matmuls = eval_matmuls(model, mesh)
-        result = one_step(model, mesh, config, zero, 'docs' in overrides)
+        result = one_step(model, mesh, config, zero, doc_lens(overrides))
         sync = record_sync_buffers(lambda: one_step(model, mesh, config, zero), model)
         counts = per_block_counts(mesh, {k: v for k, v in overrides.items() if k != 'recompute'})
         counts_recompute = per_block_counts(mesh, {**overrides, 'recompute': 'full'})
@@ -339,9 +351,13 @@ EXPECTED_PER_BLOCK = {
     'docs_groups': {'all_to_all': 2 * 6},
     'zero3_groups': {},
     'tp_cp_groups': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 2 * 6},
+    'ring_docs': {'ring_shift': 4},
+    'tp_ring_docs': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
+    'ring4_docs': {'ring_shift': 3 + 3 + 4},  # cp 4: 3 shifts forward, 3 + 4 back
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
-# every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped
+# every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped.
+# The ring shifts cp - 1 times
 FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all_to_all': 2, 'ring_shift': 1}
 
 
@@ -349,8 +365,9 @@ FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all
 def test_collectives_per_block(results, name):
     assert results[name]['block'] == EXPECTED_PER_BLOCK[name]
     groups = GROUPS.get(name, 1)  # cp's collectives run per head group
+    shifts = LAYOUTS[name][2] - 1  # the ring's, per forward
     again = {k: v + FORWARD_PER_BLOCK[k] * (groups if k in ('all_to_all', 'ring_shift') else 1)
-             for k, v in EXPECTED_PER_BLOCK[name].items()}
+             * (shifts if k == 'ring_shift' else 1) for k, v in EXPECTED_PER_BLOCK[name].items()}
     assert results[name]['block_recompute'] == again
 
 
@@ -629,7 +646,6 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, pp=2, schedule='gpipe'), None),
     (dict(world=2, pp=2, microbatches=2, schedule='zb'), "pp_schedule must be '1f1b' or 'gpipe'"),
     (dict(world=2, pp=2, microbatches=2, tie_embeddings=True), 'tie_embeddings=True with pp_size > 1'),
-    (dict(world=2, pp=2, microbatches=2, doc_mask=True), 'doc_mask=True with pp_size > 1'),
     (dict(world=2, pp=2, microbatches=2, offload=0.5), 'offload=0.5 with pp_size > 1'),
     (dict(world=4, pp=2, microbatches=2, zero=3), None),  # FSDP2 over the dp ranks of each stage
     (dict(world=2, pp=2, microbatches=2, zero=3), 'zero=3 shards over the dp x cp ranks: there is one'),
@@ -638,20 +654,26 @@ def test_check_layout_owns_every_rule(layout, reason):
     """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
     fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
     run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32,
-               states_on_host=False, doc_mask=False, pp=1, microbatches=1, schedule='1f1b')
+               states_on_host=False, pp=1, microbatches=1, schedule='1f1b')
     run.update({k: layout.pop(k) for k in list(layout) if k in run})
     why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
     assert why is None if reason is None else (reason in why and '\n' not in why), why
 
 
 def test_ring_flash_wrapper_checks_before_calling_the_kernel():
-    q = torch.empty(1, 2, 4, 8, device='meta')
+    q = torch.empty(4, 2, 8, device='meta')
     with pytest.raises(ValueError, match="cp_impl='ring' calls flash attention on CUDA or a CPU, not meta"):
-        parallel.flash(q, q, q, True)
-    q = torch.randn(1, 2, 4, 8)  # the CPU kernel, by keyword: SDPA's output and the log-sum-exp
-    out, lse, _ = parallel.flash(q, q, q, True)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
-    assert lse.shape == (1, 2, 4)
+        parallel.flash(q, q, q, [0, 4], [0, 4], True)
+    # the CPU kernel, by keyword, per document: SDPA's output and the log-sum-exp of each
+    q, k, v = torch.randn(3, 7, 2, 8).unbind(0)  # [tokens, heads, hd], packed
+    out, lse, _ = parallel.flash(q, k, v, [0, 3, 7], [0, 3, 7], True)
+    for a, b in ((0, 3), (3, 7)):
+        q_doc, k_doc, v_doc = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        torch.testing.assert_close(out[a:b].transpose(0, 1),
+                                   F.scaled_dot_product_attention(q_doc, k_doc, v_doc, is_causal=True))
+        scores = (q_doc @ k_doc.transpose(1, 2) / 8 ** 0.5).masked_fill(torch.ones(b - a, b - a).triu(1).bool(),
+                                                                         -torch.inf)
+        torch.testing.assert_close(lse[:, a:b], scores.logsumexp(-1))
 
 
 SLOW_RANK = """
@@ -810,23 +832,33 @@ PP_LAYOUTS = {
     'pp2_groups':    (2, 2, 1, 1, 'ulysses', 0, '1f1b', dict(attention_chunks=2)),
     'pp2_cp2_groups': (4, 2, 1, 2, 'ulysses', 0, 'gpipe', dict(n_head=8, n_kv_head=4, attention_chunks=0,
                                                               recompute='full')),
+    # packed documents, other ones in each micro-batch (PP_DOCS), under both schedules, with tp, Ulysses and the ring
+    'pp2_docs':      (2, 2, 1, 1, 'ulysses', 0, '1f1b', dict(docs=True)),
+    'pp2_tp2_docs':  (4, 2, 2, 1, 'ulysses', 0, 'gpipe', dict(docs=True, recompute='selective')),
+    'pp2_cp2_docs':  (4, 2, 1, 2, 'ulysses', 0, '1f1b', dict(docs=True)),
+    'pp2_ring2_docs': (4, 2, 1, 2, 'ring', 0, 'gpipe', dict(docs=True, recompute='full')),
 }
 PP_M = 4
+PP_DOCS = [[[5, 11], [16]], [[3, 3, 10], [1] * 16], [[16], [2, 13, 1]], [[9, 7], [4, 4, 4, 4]]]  # per micro-batch
 
 
-def pp_step(model, mesh, config, pipe=None):
-    """A train.py step of PP_M micro-batches of 2 rows (dp: 1 each), some targets ignored, then the evaluation of the
-    first (train.evaluate's call): (loss, grad norm, grads, its val loss)."""
+def pp_step(model, mesh, config, pipe=None, docs=False):
+    """A train.py step of PP_M micro-batches of 2 rows (dp: 1 each), some targets ignored (with docs: packed
+    documents, PP_DOCS), then the evaluation of the first (train.evaluate's call): (loss, grad norm, grads, its val
+    loss)."""
+    from conftest import packed_batch
     g = torch.Generator().manual_seed(2)
     x, y = (torch.randint(0, config.vocab_size, (2 * PP_M, S), generator=g) for _ in range(2))
     y[0, :11], y[5, 3:9] = -100, -100
-    micro = [parallel.shard_batch(mesh, x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) for i in range(PP_M)]
+    micro = [(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]) if not docs else packed_batch(PP_DOCS[i], config.vocab_size, i)
+             for i in range(PP_M)]
+    micro = [parallel.shard_batch(mesh, *m) for m in micro]
     loss = train.forward_backward(model, micro, nullcontext(), mesh, pipe)
     named = list(model.named_parameters())
     parallel.sync_grads(named, mesh, config)
     norm = parallel.clip_grad_norm_(named, 0.5, mesh, config)
     with torch.no_grad():  # weighted by its real targets, summed over dp x cp (train.evaluate)
-        val = model(*micro[0][:3])[1] if pipe is None else pipe.evaluate(*micro[0][:3])
+        val = model(*micro[0])[1] if pipe is None else pipe.evaluate(*micro[0])
         val = torch.stack([val * (micro[0][1] != -100).sum(), (micro[0][1] != -100).sum().float()])
         val = val if mesh.dpcp_group is None else parallel.all_reduce(val, mesh.dpcp_group)
     return loss.item(), norm.item(), gather_full(named, mesh, config, grads=True), (val[0] / val[1]).item()
@@ -844,7 +876,7 @@ def _pp_worker(rank, world, port, names, out_dir):
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32)
         pipe = pipeline.Pipeline(model, mesh, schedule, PP_M, nullcontext(), torch.device('cpu'))
-        result = pp_step(model, mesh, config, pipe)
+        result = pp_step(model, mesh, config, pipe, 'docs' in overrides)
         if mesh.dp_rank == mesh.cp_rank == mesh.tp_rank == 0:  # one rank per stage: its blocks' gradients
             torch.save(result, os.path.join(out_dir, f'{name}.{mesh.pp_rank}.pt'))
     dist.destroy_process_group()
@@ -865,7 +897,7 @@ def test_a_pipeline_step_equals_single_process(pp_results, name):
     and gradient norm are one process's, and the stages' gradients together are its gradients, each once."""
     overrides = {k: v for k, v in PP_LAYOUTS[name][-1].items() if k != 'attention_chunks'}  # all heads at once
     ref_loss, ref_norm, ref_grads, ref_val = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(),
-                                                     model_config(overrides))
+                                                     model_config(overrides), docs='docs' in overrides)
     grads = {}
     for loss, norm, stage_grads, val in pp_results[name]:
         assert abs(loss - ref_loss) <= RTOL * ref_loss and abs(norm - ref_norm) <= RTOL * ref_norm, (loss, ref_loss)
