@@ -428,3 +428,29 @@ def test_sdpa_on_cuda_in_bf16_is_the_cpu_fp32_model():
     (l32, g32), (l16, g16) = results
     assert abs(l16 - l32) < 2e-2 * l32
     assert all(rel_err(g16[n], g32[n]) < 5e-2 for n in g32), max(rel_err(g16[n], g32[n]) for n in g32)
+
+
+@cuda
+def test_documents_in_one_varlen_kernel_on_cuda_are_the_per_document_loop():
+    """doc_mask on CUDA (train.py binds attention with varlen=True there): one varlen_attn call for every document of
+    the batch gives the loss and gradients of the per-document SDPA loop on the same GPU, to bf16's rounding;
+    one-token documents and one of most of a row among them."""
+    import functools
+    import model as model_py
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=256,
+                              vocab_size=97)).cuda()
+    x, y, positions, docs = packed_batch([[1, 1, 254], [100, 56, 100]], 97)
+    results = []
+    for varlen in (False, True):
+        for block in model.layers.values():
+            block.attention.attend = functools.partial(model_py.attention, varlen=varlen)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            loss = model(x.cuda(), y.cuda(), positions.cuda(), docs.numpy())[1]
+        loss.backward()
+        results.append((loss.float().cpu(), {n: p.grad.float().cpu().clone() for n, p in model.named_parameters()}))
+    (loop_loss, loop_grads), (varlen_loss, varlen_grads) = results
+    assert abs(varlen_loss - loop_loss) < 1e-2 * loop_loss
+    assert all(rel_err(varlen_grads[n], loop_grads[n]) < 3e-2 for n in loop_grads), max(
+        rel_err(varlen_grads[n], loop_grads[n]) for n in loop_grads)
