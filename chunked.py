@@ -381,9 +381,12 @@ def head_groups(group, groups, x, *args):
 
 def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysses'):
     """What flash attention's backward allocates inside the kernel, for this rank's attention call
-    (of one head group): memory.py's formula (its header), here beside what cuts it. Not counted:
-    its forward's split-KV accumulators (flash_api.cpp, set_params_splitkv), made only when
-    B·a·Sa/64 can't fill the SMs (short sequences); cuBLAS's workspace (in the overhead)."""
+    (of one head group): memory.py's formula (its header), here beside what cuts it. Packed
+    documents (varlen's kernel) take the same, plus 128 rows of dq's fp32 accumulator per document
+    past the first of a row (flash_api.cpp's mha_varlen_bwd pads each): 4·a·hd·128 bytes each, not
+    counted (a window's documents are known when it is drawn). Not counted either: its forward's
+    split-KV accumulators (flash_api.cpp, set_params_splitkv), made only when B·a·Sa/64 can't fill
+    the SMs (short sequences); cuBLAS's workspace (in the overhead)."""
     ring, G = cp_size > 1 and cp_impl == 'ring', c.attention_chunks  # (resolved: estimate)
     # sp and Ulysses gather the whole sequence, for H/(t·c·G) heads; the ring keeps its S/c tokens
     a, Sa = c.n_head // tp_size // cp_size // G, seq_len

@@ -247,14 +247,16 @@ def to_fake(model, dtype):
 
 def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
     """A batch as train.py's get_batch returns it, (x, y, positions, docs): inputs and targets,
-    views of one (B, S+1) tensor; with doc_mask per-row positions and one document per row (a
-    window's documents are known when it is drawn: varlen's kernel saves the same for any), else
-    None."""
+    views of one (B, S+1) tensor; with doc_mask two documents a row, their positions and starts
+    (a real window's are known when it is drawn; attention runs what a packed window runs, varlen
+    on CUDA, which saves the same for any number of documents), else None."""
     xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
     if not doc_mask:
         return xy[:, :-1], xy[:, 1:], None, None
-    positions = torch.arange(seq_len).expand(batch_size, -1)
-    return xy[:, :-1], xy[:, 1:], positions, np.arange(batch_size) * seq_len
+    half = seq_len // 2
+    positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch_size, -1)
+    docs = (np.arange(batch_size)[:, None] * seq_len + [0, half]).ravel()
+    return xy[:, :-1], xy[:, 1:], positions, docs
 
 
 def gib(n):

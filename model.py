@@ -110,7 +110,9 @@ def attention(q, k, v, docs=None, varlen=False):
     varlen kernel for them all (train.py sets varlen on CUDA), else one call per document. A
     fork that adds a variant (a sliding window) changes this function; parallel.py's Ulysses calls
     it unchanged on the whole sequence for a share of the heads."""
-    if docs is None:
+    if docs is None or len(docs) == len(q):
+        # no documents, or one a row (each row begins one): the whole rows' causal attention, SDPA's
+        # dense kernel (on one long document faster than varlen's: bench/RESULTS.md)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if varlen:
         return one_kernel(q, k, v, docs)

@@ -18,6 +18,11 @@ of L/p blocks, one micro-batch's worth of all L blocks, as a rank without pp (Ko
 2022). memory.py counts F in flight; the dry run runs a stage's forwards and backwards in the
 schedule's order itself (Pipeline.fake_step): torch's schedule can't start on fake tensors or a fake
 process group, its warm-up exchanges shapes with the other stages.
+
+What a stage's blocks need besides the activations travels as keyword arguments, which the schedule
+splits by rows as it splits the batch: RoPE's positions of each micro-batch and, for packed
+documents (doc_mask), a boolean row per sequence that marks its documents' first tokens (_starts);
+every stage has them, so each micro-batch attends within its own documents.
 """
 import numpy as np
 import torch

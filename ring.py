@@ -70,12 +70,19 @@ def flash_error(device_type, dtype, head_dim):
     return None
 
 
+def _one(t, first, last):
+    """Tokens [first, last) of t [tokens, heads, hd] as a batch of one: [1, heads, tokens, hd],
+    what the CPU's flash kernel takes."""
+    return t[first:last].transpose(0, 1)[None]
+
+
 def flash(q, k, v, cu_q, cu_k, causal):
     """(out [Tq, H, hd], lse [H, Tq] fp32, saved: what its backward needs besides) of the fused
     flash kernel over documents packed one after the other: document i is rows cu_q[i]:cu_q[i+1]
     of q [Tq, H, hd] and cu_k[i]:cu_k[i+1] of k, v [Tk, H, hd] (flash-attn's cu_seqlens; k, v have
     q's heads). On CUDA one variable-length call for them all; on a CPU one call per document.
-    SDPA hides the log-sum-exp the ring merges with: private aten kernels, by keyword."""
+    SDPA hides the log-sum-exp the ring merges with: torch's private aten kernels (varlen_attn
+    returns it, but has no backward we could call with the merged output and lse)."""
     if why := flash_error(q.device.type, q.dtype, q.shape[-1]):
         raise ValueError(why)
     if q.is_cuda:
@@ -93,12 +100,6 @@ def flash(q, k, v, cu_q, cu_k, causal):
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1), ()
-
-
-def _one(t, first, last):
-    """Tokens [first, last) of t [tokens, heads, hd] as a batch of one: [1, heads, tokens, hd],
-    what the CPU's flash kernel takes."""
-    return t[first:last].transpose(0, 1)[None]
 
 
 def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, saved):
