@@ -89,8 +89,10 @@ def flash(q, k, v, cu_q, cu_k, causal):
         cu = [torch.as_tensor(c, dtype=torch.int32, device=q.device) for c in (cu_q, cu_k)]
         longest = [int(np.diff(c).max()) for c in (cu_q, cu_k)]
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, *cu, *longest, 0.0, causal, False)  # (no dropout, no debug mask)
-        return out, lse, (*cu, *longest, rng_state, unused)
+            query=q, key=k, value=v, cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0],
+            max_k=longest[1], dropout_p=0.0, is_causal=causal, return_debug_mask=False)
+        return out, lse, dict(cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0],
+                              max_k=longest[1], rng_state=rng_state, unused=unused)
     outs, lses = [], []
     for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
         # document [a, b) of q, [c, d) of k, v
@@ -99,16 +101,16 @@ def flash(q, k, v, cu_q, cu_k, causal):
             is_causal=causal)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1), ()
+    return torch.cat(outs), torch.cat(lses, dim=1), {}
 
 
 def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, saved):
     """(dq, dk, dv) of flash(q, k, v, cu_q, cu_k, causal) -> out, lse, saved."""
     if q.is_cuda:
-        # saved: cu_seqlens, longest documents, the forward's rng state (dropout 0: unused)
-        cu_q, cu_k, max_q, max_k, rng_state, unused = saved
+        # saved: cu_seqlens, the longest documents, the forward's rng state (no dropout: unused)
         return torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused)
+            grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
+            is_causal=causal, **saved)
     grads = []
     for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
         # as flash's loop: one document at a time
