@@ -22,14 +22,21 @@ uninterrupted run's losses under any layout; SIGINT and SIGTERM save one and exi
 
 Precision: dtype='bfloat16' (CUDA's default) trains bf16 weights on fp32 gradients and master
 weights, 18 bytes per parameter, or 6 with optimizer_in_backward; dtype='float32' (the CPU's) the
-weights themselves (optim.py).
+weights themselves (optim.py). dtype='float16' (GPUs without bf16: V100, T4) is bf16's recipe with
+dynamic loss scaling (Micikevicius et al. 2018): fp16 has 5 exponent bits to bf16's 8, so
+gradients under 2^-24 would flush to zero; backward runs on the loss times a scale (2^16 at first)
+and the gradients are divided by it before clipping. A step whose gradients overflow is skipped
+and the scale halved; SCALE_GROWTH clean steps in a row double it (torch's GradScaler's rule, here
+in train_step, on the device).
 """
 
+import fcntl
 import functools
 import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,7 +129,8 @@ lr_decay_iters = 0  # 0: decay over max_iters
 min_lr = 2e-4
 # system
 device = 'auto'  # 'auto' (the first of cuda, mps, cpu) | 'cpu' | 'cuda' | 'cuda:1' | 'mps'
-dtype = 'auto'  # 'auto' (bfloat16 on CUDA, else float32) | 'float32' | 'bfloat16'
+# 'auto' (bfloat16 on CUDA, float16 on a CUDA GPU without bf16, else float32) | 'float32' | ...
+dtype = 'auto'  # ... | 'bfloat16' | 'float16' (with loss scaling: the header)
 compile = False
 seed = 1337
 # memory accounting (memory.py): a report before the first step, measured after it,
@@ -148,8 +156,9 @@ _RULES = [
     ('max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay grad_clip '
      'memory_budget_gb host_memory_budget_gb', 'must be >= 0', lambda v: 0 <= v < math.inf),
     ('beta1 beta2', 'must be in [0, 1)', lambda v: 0 <= v < 1),
-    ('dtype', "must be 'auto', 'float32' or 'bfloat16' (float16 needs loss scaling)",
-     lambda v: v in ('auto', 'float32', 'bfloat16')),
+    ('dtype', "must be 'auto', 'float32', 'bfloat16' or 'float16'",
+     lambda v: v in ('auto', 'float32', 'bfloat16', 'float16')),
+    ('timeout_s', 'must be a number of seconds > 0', lambda v: 0 < v < math.inf),
     # a dry run stands in for the target's devices
     ('device', "must be 'auto', 'cpu' or a device this machine has ('cuda', 'cuda:1', 'mps')",
      lambda v: dry_run or v == 'auto' or has_device(v)),
@@ -237,12 +246,14 @@ def dpcp_sum(t, mesh):
     return parallel.all_reduce(t, mesh.dpcp_group)
 
 
-def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None):
-    """Backward of the mean loss over every real target token of the step, returned detached (not
-    a mean of per-micro-step means: micro-steps with more ignored targets must weigh less). Under
-    parallelism the count is the whole step's, over every dp × cp rank: the gradients summed over
-    them are then the single-process ones."""
+def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale=1.0):
+    """Backward of the mean loss over every real target token of the step, times fp16's loss scale,
+    returned detached (not a mean of per-micro-step means: micro-steps with more ignored targets
+    must weigh less). Under parallelism the count is the whole step's, over every dp × cp rank: the
+    gradients summed over them are then the single-process ones."""
     count = dpcp_sum(sum((y != -100).sum() for _, y, _, _ in micro_batches), mesh).clamp(min=1)
+    # each micro-step's weight times the scale: the pipeline's loss too, scaled once
+    count = count / scale
     if pipe is not None:
         # torch's schedule runs them, in its order (pipeline.py); the last stage has the loss
         loss = pipe.step(micro_batches, count, fake=dry_run)
@@ -269,10 +280,13 @@ def make_optimizer(model, masters, device_type, mesh=None):
     # CPU it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of
     # width 128: 0.9 vs 5.9 ms). (fused skips a step: train_step)
     fused = device_type in ('cuda', 'cpu', 'mps') and not optimizer_in_backward
-    return optim.AdamW(list(model.named_parameters()), masters, groups, mesh or parallel.Mesh(),
-                       model.config, in_backward=optimizer_in_backward,
-                       max_norm=grad_clip or math.inf, lr=learning_rate, betas=(beta1, beta2),
-                       fused=fused)
+    optimizer = optim.AdamW(list(model.named_parameters()), masters, groups,
+                            mesh or parallel.Mesh(), model.config,
+                            in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf,
+                            lr=learning_rate, betas=(beta1, beta2), fused=fused)
+    # fp16's loss scale and its clean steps in a row (train_step; main sets them): else 1, None
+    optimizer.scale, optimizer.clean = 1.0, None
+    return optimizer
 
 
 def get_lr(it):
@@ -289,13 +303,17 @@ def get_lr(it):
 def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
     """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in
     backward: optim.py): one step. A step whose loss or gradient norm is not finite changes nothing
-    (as GradScaler skips one), on the device."""
-    loss = forward_backward(model, batches, autocast, mesh, pipe)
+    (as GradScaler skips one), on the device; in fp16 it halves the loss scale (update_scale)."""
+    scale = optimizer.scale  # 1, or fp16's loss scale
+    loss = forward_backward(model, batches, autocast, mesh, pipe, scale) / scale
     bad = (~loss.isfinite()).float()
     if not optimizer.in_backward:
         named_masters = list(zip(optimizer.names, optimizer.masters))  # (the model's names)
         if mesh.world > 1:  # each rank's gradients of the whole step (one process has them)
             parallel.sync_grads(named_masters, mesh, model.config)
+        if optimizer.clean is not None:  # fp16: the gradients of the loss itself, in fp32
+            for m in optimizer.masters:
+                parallel.local(m.grad).div_(scale)
         # the whole model's norm (every shard's, under parallelism), even unclipped (grad_clip=0:
         # max_norm inf), to see a non-finite one
         norm = parallel.clip_grad_norm_(named_masters, optimizer.max_norm, mesh, model.config)
@@ -305,8 +323,25 @@ def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
         optimizer.found_inf = bad
         optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
         optimizer.zero_grad()  # (to None)
-    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * bad  # in a row: check_finite
+    stops = bad  # in a row: check_finite; in fp16 once the scale is at its floor
+    if optimizer.clean is not None:
+        stops = bad * (scale <= 1)
+        update_scale(optimizer, bad)
+    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * stops
     return loss
+
+
+SCALE_GROWTH = 2000  # fp16: clean steps in a row that double the loss scale (GradScaler's)
+
+
+def update_scale(optimizer, overflow):
+    """fp16's loss scale after a step: halved if it overflowed (the step was skipped), doubled
+    after SCALE_GROWTH clean steps, at least 1; tensors on the device (no host sync)."""
+    optimizer.clean = (optimizer.clean + 1) * (1 - overflow)
+    grow = optimizer.clean >= SCALE_GROWTH
+    halved = torch.where(overflow > 0, optimizer.scale / 2, optimizer.scale)
+    optimizer.scale = torch.where(grow, halved * 2, halved).clamp(min=1.0)
+    optimizer.clean = torch.where(grow, 0.0, optimizer.clean)
 
 
 _MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skipped (GradScaler's)
@@ -320,6 +355,47 @@ def check_finite(optimizer, iter_num, lr):
         die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, "
             f"lr {lr:g}); stopped without saving: resume the last checkpoint in {out_dir} with a "
             f"lower --learning_rate")
+
+
+def start_scale(optimizer, ptdtype, ckpt, dev):
+    """fp16: the loss scale and clean steps train_step reads, from the checkpoint's scale_state or
+    GradScaler's start (2^16, none). (Else they stay make_optimizer's 1 and None.)"""
+    if ptdtype != torch.float16:
+        return
+    scale, clean = (ckpt or {}).get('loss_scale') or (2.0 ** 16, 0)
+    optimizer.scale = torch.tensor(float(scale), device=dev)
+    optimizer.clean = torch.tensor(float(clean), device=dev)
+
+
+def scale_state(optimizer):
+    """fp16's [loss scale, clean steps] for the checkpoint (resume continues both), else None."""
+    if optimizer.clean is None:
+        return None
+    return [optimizer.scale.item(), optimizer.clean.item()]
+
+
+def make_out_dir(rank):
+    """out_dir, made: the last check and the first thing written (a run stopped before leaves no
+    out_dir). Rank 0 holds it (flock on out_dir/lock, naming the holder) until this process ends,
+    crash included, the kernel letting go: a second run there stops here, having written nothing.
+    Returns the lock's file (None on other ranks)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        die(f"out_dir={out_dir!r}: cannot create it: {e.strerror}")
+    if rank > 0:
+        return None
+    f = open(os.path.join(out_dir, 'lock'), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        die(f"out_dir={out_dir!r} is in use by another run ({f.read().strip()}): wait for it "
+            f"to end, or use another out_dir")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}")
+    f.flush()
+    return f
 
 
 @torch.no_grad()
@@ -359,7 +435,7 @@ def peak_flops(device, dtype, world):
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else ''
     for key, tflops in _PEAK_TFLOPS.items():
         if key in name:
-            return tflops * 1e12 * world * (1 if dtype == torch.bfloat16 else 0.5)
+            return tflops * 1e12 * world * (0.5 if dtype == torch.float32 else 1)
     return None
 
 
@@ -411,7 +487,8 @@ def check_config(cfg):
 
 
 def device_and_dtype():
-    """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp32 elsewhere)."""
+    """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp16 on a CUDA GPU
+    without bf16, fp32 elsewhere)."""
     if dry_run:
         # memory.py: rank 0 of WORLD_SIZE (else tp x cp x pp) ranks; this CPU (fake tensors)
         # stands in for their CUDA devices
@@ -425,11 +502,20 @@ def device_and_dtype():
         ptdtype = torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32
     else:
         ptdtype = getattr(torch, dtype)
+    if dtype == 'auto' and dev.type == 'cuda' and not torch.cuda.is_bf16_supported():
+        ptdtype = torch.float16
+        if os.environ.get('RANK', '0') == '0':  # the first line the run prints
+            print(f"dtype='auto': float16 with loss scaling ({torch.cuda.get_device_name(dev)} "
+                  f"has no bfloat16)")
+    if ptdtype == torch.float16 and optimizer_in_backward:
+        die("optimizer_in_backward=True with dtype float16: a parameter's step can't wait for "
+            "the step's overflow check (loss scaling); use dtype='bfloat16' or 'float32'")
     # TF32 for fp32 matmuls (CUDA only; cuDNN has it by default). Not
     # set_float32_matmul_precision: that also changes the CPU's (oneDNN) fp32 matmuls
     torch.backends.cuda.matmul.allow_tf32 = True
-    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if ptdtype == torch.bfloat16
-                else nullcontext())
+    autocast = nullcontext()
+    if ptdtype != torch.float32:
+        autocast = torch.autocast(dev.type, dtype=ptdtype)
     return dev, ptdtype, autocast
 
 
@@ -579,16 +665,14 @@ def main():
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head,
                               timeout_s=timeout_s, device_type=dev.type, pp=pp_size)
-    try:  # the last check, and the first thing written: a run stopped before leaves no out_dir
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        die(f"out_dir={out_dir!r}: cannot create it: {e.strerror}")
+    lock = make_out_dir(rank)  # (held while main runs)
     # the memory report, before anything is on the device: stops a run that can't fit (80% rule)
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
     check_layout(model.config, world, dev, ptdtype)  # the knobs as auto_memory left them
     place_model(model, mesh, dev, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
+    start_scale(optimizer, ptdtype, ckpt, dev)  # fp16's loss scale, or where the checkpoint left it
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, math.inf
     if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into our pieces
@@ -622,7 +706,8 @@ def main():
             best_val_loss = min(best_val_loss, val_loss)
             if always_save_checkpoint and iter_num > 0:
                 checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
-                                best_val_loss=best_val_loss, config=cfg)
+                                best_val_loss=best_val_loss, config=cfg,
+                                loss_scale=scale_state(optimizer))
             t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
@@ -647,7 +732,8 @@ def main():
                'mfu': device_flops and tokens_per_s * mfu_flops / device_flops,
                'hfu': device_flops and tokens_per_s * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev),
-               'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent}
+               'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent,
+               'loss_scale': scale_state(optimizer)}  # fp16's [scale, clean steps]; else None
         write_log(rank, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, it0 = time.perf_counter(), iter_num
@@ -655,7 +741,8 @@ def main():
             stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item())
     bar.close()
     path = checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
-                           best_val_loss=best_val_loss, config=cfg)
+                           best_val_loss=best_val_loss, config=cfg,
+                           loss_scale=scale_state(optimizer))
     if rank == 0 and stop:
         print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
               f"--init_from=resume)")

@@ -54,6 +54,10 @@ CASES = [
      'offload.py cuts attention by tokens, not heads'),
     ('intermediate_size=0', ['--intermediate_size=0'], 'intermediate_size'),
     ('rope_theta=0', ['--rope_theta=0'], 'rope_theta'),
+    ('rope_scaling a list', ['--rope_scaling=[1,2]'], 'rope_scaling=[1, 2]: must be None or a dict'),
+    ('timeout_s not positive', ['--timeout_s=-1'], 'timeout_s=-1: must be a number of seconds > 0'),
+    ('float16 with the optimizer in backward', ['--dtype=float16', '--optimizer_in_backward=True'],
+     "optimizer_in_backward=True with dtype float16: a parameter's step can't wait"),
     ('rope_scaling of an unknown type', ["--rope_scaling={{'rope_type': 'ntk', 'factor': 2.0}}"],  # ({{: format's)
      "rope_scaling={'rope_type': 'ntk', 'factor': 2.0}: must be None or a dict of 'rope_type' and its fields"),
     ('min_lr=-1', ['--min_lr=-1'], 'min_lr'),
@@ -62,7 +66,7 @@ CASES = [
     ('host_memory_budget_gb=-1', ['--host_memory_budget_gb=-1'], 'host_memory_budget_gb'),
     ('unknown key', ['--batch_sise=2'], 'batch_sise'),
     ('wrong type', ['--batch_size=two'], 'batch_size'),
-    ('dtype=float16', ['--dtype=float16'], 'dtype'),
+    ('dtype unknown', ['--dtype=float8'], "dtype='float8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
     # a rule between keys (the others: test_parallel.py), init_from and out_dir (the config file: test_configurator.py)
     ('tp_size=2 on one process', ['--tp_size=2'], 'tp_size'),
     ('offload_states without zero=3', ['--offload_states=True'], 'offload_states=True streams each block'),

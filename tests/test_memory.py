@@ -310,6 +310,19 @@ def dry_run(out, *flags):
     return p
 
 
+def test_a_float16_dry_run_is_the_bfloat16_one(tmp_path):
+    """fp16 (loss scaling) keeps bf16's bytes: the same formula, and a dry run of the CUDA target within 1% of bf16's
+    (its loss scale and clean-step count are two scalars)."""
+    totals = []
+    for dtype in ('bfloat16', 'float16'):
+        out = tmp_path / dtype
+        dry_run(out, '--n_layer=3', f'--dtype={dtype}')
+        rank0 = json.loads((out / 'memory.json').read_text())['ranks'][0]
+        totals.append((rank0['estimate']['total'], rank0['measured']['total']))
+    (est_bf16, dry_bf16), (est_fp16, dry_fp16) = totals
+    assert est_fp16 == est_bf16 and abs(dry_fp16 / dry_bf16 - 1) < 0.01, totals
+
+
 @pytest.mark.parametrize('flags', [
     # Ulysses cp 2 with FSDP2, every block input but the last two's to the host, two micro-steps
     ['--n_layer=8', '--cp_size=2', '--zero=2', '--offload=1.0', '--gradient_accumulation_steps=2'],

@@ -536,6 +536,35 @@ def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, npr
         assert_close_losses(read_log(out), ref)
 
 
+@pytest.fixture(scope='module')
+def single_f16(tmp_path_factory):
+    """One process in fp16 (CPU autocast, fp32 masters, loss scaling): 4 steps."""
+    out = tmp_path_factory.mktemp('single_f16')
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', '--dtype=float16', f'--out_dir={out}')
+    return read_log(out)
+
+
+@pytest.mark.parametrize('nproc,layout', [
+    (1, ['--mlp_chunks=3', '--loss_chunks=3', '--recompute=selective', '--offload=1.0']),
+    (2, ['--tp_size=2']),
+    (2, ['--cp_size=2']),
+    (2, ['--cp_size=2', '--cp_impl=ring']),
+    (2, ['--batch_size=2', '--zero=2']),
+    (2, ['--pp_size=2', '--pp_schedule=gpipe']),
+])
+def test_float16_layouts_train_as_one_process(tmp_path, single_f16, nproc, layout):
+    """fp16 with dynamic loss scaling under the memory knobs (chunked MLP and loss see the scaled gradient),
+    tp, Ulysses, the ring (its merge in fp32), zero 2 (FSDP2 gathers fp16) and pp (the schedule's loss scaled
+    once): the losses of one process in fp16, to fp16's rounding of sums in another order, and the same scale."""
+    out = str(tmp_path / 'run')
+    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--dtype=float16', f'--out_dir={out}')
+    got = read_log(out)
+    assert [r['iter'] for r in got] == [r['iter'] for r in single_f16]
+    for a, b in zip(got, single_f16):
+        assert abs(a['loss'] - b['loss']) <= 2e-3 * b['loss'], (got, single_f16)
+        assert a['loss_scale'] == b['loss_scale']
+
+
 def test_zero2_resumes_twice_at_a_decaying_lr_as_an_uninterrupted_run(tmp_path):
     """dp 2 with zero=2, resumed at steps 3 and 5 of a decaying schedule: the same lrs and losses, bit for
     bit. Before, the optimizer kept the param groups and state that load_state_dict replaced: after a

@@ -551,3 +551,114 @@ def test_doc_mask_trains_and_refuses_what_it_cannot_do(tmp_path):
         json.dump({**meta, 'docs': False}, f)
     p = run_train(*SMALL, '--doc_mask=True', f'--dataset={data}', f'--out_dir={tmp_path / "out2"}', check=False)
     assert p.returncode == 2 and p.stderr.strip().startswith('error: doc_mask=True: dataset') and 'Traceback' not in p.stderr
+
+
+# ----------------------------------------------------------------------------- fp16 and loss scaling
+TINY_F16 = [os.path.join(ROOT, 'config', 'train_tiny.py'), '--device=cpu', '--batch_size=2', '--seq_len=64',
+            '--log_interval=1', '--eval_iters=1']
+
+
+def test_float16_tracks_float32_over_50_steps_and_resumes_exactly(tmp_path):
+    """train_tiny's model in fp16 (CPU autocast, fp32 masters, the loss scaled by 2^16): its losses are fp32's to
+    fp16's rounding over 50 steps; a resume at step 31 continues its losses and its loss scale bit for bit."""
+    f32, f16, split = (str(tmp_path / n) for n in ('f32', 'f16', 'split'))
+    run = [*TINY_F16, '--max_iters=50', '--eval_interval=30']
+    run_train(*run, '--dtype=float32', f'--out_dir={f32}')
+    run_train(*run, '--dtype=float16', f'--out_dir={f16}')
+    a, b = read_log(f32), read_log(f16)
+    assert [r['iter'] for r in b] == list(range(50))
+    # each step's loss is one small batch's, and a step that overflows is skipped (2^16 overflows here in a few,
+    # on this CPU): the mean of every 10 steps, and the val loss
+    means = [np.array([r['loss'] for r in log]).reshape(5, 10).mean(1) for log in (a, b)]
+    assert np.abs(means[1] / means[0] - 1).max() < 0.03, means
+    assert abs(b[-1]['val_loss'] / a[-1]['val_loss'] - 1) < 0.04
+    assert b[0]['loss_scale'] == [2.0 ** 16, 1.0] and a[0]['loss_scale'] is None
+    run_train(*TINY_F16, '--max_iters=31', '--eval_interval=30', '--dtype=float16', f'--out_dir={split}')
+    run_train(*run, '--dtype=float16', f'--out_dir={split}', '--init_from=resume')
+    c = read_log(split)
+    assert [r['iter'] for r in c] == list(range(50))
+    assert [(r['loss'], r['loss_scale']) for r in c] == [(r['loss'], r['loss_scale']) for r in b]
+
+
+def test_an_overflow_skips_its_step_and_halves_the_scale_until_the_floor(monkeypatch):
+    """fp16: a step whose gradients overflow changes no weight, moment or step count, halves the loss scale and does
+    not count toward stopping the run; clean steps count toward doubling it; at the floor (1) an overflow counts
+    as a non-finite step."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    x = torch.randint(0, 50, (2, 16))
+    model(x, x.roll(-1, 1))[1].backward()  # fp32: the gradient norm clipping must see in fp16
+    norm32 = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    model.zero_grad(set_to_none=True)
+    model.to(torch.float16)
+    masters = optim.make_master_weights(model)
+    opt = train.make_optimizer(model, masters, 'cpu')
+    opt.scale, opt.clean = torch.tensor(2.0 ** 16), torch.tensor(0.0)
+    bad, real, steps, norms = set(), train.forward_backward, [], []
+    clip = parallel.clip_grad_norm_
+
+    def clip_grad_norm_(*args):
+        norms.append(clip(*args))
+        return norms[-1]
+    monkeypatch.setattr(parallel, 'clip_grad_norm_', clip_grad_norm_)
+
+    def forward_backward(model, *args):
+        loss = real(model, *args)
+        if len(steps) in bad:  # a gradient of the scaled loss beyond fp16's range
+            opt.masters[0].grad[0, 0] = float('inf')
+        return loss
+    monkeypatch.setattr(train, 'forward_backward', forward_backward)
+
+    def step():
+        state = [t.clone() for p in opt.pieces for t in (p, *opt.state[p].values())]
+        with torch.autocast('cpu', dtype=torch.float16):
+            train.train_step(model, [train.Batch(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), opt)
+        steps.append(not all(torch.equal(a, b) for a, b in
+                             zip(state, [t for p in opt.pieces for t in (p, *opt.state[p].values())])))
+        return opt.scale.item(), opt.clean.item(), int(opt.skipped)
+    bad.update({1, 2})
+    assert [step() for _ in range(4)] == [(2.0 ** 16, 1, 0), (2.0 ** 15, 0, 0), (2.0 ** 14, 0, 0), (2.0 ** 14, 1, 0)]
+    assert steps == [True, False, False, True]
+    assert abs(norms[0] / norm32 - 1) < 1e-2  # the gradients were divided by 2^16 before clipping
+    monkeypatch.setattr(train, 'SCALE_GROWTH', 2)
+    assert step() == (2.0 ** 15, 0, 0)  # the second clean step in a row: doubled
+    opt.scale = torch.tensor(1.0)  # at the floor: an overflow is a non-finite step like any
+    bad.update({5, 6})
+    assert [step() for _ in range(2)] == [(1.0, 0, 1), (1.0, 0, 2)]
+
+
+@pytest.mark.filterwarnings('ignore:CUDA is not available')  # (the autocast it makes, on this CPU)
+def test_auto_picks_float16_on_a_cuda_gpu_without_bfloat16_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(train, 'device', 'cuda')
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda dev: 'Tesla V100-SXM2-32GB')
+    dev, ptdtype, autocast = train.device_and_dtype()
+    assert dev.type == 'cuda' and ptdtype == torch.float16 and autocast.fast_dtype == torch.float16
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "dtype='auto': float16 with loss scaling (Tesla V100-SXM2-32GB has no bfloat16)")
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)
+    assert train.device_and_dtype()[1] == torch.bfloat16
+
+
+def test_a_second_run_in_the_same_out_dir_stops_in_one_line_and_writes_nothing(tmp_path):
+    """The first run holds out_dir (flock) for its life; a second one, launched meanwhile, stops naming the holder
+    and leaves every file as it was; once the first dies (SIGKILL: no cleanup), the kernel has released the lock."""
+    out = str(tmp_path / 'out')
+    first = subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *SMALL, '--max_iters=100000',
+                              '--eval_interval=2', f'--out_dir={out}'], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # its first checkpoint written
+            if checkpoint.latest(out):
+                break
+            time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)  # still alive, still holding the lock, writing nothing meanwhile
+        before = files(out)
+        p = run_train(*SMALL, '--max_iters=3', f'--out_dir={out}', '--init_from=resume', check=False)
+        line = last_error(p)
+        assert line.startswith(f"error: out_dir={out!r} is in use by another run (pid {first.pid} on "), line
+        assert files(out) == before
+    finally:
+        first.kill()
+        first.wait()
+    run_train(*SMALL, '--max_iters=3', f'--out_dir={out}', '--init_from=resume')
