@@ -11,8 +11,9 @@
 # 4. packed documents (doc_mask): attention alone, forward + backward, at 32K tokens with 1, 16 and 1,000 documents,
 #    model.attention's one varlen_attn call against the per-document SDPA loop (ms a step); the ~1B model at 32K
 #    with doc_mask on the corpus's own documents beside it without.
+# 5. fp16 with loss scaling beside bf16 (train_tiny, three steps each).
 # Writes to OUT_DIR: gpu.txt, tests.txt, results.md, docs.md (the runs' logs stay in /tmp/gpu_check).
-# GPU_CHECK=docs runs the tests and part 4 only.
+# GPU_CHECK=docs runs the tests, parts 4 and 5 only.
 set -u
 out=${1:-${OUT:-bench/gpu_check}}
 parts=${GPU_CHECK:-all}
@@ -66,6 +67,9 @@ else
   run b1_32768_chunks $ONE_B --seq_len=32768
 fi
 run b1_32768_docs $ONE_B --seq_len=32768 --doc_mask=True
+# 5. fp16 with dynamic loss scaling (GPUs without bf16) beside bf16: train_tiny's losses, the loss scale
+run tiny_bf16 config/train_tiny.py --device=cuda --dtype=bfloat16
+run tiny_fp16 config/train_tiny.py --device=cuda --dtype=float16
 
 # attention alone: Llama-3-8B's heads (32 q, 8 kv, hd 128), bf16, one sequence of 32K tokens
 python3 - "$out" <<'PY' 2>&1 | tail -12
@@ -97,7 +101,7 @@ PY
 python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-rows = ['| run | tokens/s | MFU | HFU | peak allocated | estimate | last line |', '|---|---|---|---|---|---|---|']
+rows = ['| run | tokens/s | MFU | HFU | peak allocated | estimate | losses (loss scale) |', '|---|---|---|---|---|---|---|']
 for name in sorted(f[:-4] for f in os.listdir('/tmp/gpu_check') if f.endswith('.log')):
     lines = open(f'/tmp/gpu_check/{name}.log').read().splitlines()
     tail = (lines[-1] if lines else 'no output').replace('|', '/')[:160]
@@ -109,8 +113,9 @@ for name in sorted(f[:-4] for f in os.listdir('/tmp/gpu_check') if f.endswith('.
         rows.append(f'| {name} | - | - | - | - | - | {tail} |')
         continue
     mfu, hfu = (f"{100 * last[k]:.1f}%" if last.get(k) else '-' for k in ('mfu', 'hfu'))
+    losses = ' '.join(f"{r['loss']:.4f}" for r in log)
     rows.append(f"| {name} | {last['tokens_per_s']:,.0f} | {mfu} | {hfu} | {last['peak_mem_bytes'] / 2**30:.2f} GiB "
-                f"| {est / 2**30:.2f} GiB | iter {last['iter']} |")
+                f"| {est / 2**30:.2f} GiB | {losses} ({last.get('loss_scale')}) |")
 open(os.path.join(out, 'results.md'), 'w').write('\n'.join(rows) + '\n')
 print('\n'.join(rows))
 PY

@@ -550,12 +550,14 @@ def single_f16(tmp_path_factory):
     (2, ['--cp_size=2']),
     (2, ['--cp_size=2', '--cp_impl=ring']),
     (2, ['--batch_size=2', '--zero=2']),
+    (2, ['--batch_size=2', '--zero=3', '--offload_states=True']),  # FSDP2's rows and AdamW on the host
     (2, ['--pp_size=2', '--pp_schedule=gpipe']),
 ])
 def test_float16_layouts_train_as_one_process(tmp_path, single_f16, nproc, layout):
-    """fp16 with dynamic loss scaling under the memory knobs (chunked MLP and loss see the scaled gradient),
-    tp, Ulysses, the ring (its merge in fp32), zero 2 (FSDP2 gathers fp16) and pp (the schedule's loss scaled
-    once): the losses of one process in fp16, to fp16's rounding of sums in another order, and the same scale."""
+    """fp16 with dynamic loss scaling under the memory knobs (chunked MLP and loss see the scaled gradient,
+    recompute, offload), tp, Ulysses, the ring (its merge in fp32), zero 2 (FSDP2 gathers fp16), zero 3 with the
+    states on the host, and pp (the schedule's loss scaled once): the losses of one process in fp16, to fp16's
+    rounding of sums in another order, and the same loss scale."""
     out = str(tmp_path / 'run')
     torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--dtype=float16', f'--out_dir={out}')
     got = read_log(out)
