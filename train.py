@@ -378,12 +378,13 @@ def make_out_dir(rank):
     """out_dir, made: the last check and the first thing written (a run stopped before leaves no
     out_dir). Rank 0 holds it (flock on out_dir/lock, naming the holder) until this process ends,
     crash included, the kernel letting go: a second run there stops here, having written nothing.
-    Returns the lock's file (None on other ranks)."""
+    Returns the lock's file (None on other ranks, and in a dry run: its stages run as processes of
+    their own, each rank 0 to itself, and it trains nothing)."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         die(f"out_dir={out_dir!r}: cannot create it: {e.strerror}")
-    if rank > 0:
+    if rank > 0 or dry_run:
         return None
     f = open(os.path.join(out_dir, 'lock'), 'a+')
     try:
