@@ -16,6 +16,25 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                chunks), torch F.linear_cross_entropy with LinearCrossEntropyOptions (batch_chunk_size
                256 and 384, and the defaults), plain F.cross_entropy(h @ W.T), and the three unavoidable
                matmuls alone (logits, input grad, weight grad, full size, no_grad).
+  --mode=docs  packed documents (doc_mask, issue 29): the attention core alone, forward + backward,
+               of a window of S tokens (batch 1, fp32, --q_heads query heads sharing --kv_heads kv
+               heads of --head_dim: by default one of Llama-3-8B's 8 kv-head groups, 4 q heads on 1
+               kv head of 128) at each of --seq_lens, cut into each of --documents documents (0: no
+               mask, plain causal SDPA): n - 1 distinct cut points drawn at random (--seed), so the
+               lengths are roughly exponential with mean S/n, as packing real documents gives. Each
+               run twice: in one process (model.attention: one SDPA call a document, per_document's)
+               and as ring attention over --cp gloo processes (ring.RingAttention on each rank's
+               zigzag shard), every process with --rank_threads threads. Default 1: the ring has cp
+               times the cores, its ideal cp times the tokens/s; one thread a process because on a
+               2-core machine a 2-thread process is many times slower once anything else runs, its
+               OpenMP threads waiting on each other (--cp=0 --rank_threads=2: one process on 2
+               threads). tokens/s = S / the median of --reps timed runs after one warm-up run (a
+               ring run's time: its slowest rank's, the ranks started together by a barrier). Beside
+               it the CPU time a run took (time.process_time, the ring's summed over its ranks):
+               what the work costs whatever else shares the machine, where the wall time of a ring
+               that needs every core is spoilt by any other process. The checksum, the sum of the
+               output's squares (the ring's: over its ranks), is the same for a window's every run
+               and, no mask and 1 document being the same attention, for those two.
 
 How: every (variant, seq_len) runs in a fresh subprocess, so its peak resident set is its own.
   memory   peak RSS rise = VmHWM - VmRSS, with VmHWM reset (echo 5 > /proc/self/clear_refs) and freed
@@ -36,6 +55,7 @@ memory figures do not depend on the load.
 
     python bench.py --mode=step --seq_lens=2048,8192
     python bench.py --mode=loss
+    python bench.py --mode=docs --seq_lens=4096,16384
 """
 import ctypes
 import datetime
@@ -44,29 +64,36 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from configurator import configure
 
 # -----------------------------------------------------------------------------
-mode = 'step'                 # 'step' | 'loss'
-seq_lens = '2048,8192'        # step mode: comma-separated
+mode = 'step'                 # 'step' | 'loss' | 'docs'
+seq_lens = '2048,8192'        # step and docs modes: comma-separated
 variants = ''                 # comma-separated subset of the mode's variants; '' = all
 n_layer, n_embd, n_head, n_kv_head, intermediate_size, vocab_size = 2, 256, 4, 4, 768, 128256
 batch_size = 1                # step mode: sequences per step (train_tiny's shape: 16 x 256)
 loss_tokens = 8192            # loss mode: N
-reps = 3                      # loss mode: timed runs per variant and round (median)
+reps = 3                      # loss and docs modes: timed runs per variant and round (median)
 rounds = 1                    # loss mode: rounds over the variants (a fresh process per variant and round)
 slow_reps = 1                 # loss mode: timed runs for the slow variants (plain, torch LCE default)
 warmup = 'cheap'              # step mode: 'cheap' (see above) | 'full' (one whole step first)
 mem_limit_gb = 20.0           # estimated logits above this: reported OOM, not run (box: 23 GiB RAM)
 threads = 0                   # torch.set_num_threads; 0 = torch's default
+documents = '0,1,16,1000'     # docs mode: documents per window, comma-separated; 0 = no mask
+q_heads, kv_heads, head_dim = 4, 1, 128  # docs mode: one of Llama-3-8B's 8 kv-head groups
+cp = 2                        # docs mode: ring attention's ranks (0: one process only)
+rank_threads = 1              # docs mode: threads of each process, the one and each ring rank
 results = 'bench/RESULTS.md'  # '' = print only
 worker = ''                   # internal: run one variant in this process and print JSON
 seed = 1337
@@ -197,27 +224,113 @@ def loss_worker(name):
     return dict(peak=peak_rise(base), base=base, times=ts, time=statistics.median(ts))
 
 
+def window_docs(S, n):
+    """The starts of n documents in a window of S tokens (None: no mask): n - 1 distinct cut
+    points at random, the same ones in every process (seeded)."""
+    if n == 0:
+        return None
+    cuts = np.random.default_rng(seed).choice(np.arange(1, S), n - 1, replace=False)
+    return np.concatenate([[0], np.sort(cuts)])
+
+
+def docs_worker(S, n, rank, world, init):
+    """Forward + backward of the attention core: model.attention in one process (world 0), or
+    this rank's share of ring attention over `world` gloo processes."""
+    from model import attention
+    from ring import RingAttention
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(seed)
+    # [B, S, heads, hd] as the projections make them, every rank the whole window (seeded alike)
+    q = torch.randn(1, S, q_heads, head_dim, generator=g)
+    k = torch.randn(1, S, kv_heads, head_dim, generator=g)
+    v = torch.randn(1, S, kv_heads, head_dim, generator=g)
+    dy = torch.randn(1, S, q_heads, head_dim, generator=g)
+    docs = window_docs(S, n)
+    if world:
+        dist.init_process_group('gloo', init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=1800))
+        # our zigzag shard, chunks rank and 2·world-1-rank of 2·world (parallel.shard_batch)
+        ours = torch.arange(S).view(2 * world, -1)[[rank, -1 - rank]].flatten()
+        q, k, v, dy = (t[:, ours] for t in (q, k, v, dy))
+    # -> [B, heads, S, hd], transposed views as the model's attention gets them
+    q, k, v, dy = (t.transpose(1, 2) for t in (q, k, v, dy))
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        if world:
+            y = RingAttention.apply(dist.group.WORLD, q, k, v, docs)
+        else:
+            y = attention(q, k, v, docs)
+        y.backward(dy)
+        return y
+
+    run()  # warm-up
+    ts, cpu = [], []
+    for _ in range(reps):
+        if world:
+            dist.barrier()  # the ranks start together: a run lasts until its slowest rank ends
+        t0, c0 = time.perf_counter(), time.process_time()
+        y = run()
+        ts.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    if world:
+        dist.destroy_process_group()
+    return dict(times=ts, cpu=cpu, checksum=y.detach().double().square().sum().item())
+
+
 if worker:
     if threads:
         torch.set_num_threads(threads)
     w = json.loads(worker)
-    r = step_worker(w['name'], w['S']) if mode == 'step' else loss_worker(w['name'])
+    if mode == 'docs':
+        r = docs_worker(w['S'], w['n'], w['rank'], w['world'], w['init'])
+    else:
+        r = step_worker(w['name'], w['S']) if mode == 'step' else loss_worker(w['name'])
     print('RESULT ' + json.dumps(r), flush=True)
     sys.exit(0)
 
 # ----------------------------------------------------------------------------- driver
 
 
-def spawn(spec):
-    args = [sys.executable, os.path.abspath(__file__), f'--mode={mode}', f'--worker={json.dumps(spec)}']
+def start(spec, n_threads=None):
+    """Start a worker on spec; (process, its stdout, its stderr): files, not pipes, so that of two
+    ranks waiting on each other neither blocks on a full pipe the driver is not reading yet."""
+    args = [sys.executable, os.path.abspath(__file__), f'--mode={mode}',
+            f'--worker={json.dumps(spec)}']
     for k in ('n_layer', 'n_embd', 'n_head', 'n_kv_head', 'intermediate_size', 'vocab_size',
-              'batch_size', 'loss_tokens', 'reps', 'slow_reps', 'warmup', 'threads', 'seed'):  # not rounds: the driver's
-        args.append(f'--{k}={globals()[k]!r}' if isinstance(globals()[k], str) else f'--{k}={globals()[k]}')
-    p = subprocess.run(args, capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-    for line in p.stdout.splitlines():
+              'batch_size', 'loss_tokens', 'reps', 'slow_reps', 'warmup', 'threads', 'seed',
+              'q_heads', 'kv_heads', 'head_dim'):  # not rounds: the driver's
+        value = globals()[k]
+        args.append(f'--{k}={value!r}' if isinstance(value, str) else f'--{k}={value}')
+    if n_threads is not None:  # after --threads: the last one counts
+        args.append(f'--threads={n_threads}')
+    out = tempfile.TemporaryFile('w+')
+    err = tempfile.TemporaryFile('w+')
+    p = subprocess.Popen(args, stdout=out, stderr=err, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    return p, out, err
+
+
+def finish(started):
+    """Wait for a started worker; its RESULT, or its last line of stderr as the error."""
+    p, out, err = started
+    p.wait()
+    out.seek(0)
+    err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    out.close()
+    err.close()
+    for line in stdout.splitlines():
         if line.startswith('RESULT '):
             return json.loads(line[7:])
-    return dict(error=(p.stderr.strip().splitlines() or [f'exit {p.returncode}'])[-1])
+    return dict(error=(stderr.strip().splitlines() or [f'exit {p.returncode}'])[-1])
+
+
+def spawn(spec, n_threads=None):
+    return finish(start(spec, n_threads))
 
 
 def gb(b):
@@ -231,6 +344,75 @@ def pick(all_names):
             print(f'error: unknown variant {v!r}; one of {list(all_names)}', file=sys.stderr)
             sys.exit(2)
     return names
+
+
+def wait_all(started):
+    """Wait for every rank; a rank that failed has its partners killed (they would wait for it in
+    a collective until gloo's timeout). Their results, or errors, in rank order."""
+    while any(p.poll() is None for p, _, _ in started):
+        if any(p.poll() not in (None, 0) for p, _, _ in started):
+            for p, _, _ in started:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    return [finish(s) for s in started]
+
+
+def docs_cell(S, n, world):
+    """A window of S tokens, n documents (0: no mask) in one process (world 0) or on `world` ring
+    ranks: dict(times, cpu, checksum), a ring's times its slowest rank's in each run, its CPU
+    times the sum of its ranks'; or dict(error)."""
+    if not world:
+        return spawn(dict(S=S, n=n, rank=0, world=0, init=''), rank_threads)
+    # gloo's ranks meet at a file of their own: no port to pick, none to collide with another's
+    folder = tempfile.mkdtemp()
+    init = 'file://' + os.path.join(folder, 'store')
+    started = [start(dict(S=S, n=n, rank=r, world=world, init=init), rank_threads)
+               for r in range(world)]
+    ranks = wait_all(started)
+    shutil.rmtree(folder, ignore_errors=True)
+    failed = [r for r in ranks if 'error' in r]
+    if failed:
+        return failed[0]
+    times = [max(run) for run in zip(*(r['times'] for r in ranks))]
+    cpu = [sum(run) for run in zip(*(r['cpu'] for r in ranks))]
+    return dict(times=times, cpu=cpu, checksum=sum(r['checksum'] for r in ranks))
+
+
+def plural(n, word):
+    return f'{n} {word}' if n == 1 else f'{n} {word}s'
+
+
+def docs_table():
+    """docs mode's rows, printed as they come: each window length, each run (one process, then
+    the ring), each document count."""
+    counts = [int(d) for d in str(documents).split(',') if d.strip()]
+    labels = {0: f'1 process, {plural(rank_threads, "thread")}'}
+    if cp:
+        labels[cp] = f'ring cp {cp}, {plural(rank_threads, "thread")} a rank'
+    table = []
+    for S in [int(s) for s in str(seq_lens).split(',') if s.strip()]:
+        for world in labels:
+            no_mask = None  # this run's tokens/s without a mask, the ratio's base
+            for n in counts:
+                la = loadavg()
+                r = docs_cell(S, n, world)
+                name = f'{n:,}' if n else 'no mask'
+                if 'error' in r:
+                    row = (f'| {S:,} | {name} | {labels[world]} | error: {r["error"]} '
+                           f'| - | - | - | - | - | {la} |')
+                else:
+                    t = statistics.median(r['times'])
+                    if n == 0:
+                        no_mask = S / t
+                    ratio = f'{S / t / no_mask:.2f}' if no_mask else '-'
+                    runs = ', '.join('%.2f' % x for x in r['times'])
+                    cpu = statistics.median(r['cpu'])
+                    row = (f'| {S:,} | {name} | {labels[world]} | {t:.2f} s | {runs} | {S / t:,.0f} '
+                           f'| {ratio} | {cpu:.2f} s | {r["checksum"]:.6g} | {la} |')
+                print(row, flush=True)
+                table.append(row)
+    return table
 
 
 rows, loads = [], []
@@ -278,8 +460,15 @@ elif mode == 'loss':
                    f'{", ".join("%.2f" % x for x in times)} | {la} |')
         print(row, flush=True)
         rows.append(row)
+elif mode == 'docs':
+    heads = f'{plural(q_heads, "q head")}, {plural(kv_heads, "kv head")}'
+    header = (f'| seq_len (batch 1; {heads}, head_dim {head_dim}, '
+              'fp32) | documents | run | fwd+bwd (median) | runs | tokens/s | vs no mask '
+              '| CPU time (median, all processes) | checksum (Σ y²) | load avg before |\n'
+              '|---:|---:|---|---:|---|---:|---:|---:|---:|---|')
+    rows = docs_table()
 else:
-    print(f"error: mode must be 'step' or 'loss', got {mode!r}", file=sys.stderr)
+    print(f"error: mode must be 'step', 'loss' or 'docs', got {mode!r}", file=sys.stderr)
     sys.exit(2)
 
 if results:
@@ -290,12 +479,19 @@ if results:
             cpu = next((l.split(':', 1)[1].strip() for l in f if l.startswith('model name')), cpu)
     except OSError:
         pass
-    text = (f'\n## {mode} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n'
+    title = mode
+    note = 'timings are indicative; peak RSS rises do not depend on the load'
+    n_threads = f'{torch.get_num_threads()} threads'
+    if mode == 'docs':  # no memory column; each run's threads are in its row
+        title = "Packed documents (issue 29): attention's throughput on a CPU"
+        note = 'timings are indicative'
+        n_threads = 'threads: the run column'
+    text = (f'\n## {title} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n'
             f'`{cmd}`\n\n'
             f'Machine: {os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__} '
-            f'({torch.get_num_threads()} threads), fp32, Linux {platform.release()}. '
+            f'({n_threads}), fp32, Linux {platform.release()}. '
             f'Other processes were sharing the CPU (load averages 1/5/15 min before each run in the last '
-            f'column): timings are indicative; peak RSS rises do not depend on the load.\n\n'
+            f'column): {note}.\n\n'
             + header + '\n' + '\n'.join(rows) + '\n')
     os.makedirs(os.path.dirname(results) or '.', exist_ok=True)
     with open(results, 'a') as f:

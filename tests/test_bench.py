@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = ['--n_layer=1', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64', '--vocab_size=1000',
        '--results=']
@@ -55,3 +57,18 @@ def test_vs_nanogpt_times_both_trainers(tmp_path):
     assert lines[0].startswith('parameters: nanoGPT ') and 'compile=none' in lines[0]
     assert lines[1].startswith('nanoGPT, GPT-2 block') and lines[2].startswith('nanolong, Llama')
     assert float(lines[3].rsplit(' ', 1)[1]) > 0
+
+
+def test_docs_mode_times_one_process_and_the_ring_on_the_same_attention():
+    rows = table_rows(run('bench.py', '--mode=docs', '--seq_lens=256', '--documents=0,16', '--q_heads=4',
+                          '--kv_heads=2', '--head_dim=16', '--reps=2', '--results='))
+    runs = ('1 process, 1 thread', 'ring cp 2, 1 thread a rank')
+    assert [(r[0], r[1], r[2]) for r in rows] == [('256', n, how) for how in runs for n in ('no mask', '16')]
+    for r in rows:
+        times = r[4].split(', ')
+        assert len(times) == 2 and all(float(t) >= 0 for t in times), r  # --reps runs, each timed
+        assert float(r[5].replace(',', '')) > 0 and r[7].endswith(' s') and float(r[7][:-2]) >= 0
+    # both runs compute the same attention (Σ y² of the ring's shards adds up to the one process's),
+    # and the mask changes it
+    one, ring = [[float(r[8]) for r in rows[i:i + 2]] for i in (0, 2)]
+    assert ring == pytest.approx(one, rel=1e-4) and one[0] != pytest.approx(one[1], rel=1e-4), rows
