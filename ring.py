@@ -166,18 +166,29 @@ def ring_documents(docs, B, n, step, rank, world):
     return q_tokens[q_kept], k_tokens[k_kept], cu_q, cu_k, causal
 
 
-def _ring_steps(q, kv, B, docs, group):
+def ring_plan(docs, B, n, group, device):
+    """Every step's ring_documents, the token indices on the device: made once in forward, read
+    again in backward (the documents don't change between them)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = []
+    for step in range(world):
+        q_tokens, k_tokens, cu_q, cu_k, causal = ring_documents(docs, B, n, step, rank, world)
+        rows = torch.as_tensor(q_tokens, device=device)
+        cols = torch.as_tensor(k_tokens, device=device)
+        plan.append((rows, cols, cu_q, cu_k, causal))
+    return plan
+
+
+def _ring_steps(q, kv, plan, group):
     """Around the ring, one step per rank: (our query tokens, the visiting tokens they attend,
-    cu_q, cu_k, causal: ring_documents'; the visiting k, v's tokens with q's heads). q [B·2n, H,
+    cu_q, cu_k, causal: the step's plan; the visiting k, v's tokens with q's heads). q [B·2n, H,
     hd], kv [2, B·2n, K, hd]: tokens first. At step s we hold rank r - s's k, v; the next rank's
     move meanwhile, as kv heads (never repeats)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = len(plan)
     repeats = q.shape[1] // kv.shape[2]  # q heads per kv head: flash wants as many kv heads as q
-    for step in range(world):
+    for step, (rows, cols, cu_q, cu_k, causal) in enumerate(plan):
         if step < world - 1:  # the next k, v move while we compute on these
             arriving = ring_shift(kv, group)
-        *tokens, cu_q, cu_k, causal = ring_documents(docs, B, len(q) // B // 2, step, rank, world)
-        rows, cols = (torch.as_tensor(t, device=q.device) for t in tokens)
         k_step, v_step = kv[:, cols].repeat_interleave(repeats, dim=2)
         yield rows, cols, cu_q, cu_k, causal, k_step, v_step
         if step < world - 1:
@@ -204,8 +215,9 @@ class RingAttention(Function):
         # the output so far and its log-sum-exp per query token and head, fp32
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:2], -torch.inf, dtype=torch.float32)
-        ctx.saved, ctx.group, ctx.docs = [], group, docs
-        for rows, _, cu_q, cu_k, causal, k_step, v_step in _ring_steps(q, kv, B, docs, group):
+        ctx.saved, ctx.group = [], group
+        ctx.plan = ring_plan(docs, B, len(q) // B // 2, group, q.device)
+        for rows, _, cu_q, cu_k, causal, k_step, v_step in _ring_steps(q, kv, ctx.plan, group):
             if len(rows) == 0:  # none of our documents is among the visiting tokens
                 ctx.saved.append(None)
                 continue
@@ -231,7 +243,7 @@ class RingAttention(Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
         # the visiting k, v's gradients travel with them: P shifts bring each dk, dv home
         dkv = torch.zeros_like(kv, dtype=torch.float32)
-        steps = zip(_ring_steps(q, kv, B, ctx.docs, ctx.group), ctx.saved)
+        steps = zip(_ring_steps(q, kv, ctx.plan, ctx.group), ctx.saved)
         for (rows, cols, cu_q, cu_k, causal, k_step, v_step), saved in steps:
             if saved is not None:
                 dq_rows, dk, dv = flash_backward(dout[rows], q[rows], k_step, v_step, out[rows],
