@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import chunked
+from moe import MoE
 # (FP32_CHUNK is read from here too: memory.py)
 from rope import (FP32_CHUNK, ROPE_SCALING_RULE, apply_rope, fp32_chunks, rope_frequencies,
                   rope_scaling_ok, rope_tables)
@@ -61,6 +62,10 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # mixture of experts (moe.py): E experts of width intermediate_size, k per token; 0 = dense
+    n_experts: int = 0
+    experts_per_token: int = 2
+    router_aux_loss_coef: float = 0.02  # the load-balancing loss's weight (Mixtral-8x7B's)
     # memory knobs: how forward runs, not what it computes
     mlp_chunks: int = 1     # mini-sequences of the MLP; 1 = off, 0 = automatic (chunked.py)
     loss_chunks: int = 1    # chunks of the LM head + loss; 1 = off, 0 = automatic (chunked.py)
@@ -72,7 +77,8 @@ class LlamaConfig:
         # every field's rule, as one line naming it: train.py stops on it before anything is
         # allocated
         at_least = dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1,
-                        vocab_size=1, mlp_chunks=0, loss_chunks=0, attention_chunks=0)
+                        vocab_size=1, mlp_chunks=0, loss_chunks=0, attention_chunks=0,
+                        n_experts=0, experts_per_token=1)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
                 automatic = " (0: automatic)" if least == 0 else ""
@@ -91,6 +97,9 @@ class LlamaConfig:
              f"must be divisible by n_kv_head={self.n_kv_head}"),
             ('n_embd', self.head_dim % 2 == 0,
              f"n_embd / n_head = {self.head_dim} must be even (RoPE)"),
+            ('experts_per_token', self.n_experts == 0 or self.experts_per_token <= self.n_experts,
+             f"must be <= n_experts={self.n_experts}"),
+            ('router_aux_loss_coef', self.router_aux_loss_coef >= 0, 'must be >= 0'),
             ('attention_chunks', self.n_kv_head % max(1, self.attention_chunks) == 0,
              f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)")]
         for key, ok, allowed in rules:
@@ -241,7 +250,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.feed_forward = MLP(config)
+        # Mixtral's block: the same, its MLP a mixture of experts
+        self.feed_forward = MoE(config) if config.n_experts else MLP(config)
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, docs, kv_cache)
@@ -427,13 +437,18 @@ def _hf_names(config):
 
 
 # ----------------------------------------------------------------------------- counts
-def num_params(config, non_embedding=True):
+def num_params(config, non_embedding=True, active=False):
     """Parameters of Llama(config), without the embedding table by default (a lookup, not a
-    matmul). The one parameter count: train.py's MFU and memory.py's model states read it."""
+    matmul); active: of the experts, only the k a token computes. The one parameter count: train.py's
+    MFU and memory.py's model states read it."""
     h, I, V = config.n_embd, config.intermediate_size, config.vocab_size
     kv = config.n_kv_head * config.head_dim
     # two norms, wq wo, wk wv, w1 w2 w3
     per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I
+    if config.n_experts:
+        # the router, and E experts (k of them computed)
+        experts = config.experts_per_token if active else config.n_experts
+        per_layer += h * config.n_experts + 3 * h * I * (experts - 1)
     # a tied matrix counts once, as the head
     embedding = 0 if non_embedding or config.tie_embeddings else V * h
     return config.n_layer * per_layer + h + V * h + embedding
@@ -445,7 +460,7 @@ def flops_per_token(config, seq_len):
     Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections
     for 'selective', the attention kernel not); attention by head groups its forward again: the
     projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·L·h·S."""
-    c, N = config, num_params(config)
+    c, N = config, num_params(config, active=True)
     attn = 12 * c.n_layer * c.n_embd * seq_len
     recompute = {'none': 0, 'full': 2 * N + attn // 3,
                  'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]

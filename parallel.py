@@ -101,10 +101,18 @@ class Mesh:
     # FSDP2's DeviceMesh of the dpcp ranks (of one rank too: offload_states), made before fake
     # tensors
     dpcp_mesh: object = None
+    # expert parallelism (moe.py): groups of ep of the dpcp ranks, each rank E/ep experts;
+    # edp_group: the dpcp ranks holding the same experts (FSDP2's edp_mesh over them)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: object = None
+    edp_group: object = None
+    edp_mesh: object = None
 
 
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
-                 dtype=torch.float32, states_on_host=False, pp=1, microbatches=1, schedule='1f1b'):
+                 dtype=torch.float32, states_on_host=False, pp=1, microbatches=1, schedule='1f1b',
+                 ep=1):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules:
     the first broken rule of the table is the answer."""
@@ -129,6 +137,15 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
          f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
         (states_on_host and zero != 3,
          "offload_states=True streams each block's weights in from the host: zero=3"),
+        (ep < 1 or world // (tp * pp) % ep,
+         f"ep_size={ep} must divide the {world // (tp * pp)} dp x cp ranks holding the same "
+         f"weights (world {world} / (tp_size {tp} * pp_size {pp}))"),
+        (ep > 1 and c.n_experts == 0, f"ep_size={ep} splits experts: n_experts=0 (a dense MLP)"),
+        (c.n_experts % ep, f"n_experts={c.n_experts} is not divisible by ep_size={ep}"),
+        (c.n_experts and c.recompute == 'none' and 0 < c.offload < 1,
+         f"offload={c.offload} with recompute='none' and n_experts={c.n_experts}: offload.py "
+         "cuts a block's tokens in two, the router balances the micro-batch's together; use "
+         "recompute='selective' or 'full', or offload=1"),
     ]
     # offload.py's token-wise recompute replays attention's output, made once from every token's
     # q, k, v ('selective', or 'none' with α < 1: its _Split)
@@ -217,7 +234,7 @@ def init_distributed(device_type, fake=False, timeout_s=300, one=False):
 
 
 def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None,
-              device_type='cpu', pp=1):
+              device_type='cpu', pp=1, ep=1):
     """The d × p × c × t mesh of the current process group; without one, Mesh(): one rank, no
     group."""
     if not dist.is_initialized():
@@ -244,9 +261,20 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     mesh.cp_group = group(grid.transpose(2, 3).reshape(-1, cp))
     mesh.pp_group = group(grid.permute(0, 2, 3, 1).reshape(-1, pp))
     # the ranks holding the same weights: one pp stage, one tp shard
-    mesh.dpcp_group = group(grid.permute(1, 3, 0, 2).reshape(pp * tp, -1))
+    dpcp = grid.permute(1, 3, 0, 2).reshape(pp * tp, -1)
+    mesh.dpcp_group = group(dpcp)
     # FSDP2 needs a group of one rank too (offload_states on its own): then a group per rank
     mesh.dpcp_mesh = DeviceMesh.from_group(mesh.dpcp_group or dist.new_subgroups(1)[0], device_type)
+    mesh.edp_group = mesh.dpcp_group
+    if ep > 1:
+        # ep neighbours of a dpcp row share out the experts; every ep-th of the row holds the same
+        mesh.ep = ep
+        mesh.ep_rank = int((dpcp == rank).nonzero()[0, 1]) % ep
+        mesh.ep_group = group(dpcp.reshape(-1, ep))
+        edp = dpcp.reshape(pp * tp, -1, ep).transpose(1, 2)
+        mesh.edp_group = group(edp.reshape(-1, edp.shape[-1]))
+        mesh.edp_mesh = DeviceMesh.from_group(mesh.edp_group or dist.new_subgroups(1)[0],
+                                              device_type)
     if n_kv_head is not None and n_kv_head < tp:
         # kv head j lives on tp ranks j·g .. j·g + g-1, g = t/K
         mesh.kv_group = group(grid.reshape(-1, tp // n_kv_head))
@@ -280,11 +308,14 @@ def reduce_scatter(x, dim, group):
     return out.movedim(0, dim)
 
 
-def all_to_all(x, group):
-    """x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us."""
+def all_to_all(x, group, out_sizes=None, in_sizes=None):
+    """x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us. With sizes (moe.py): in_sizes[j]
+    rows of x go to rank j, out_sizes[j] rows come from rank j."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    if out_sizes is not None:
+        out = x.new_empty(sum(out_sizes), *x.shape[1:])
+    dist.all_to_all_single(out, x, out_sizes, in_sizes, group=group)
     return out
 
 
@@ -313,6 +344,14 @@ def enter_tp(x, mesh):
     return _Pair.apply(x, lambda x: x.view_as(x), lambda d: all_reduce(d.contiguous().clone(), g))
 
 
+def exchange(x, group, send, received):
+    """x's rows, send[j] of them to rank j; received[j] rows come from rank j (expert parallelism's
+    dispatch, moe.py). An all-to-all's adjoint is the one back: gradients return the way rows came."""
+    there = functools.partial(all_to_all, group=group, out_sizes=received, in_sizes=send)
+    back = functools.partial(all_to_all, group=group, out_sizes=send, in_sizes=received)
+    return _Pair.apply(x, there, back)
+
+
 def leave_tp(x, mesh):
     """g, after the row-parallel matmuls (partial sums): reduce-scatter to our sequence shard (sp)
     or all-reduce."""
@@ -326,13 +365,16 @@ def leave_tp(x, mesh):
 TP_SPLITS = {('tok_embeddings.weight', 'output.weight'): (0, 'vocab'),
              ('wk.weight', 'wv.weight'): (0, 'kv'),
              ('wq.weight', 'w1.weight', 'w3.weight'): (0, 'even'),
-             ('wo.weight', 'w2.weight'): (1, 'even')}
+             ('wo.weight', 'w2.weight'): (1, 'even'),
+             # moe.py's experts, stacked [E, I, h] and [E, h, I]: each expert's I split
+             ('experts.w1', 'experts.w3'): (1, 'even'),
+             ('experts.w2',): (2, 'even')}
 
 
 def shard_spec(name, config, tp):
     """(dim, kind) of a parameter's split over tp, kind 'vocab', 'kv' (maybe replicated) or 'even';
     None: replicated."""
-    if tp == 1 or 'norm' in name:
+    if tp == 1 or 'norm' in name or name.endswith('router.weight'):
         return None
     for ends, spec in TP_SPLITS.items():
         if name.endswith(ends):
@@ -435,6 +477,8 @@ def parallelize(model, mesh):
             model.norm = model.output = None
         model.pipelined = True
     for name, p in list(model.named_parameters()):
+        if '.experts.' in name:  # this ep rank's experts (of all: one process)
+            p.data = p.data.chunk(mesh.ep)[mesh.ep_rank].clone()
         spec = shard_spec(name, c, t)
         if spec is None:  # a norm (or t = 1): whole on every tp rank
             continue
@@ -454,13 +498,17 @@ def parallelize(model, mesh):
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
         for block in model.layers.values():
-            for m in (block.attention, block.feed_forward):
+            # (an MoE gathers and reduces itself: its router runs on the rank's tokens)
+            for m in (block.attention, block.feed_forward)[:1 if c.n_experts else 2]:
                 m.register_forward_pre_hook(lambda m, args: (enter_tp(args[0], mesh), *args[1:]))
                 m.register_forward_hook(lambda m, args, y: leave_tp(y, mesh))
         if model.norm is not None:  # f before the LM head
             model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))
         # Llama.head: chunked.py's loss over our rows of the vocabulary
         model.vocab_group = mesh.tp_group
+    for block in model.layers.values():
+        if c.n_experts:
+            block.feed_forward.mesh = mesh  # moe.py: tp, ep and the micro-batch's ranks
     if mesh.cp > 1:  # attention over the whole sequence
         for block in model.layers.values():
             if mesh.cp_impl == 'ulysses':
@@ -476,8 +524,8 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
     """ZeRO-2 or 3 through FSDP2 over the d = dp·cp ranks holding the same weights (the header: what
     moves, when): ⌈rows/d⌉ rows of every fp32 tensor of this tp shard, gathered in dtype; on_host:
     the rows in host memory."""
-    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
-                                        fully_shard)
+    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                        OffloadPolicy, fully_shard)
     vocab = {id(m.weight) for m in (model.output, model.tok_embeddings) if m is not None}
     # cast_forward_inputs=False: else each block keeps a bf16 copy of RoPE's fp32 tables (wrong at
     # long context)
@@ -486,15 +534,20 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on_host else OffloadPolicy()
     # the vocabulary's tp shards end in padding rows: FSDP2 splits them by column, the rows stay
     # whole
-    kw = dict(mesh=mesh.dpcp_mesh, mp_policy=mp, offload_policy=host,
+    kw = dict(mp_policy=mp, offload_policy=host,
               shard_placement_fn=lambda p: Shard(1) if id(p) in vocab else Shard(0))
     for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=zero == 3, **kw)
-    fully_shard(model, reshard_after_forward=False, **kw)
-    for m in (*model.layers.values(), model):
-        # a sum: forward_backward weighs each rank's loss by the step's tokens
-        m.set_gradient_divide_factor(1.0)
-        m.set_force_sum_reduction_for_comms(True)
+        if mesh.ep > 1:
+            # the experts' rows over the ranks holding the same experts
+            fully_shard(block.feed_forward.experts, mesh=mesh.edp_mesh,
+                        reshard_after_forward=zero == 3, **kw)
+        fully_shard(block, mesh=mesh.dpcp_mesh, reshard_after_forward=zero == 3, **kw)
+    fully_shard(model, mesh=mesh.dpcp_mesh, reshard_after_forward=False, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # a sum: forward_backward weighs each rank's loss by the step's tokens
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
     return model
 
 
@@ -532,12 +585,16 @@ def sync_grads(named_params, mesh, config):
             p.grad = torch.zeros_like(p)
     grads = [(n, local(p.grad)) for n, p in named_params]
     if mesh.tp > 1 and mesh.sequence_parallel:
-        all_reduce_buckets([g for n, g in grads if 'norm' in n], mesh.tp_group)
+        # the norms and MoE's router, whole on every tp rank
+        whole = [g for n, g in grads if shard_spec(n, config, mesh.tp) is None]
+        all_reduce_buckets(whole, mesh.tp_group)
     kv_heads = [g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))]
     all_reduce_buckets(kv_heads, mesh.kv_group)
     # zero=2, 3: FSDP2 reduce-scattered them over dp·cp in backward
     if not isinstance(named_params[0][1], DTensor):
-        all_reduce_buckets([g for _, g in grads], mesh.dpcp_group)
+        all_reduce_buckets([g for n, g in grads if '.experts.' not in n], mesh.dpcp_group)
+        # experts: over the ranks holding the same ones (all dpcp ranks without ep)
+        all_reduce_buckets([g for n, g in grads if '.experts.' in n], mesh.edp_group)
 
 
 def local(x):
@@ -548,10 +605,21 @@ def local(x):
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element
     once."""
-    squares = sum(torch.linalg.vector_norm(local(p.grad), dtype=torch.float32) ** 2
-                  for n, p in named_params if not is_replica(n, mesh, config))
-    # each element once: summed over tp's shards, pp's stages and FSDP2's rows (over dp·cp)
+    squares, experts = 0, 0
+    for n, p in named_params:
+        if is_replica(n, mesh, config):
+            continue
+        square = torch.linalg.vector_norm(local(p.grad), dtype=torch.float32) ** 2
+        if '.experts.' in n:
+            experts = experts + square
+        else:
+            squares = squares + square
+    # each element once: summed over tp's shards, pp's stages and FSDP2's rows (over dp·cp); the
+    # ep ranks' experts are others (FSDP2's rows of them too: summed over dp·cp)
     fsdp = isinstance(named_params[0][1], DTensor)
+    if mesh.ep_group is not None and not fsdp:
+        experts = all_reduce(torch.as_tensor(experts, dtype=torch.float32), mesh.ep_group)
+    squares = squares + experts
     for group in (mesh.tp_group, mesh.pp_group, mesh.dpcp_group if fsdp else None):
         if group is not None:
             squares = all_reduce(squares, group)

@@ -1,0 +1,200 @@
+"""
+Mixture of experts: Mixtral's MLP (a router and E SwiGLU experts, k of them per token), and expert
+parallelism over torchrun.
+
+model.py's Block takes this MoE for its MLP when config.n_experts > 0 (0: the dense Llama):
+
+    logits = x Wrᵀ                 Wr [E, h], the router, in fp32 (as Mixtral's)
+    top k of the E logits per token, weights = softmax over those k   (Mixtral: softmax over all E,
+                                   then the top k renormalised: the same numbers)
+    y = Σ over the k chosen e of weight_e · SwiGLU_e(x)   (each expert a Llama MLP of width I)
+
+Per token it computes k experts, 6·3·h·I·k FLOPs of training against the dense MLP's 6·3·h·I; its
+parameters are E times the MLP's (3·h·I·E + h·E a layer), every one with its states (2 + 4 + 12
+bytes in bf16): Mixtral-8x7B holds 46.7B parameters and computes 12.9B a token. The memory it adds
+per token and layer (b bytes per element): the k routed copies of the token that the experts take
+(b·h·k), the experts' outputs the weighting keeps (b·h·k), the router's fp32 logits (4·E twice);
+under ep the two all-to-alls' buffers (b·h·k each way) at one layer's forward or backward. The
+experts' SwiGLU runs an expert at a time, each chunked over its tokens as the dense MLP
+(chunked.py's mlp_chunks, from the tokens routed to it): a long sequence's routed tokens never hold
+S·k·I at once.
+
+The tokens: the T·k (token, expert) pairs are sorted by expert (stable: token order within one),
+each expert runs on its rows of that one gathered [T·k, h] copy, and the outputs are weighted and
+summed back onto their tokens (index_add).
+
+Load balancing (Switch Transformer, Fedus et al. 2021; Mixtral's `router_aux_loss_coef`): with f_e
+the fraction of the T·k pairs routed to e and P_e the router's mean probability for e over the T
+tokens, aux = E · Σ_e f_e · P_e (k when balanced), averaged over the layers. It trains the router
+(f, a count, has no gradient). The step's loss backpropagates coef · aux: each layer hands its aux
+gradient to autograd from the backward of its output (_AuxLoss, Megatron's way: a pipeline stage
+has no loss to add it to), and the log has it apart (`aux_loss`). (transformers' Mixtral computes
+f and P over all layers' tokens at once, which crosses layers; Switch's is per layer.) Over several
+ranks f and T are the micro-batch's (counts summed over the dp·cp ranks), P our tokens' share: the
+ranks' aux add up to one process's, and so do the gradients.
+
+Expert parallelism (GShard, Lepikhin et al. 2020; ep = mesh.ep, over the dp·cp ranks that hold the
+same weights): rank j of an ep group holds experts [j·E/ep, (j+1)·E/ep). Each rank sends each
+expert's rows to its owner and gets them back, two all-to-alls of variable sizes per layer (the
+sizes exchanged first, E numbers). Parameters and states of the experts: E/ep of them a rank.
+Under tensor parallelism the router runs on the rank's tokens (its sequence shard), then tokens,
+weights and choices are gathered as the dense MLP's input is (Megatron's f), each expert's I split
+over tp (w1, w3 by rows, w2 by columns) and the output reduced (g).
+
+Sources: Shazeer et al. 2017 (sparsely gated MoE); Jiang et al. 2024 (Mixtral); Fedus et al. 2021
+(Switch: the balance loss, top-k routing); Lepikhin et al. 2020 (GShard: expert parallelism by
+all-to-all).
+"""
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+
+import chunked
+import parallel
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs, weights stacked: w1, w3 [E, I, h], w2 [E, h, I] (each expert's in nn.Linear's
+    layout). parallel.py leaves a rank its E/ep experts, and its slice of each one's I under tp."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config  # mlp_chunks, read at every forward
+        E, h, I = config.n_experts, config.n_embd, config.intermediate_size
+        self.w1 = nn.Parameter(torch.empty(E, I, h))  # gate
+        self.w3 = nn.Parameter(torch.empty(E, I, h))  # up
+        self.w2 = nn.Parameter(torch.empty(E, h, I))  # down
+        # model.py's init: N(0, 0.02), the projection into the residual stream scaled by depth
+        nn.init.normal_(self.w1, std=0.02)
+        nn.init.normal_(self.w3, std=0.02)
+        nn.init.normal_(self.w2, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def forward(self, x, counts):
+        """x [n, h]: each expert's tokens one after the other, counts[e] of expert e's."""
+        y = []
+        # unbind: one stacked gradient in backward, not a zero [E, I, h] per expert
+        weights = zip(self.w1.unbind(), self.w3.unbind(), self.w2.unbind())
+        for tokens, (w1, w3, w2) in zip(x.split(counts), weights):
+            chunks = chunked.mlp_chunks(self.config, len(tokens))
+            y.append(chunked.chunked_mlp(tokens, w1, w3, w2, chunks))
+        return torch.cat(y)
+
+
+class MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = Experts(config)
+        # parallel.py: this rank's Mesh (tp, ep, the dp·cp ranks of a micro-batch); None: one process
+        self.mesh = None
+        # train.py: the aux loss's weight in the step's loss (1 / micro-batches, x fp16's scale)
+        self.aux_weight = 1.0
+        # the sum of the aux losses backward has seen (this rank's share), for the log
+        self.aux_loss = 0.0
+
+    # host-side split sizes in the middle: eager inside a compiled model
+    @torch.compiler.disable
+    def forward(self, x):
+        c, mesh = self.config, self.mesh
+        tp = mesh is not None and mesh.tp > 1
+        logits = self.router(x).float()
+        top, chosen = logits.topk(c.experts_per_token, dim=-1)
+        weights = F.softmax(top, dim=-1).to(x.dtype)
+        if tp:
+            # every tp rank runs its slice of every expert on all tokens: gather them, with their
+            # weights (whose gradient is summed back, as x's) and choices
+            x, weights = parallel.enter_tp(x, mesh), parallel.enter_tp(weights, mesh)
+            if mesh.sequence_parallel:
+                chosen = parallel.all_gather(chosen, 1, mesh.tp_group)
+        y = self.route(x, chosen, weights)
+        if tp:
+            y = parallel.leave_tp(y, mesh)
+        return _AuxLoss.apply(y, balance_loss(logits, chosen, c.n_experts, mesh), self)
+
+    def route(self, x, chosen, weights):
+        """Each token's k experts' outputs, weighted and summed: like x."""
+        k = self.config.experts_per_token
+        tokens = x.flatten(0, -2)
+        # the T·k (token, expert) pairs, grouped by expert; token order within an expert
+        order = chosen.flatten().argsort(stable=True)
+        token = order // k
+        counts = expert_counts(chosen, self.config.n_experts)
+        y = self.dispatch(tokens[token], counts)
+        y = y * weights.flatten()[order].unsqueeze(1)
+        return torch.zeros_like(tokens).index_add(0, token, y).view_as(x)
+
+    def dispatch(self, x, counts):
+        """The experts' outputs for x [T·k, h], grouped by expert (counts[e] rows of expert e): here,
+        or under ep at the ranks that own them."""
+        mesh = self.mesh
+        if mesh is None or mesh.ep == 1:
+            return self.experts(x, counts)
+        ep, group = mesh.ep, mesh.ep_group
+        n = len(counts) // ep  # experts a rank holds
+        # rows for rank j: its experts' rows, next to each other
+        send = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
+        # theirs[j][e]: rows rank j sends our expert e
+        if isinstance(x, FakeTensor):
+            # the dry run (no values): every rank routes as we do, balanced
+            theirs = [counts[mesh.ep_rank * n:(mesh.ep_rank + 1) * n]] * ep
+        else:
+            sizes = torch.tensor(counts, device=x.device).view(ep, n)
+            theirs = parallel.all_to_all(sizes, group).tolist()
+        received = [sum(row) for row in theirs]
+        x = parallel.exchange(x, group, send, received)
+        # from each rank, its rows for our experts, by expert: regroup them by expert
+        expert = torch.arange(n, device=x.device).repeat(ep)
+        expert = expert.repeat_interleave(torch.tensor(theirs, device=x.device).flatten())
+        order = expert.argsort(stable=True)
+        y = self.experts(x[order], [sum(column) for column in zip(*theirs)])
+        # back in the order they came, and to the ranks they came from
+        return parallel.exchange(y[order.argsort()], group, received, send)
+
+
+def expert_counts(chosen, n_experts):
+    """How many of the (token, expert) pairs go to each expert: a host list, the split sizes. In the
+    dry run (fake tensors: shapes, no values) what balanced routing sends, which the aux loss trains
+    toward."""
+    pairs = chosen.numel()
+    if isinstance(chosen, FakeTensor):
+        return [pairs // n_experts + (e < pairs % n_experts) for e in range(n_experts)]
+    return torch.bincount(chosen.flatten(), minlength=n_experts).tolist()
+
+
+def balance_loss(logits, chosen, n_experts, mesh):
+    """This rank's share of the header's aux loss, E · Σ_e f_e · P_e: f (counts, no gradient) and T
+    of the whole micro-batch, P summed over our tokens (the router's: under sp a tp rank's share of
+    the sequence, else the ranks' copies are equal and autograd takes one)."""
+    flat = chosen.flatten()
+    counts = torch.zeros(n_experts, device=flat.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    if mesh is not None and mesh.dpcp_group is not None:
+        counts = parallel.all_reduce(counts, mesh.dpcp_group)
+    T = counts.sum() / chosen.shape[-1]
+    probability = F.softmax(logits, dim=-1).flatten(0, -2).sum(0)
+    return n_experts * (counts * probability).sum() / T ** 2
+
+
+class _AuxLoss(torch.autograd.Function):
+    """y unchanged; its backward hands the aux loss its gradient, coef / n_layer times the step's
+    weight, and adds the aux loss to the log (once per micro-batch: a recompute re-runs forward,
+    not this backward)."""
+
+    @staticmethod
+    def forward(ctx, y, aux, moe):
+        ctx.moe, ctx.aux = moe, aux.detach()
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        moe = ctx.moe
+        moe.aux_loss += ctx.aux
+        weight = moe.config.router_aux_loss_coef / moe.config.n_layer * moe.aux_weight
+        return g, torch.full_like(ctx.aux, weight), None
+
+
+def moe_layers(model):
+    """The MoE layers of model (a stage's under pp)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
