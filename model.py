@@ -439,8 +439,8 @@ def _hf_names(config):
 # ----------------------------------------------------------------------------- counts
 def num_params(config, non_embedding=True, active=False):
     """Parameters of Llama(config), without the embedding table by default (a lookup, not a
-    matmul); active: of the experts, only the k a token computes. The one parameter count: train.py's
-    MFU and memory.py's model states read it."""
+    matmul); active: of the experts, only the k a token computes. The one parameter count:
+    train.py's MFU and memory.py's model states read it."""
     h, I, V = config.n_embd, config.intermediate_size, config.vocab_size
     kv = config.n_kv_head * config.head_dim
     # two norms, wq wo, wk wv, w1 w2 w3

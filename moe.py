@@ -88,7 +88,7 @@ class MoE(nn.Module):
         self.config = config
         self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
         self.experts = Experts(config)
-        # parallel.py: this rank's Mesh (tp, ep, the dp·cp ranks of a micro-batch); None: one process
+        # parallel.py: this rank's Mesh (tp, ep, the dp·cp ranks of a micro-batch); None: alone
         self.mesh = None
         # train.py: the aux loss's weight in the step's loss (1 / micro-batches, x fp16's scale)
         self.aux_weight = 1.0
@@ -127,8 +127,8 @@ class MoE(nn.Module):
         return torch.zeros_like(tokens).index_add(0, token, y).view_as(x)
 
     def dispatch(self, x, counts):
-        """The experts' outputs for x [T·k, h], grouped by expert (counts[e] rows of expert e): here,
-        or under ep at the ranks that own them."""
+        """The experts' outputs for x [T·k, h], grouped by expert (counts[e] rows of expert e):
+        here, or under ep at the ranks that own them."""
         mesh = self.mesh
         if mesh is None or mesh.ep == 1:
             return self.experts(x, counts)
@@ -169,7 +169,8 @@ def balance_loss(logits, chosen, n_experts, mesh):
     of the whole micro-batch, P summed over our tokens (the router's: under sp a tp rank's share of
     the sequence, else the ranks' copies are equal and autograd takes one)."""
     flat = chosen.flatten()
-    counts = torch.zeros(n_experts, device=flat.device).index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+    ones = torch.ones_like(flat, dtype=torch.float32)
+    counts = torch.zeros(n_experts, device=flat.device).index_add_(0, flat, ones)
     if mesh is not None and mesh.dpcp_group is not None:
         counts = parallel.all_reduce(counts, mesh.dpcp_group)
     T = counts.sum() / chosen.shape[-1]

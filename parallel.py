@@ -309,8 +309,8 @@ def reduce_scatter(x, dim, group):
 
 
 def all_to_all(x, group, out_sizes=None, in_sizes=None):
-    """x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us. With sizes (moe.py): in_sizes[j]
-    rows of x go to rank j, out_sizes[j] rows come from rank j."""
+    """x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us. With sizes (moe.py):
+    in_sizes[j] rows of x go to rank j, out_sizes[j] rows come from rank j."""
     x = x.contiguous()
     out = torch.empty_like(x)
     if out_sizes is not None:
@@ -346,7 +346,7 @@ def enter_tp(x, mesh):
 
 def exchange(x, group, send, received):
     """x's rows, send[j] of them to rank j; received[j] rows come from rank j (expert parallelism's
-    dispatch, moe.py). An all-to-all's adjoint is the one back: gradients return the way rows came."""
+    dispatch, moe.py). An all-to-all's adjoint is the one back: gradients return as rows came."""
     there = functools.partial(all_to_all, group=group, out_sizes=received, in_sizes=send)
     back = functools.partial(all_to_all, group=group, out_sizes=send, in_sizes=received)
     return _Pair.apply(x, there, back)

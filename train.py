@@ -57,6 +57,7 @@ from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
 import pipeline
 import measure
+import moe
 import memory
 import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
@@ -93,6 +94,11 @@ rope_theta = None
 rope_scaling = None
 norm_eps = 1e-5
 tie_embeddings = False
+# mixture of experts (moe.py): n_experts 0 is the dense Llama; each token computes
+# experts_per_token of them; the load-balancing loss's weight
+n_experts = 0
+experts_per_token = 2
+router_aux_loss_coef = 0.02
 # memory knobs (chunked.py; offload.py)
 mlp_chunks = 1
 loss_chunks = 1
@@ -109,6 +115,8 @@ cp_impl = 'ulysses'  # 'ulysses' | 'ring'
 pp_size = 1  # pipeline stages, each a run of blocks; its micro-batches: gradient_accumulation_steps
 # '1f1b' | 'gpipe' (every micro-batch's forward, then every backward: more in flight)
 pp_schedule = '1f1b'
+# expert parallelism (moe.py): the experts split over groups of ep_size of the dp x cp ranks
+ep_size = 1
 # FSDP2 over the dp x cp ranks: 2 shards AdamW's states and the gradients, 3 the weights too
 zero = 0
 # True (zero=3): weights, gradients and AdamW's states in host memory, AdamW on the CPU
@@ -254,6 +262,8 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale
     count = dpcp_sum(sum((y != -100).sum() for _, y, _, _ in micro_batches), mesh).clamp(min=1)
     # each micro-step's weight times the scale: the pipeline's loss too, scaled once
     count = count / scale
+    for layer in moe.moe_layers(model):  # their aux losses: a micro-step's mean, scaled the same
+        layer.aux_weight = scale / len(micro_batches)
     if pipe is not None:
         # torch's schedule runs them, in its order (pipeline.py); the last stage has the loss
         loss = pipe.step(micro_batches, count, fake=dry_run)
@@ -267,6 +277,24 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale
         loss.backward()
         total += loss.detach()
     return dpcp_sum(total, mesh)
+
+
+def aux_loss(model, mesh, steps):
+    """The MoE layers' aux loss (moe.py) as one process computes it, averaged over the layers and
+    the micro-steps of the `steps` since the last call (every rank calls it), then reset; None: a
+    dense model."""
+    layers = moe.moe_layers(model)
+    if not layers:
+        return None
+    total = sum(layer.aux_loss for layer in layers) + torch.zeros(())
+    for layer in layers:
+        layer.aux_loss = 0.0
+    # each rank's layers and tokens' share (under sp a tp rank's tokens; else tp copies are equal)
+    sp = mesh.tp > 1 and mesh.sequence_parallel
+    for group in (mesh.dpcp_group, mesh.pp_group, mesh.tp_group if sp else None):
+        if group is not None:
+            total = parallel.all_reduce(total, group)
+    return total.item() / (model.config.n_layer * steps * gradient_accumulation_steps)
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
@@ -525,7 +553,7 @@ def check_layout(config, world, dev, ptdtype):
     config."""
     why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type,
                                 ptdtype, offload_states, pp_size, gradient_accumulation_steps,
-                                pp_schedule)
+                                pp_schedule, ep_size)
     if why:
         die(why)
 
@@ -665,7 +693,7 @@ def main():
         model, ckpt = model_from_config(meta, cfg, world, dev, ptdtype)
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head,
-                              timeout_s=timeout_s, device_type=dev.type, pp=pp_size)
+                              timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size)
     lock = make_out_dir(rank)  # (held while main runs)
     # the memory report, before anything is on the device: stops a run that can't fit (80% rule)
     mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
@@ -734,7 +762,8 @@ def main():
                'hfu': device_flops and tokens_per_s * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev),
                'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent,
-               'loss_scale': scale_state(optimizer)}  # fp16's [scale, clean steps]; else None
+               'loss_scale': scale_state(optimizer),  # fp16's [scale, clean steps]; else None
+               'aux_loss': aux_loss(raw_model, mesh, iter_num - it0)}
         write_log(rank, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, it0 = time.perf_counter(), iter_num
