@@ -708,8 +708,7 @@ def main():
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     raw_model = model
-    if compile:
-        model = torch.compile(model)
+    model = torch.compile(model) if compile else model
     pipe = (pipeline.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev)
             if pp_size > 1 else None)  # pp: torch's pipeline schedule over this rank's stage
     if dry_run:
