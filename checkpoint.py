@@ -47,22 +47,28 @@ import parallel
 
 # ------------------------------------------------------------------------- where each piece lies
 @functools.cache
-def _device_mesh(world, tp, shards, device_type, pp, cp):
+def _device_mesh(world, tp, shards, device_type, pp, cp, ep=1):
     """All ranks as a DeviceMesh (pp, shards, tp/shards, dp·cp): a tensor split `shards` ways over
     the tp ranks, each piece held by tp/shards of them (kv heads when K < t; else shards = t). tp
     comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names are its
-    own: pp replicates.)"""
+    own: pp replicates.) With ep > 1 (experts) dp·cp is two dimensions, (ep, dp·cp/ep): the ep
+    ranks' experts, then FSDP2's rows of them over the ranks holding the same ones (parallel.py's
+    groups)."""
     # [dp, pp, cp, tp] -> [pp, tp, dp, cp]
     ranks = torch.arange(world).view(-1, pp, cp, tp).permute(1, 3, 0, 2)
-    return DeviceMesh(device_type, ranks.reshape(pp, shards, tp // shards, -1),
-                      mesh_dim_names=('pp', 'tp', 'tp_copy', 'dpcp'))
+    ranks = ranks.reshape(pp, shards, tp // shards, -1)
+    if ep == 1:
+        return DeviceMesh(device_type, ranks, mesh_dim_names=('pp', 'tp', 'tp_copy', 'dpcp'))
+    ranks = ranks.unflatten(-1, (-1, ep)).transpose(-1, -2)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=('pp', 'tp', 'tp_copy', 'ep', 'edp'))
 
 def _placed(name, local, mesh, config, shape, fsdp_dim):
     """local (this rank's piece of the tensor `name`, whose full shape is shape) with its place in
     it: its tp shard and, under zero=2, 3, FSDP2's rows (or columns: fsdp_dim) of that shard over
     the dp·cp ranks."""
     spec = parallel.shard_spec(name, config, mesh.tp)
-    if mesh.world == 1 or (spec is None and fsdp_dim is None):
+    ep = mesh.ep if '.experts.' in name else 1  # experts: E/ep of them a rank (moe.py)
+    if mesh.world == 1 or (spec is None and fsdp_dim is None and ep == 1):
         # every rank holds the same tensor: DCP's one copy is right
         return local
     if spec is None:
@@ -73,10 +79,12 @@ def _placed(name, local, mesh, config, shape, fsdp_dim):
         on_tp, shards = Shard(0), min(config.n_kv_head, mesh.tp)
     else:
         on_tp, shards = Shard(spec[0]), mesh.tp
-    on_dpcp = Replicate() if fsdp_dim is None else Shard(fsdp_dim)
-    where = _device_mesh(mesh.world, mesh.tp, shards, local.device.type, mesh.pp, mesh.cp)
-    return DTensor.from_local(local, where, [Replicate(), on_tp, Replicate(), on_dpcp], shape=shape,
-                              stride=torch.empty(shape, device='meta').stride())
+    on_dpcp = [Replicate() if fsdp_dim is None else Shard(fsdp_dim)]
+    if ep > 1:
+        on_dpcp.insert(0, Shard(0))
+    where = _device_mesh(mesh.world, mesh.tp, shards, local.device.type, mesh.pp, mesh.cp, ep)
+    return DTensor.from_local(local, where, [Replicate(), on_tp, Replicate(), *on_dpcp],
+                              shape=shape, stride=torch.empty(shape, device='meta').stride())
 
 def state_dict(model, optimizer, mesh, data_gen=None):
     """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""

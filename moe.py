@@ -92,8 +92,9 @@ class MoE(nn.Module):
         self.mesh = None
         # train.py: the aux loss's weight in the step's loss (1 / micro-batches, x fp16's scale)
         self.aux_weight = 1.0
-        # the sum of the aux losses backward has seen (this rank's share), for the log
+        # the sum of the aux losses backward has seen (this rank's share) and their count, for the log
         self.aux_loss = 0.0
+        self.aux_count = 0
 
     # host-side split sizes in the middle: eager inside a compiled model
     @torch.compiler.disable
@@ -192,6 +193,7 @@ class _AuxLoss(torch.autograd.Function):
     def backward(ctx, g):
         moe = ctx.moe
         moe.aux_loss += ctx.aux
+        moe.aux_count += 1
         weight = moe.config.router_aux_loss_coef / moe.config.n_layer * moe.aux_weight
         return g, torch.full_like(ctx.aux, weight), None
 
@@ -199,3 +201,26 @@ class _AuxLoss(torch.autograd.Function):
 def moe_layers(model):
     """The MoE layers of model (a stage's under pp)."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def memory_terms(config, tokens, b, t=1, ep=1):
+    """memory.py's terms for one MoE layer (the header's, b bytes an element) on a rank with T =
+    `tokens` (under tp: all t ranks', which the experts take): (bytes kept for backward per token,
+    the working set of its backward beyond what it keeps). An expert's tokens, balanced: its share
+    of the T·k pairs of each of the ep ranks, n = ep·T·k/E."""
+    c, k, E = config, config.experts_per_token, config.n_experts
+    h, I = c.n_embd, c.intermediate_size / t
+    n = ep * tokens * k // E
+    chunks = chunked.mlp_chunks(c, n)
+    # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the
+    # router's fp32 probabilities (its rank's tokens) and the pairs' three int64 indices
+    kept = 3 * b * h * k + 4 * (E + k) / t + 24 * k
+    # one expert's backward: one chunk's three [n, I] buffers and the fp32 dW1..3, or (unchunked,
+    # keeping four) two more [n, I] at once
+    expert = 3 * b * I * math.ceil(n / chunks) + 12 * h * I
+    if chunks == 1:
+        kept += 4 * b * I * k
+        expert = 2 * b * I * n
+    # the larger of its start (the gradients of two [T·k, h] copies; under ep an all-to-all's send
+    # and receive buffers) and an expert's backward, the copies weighed then freed
+    return kept, max(2 * b * h * k * tokens, expert)

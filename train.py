@@ -279,22 +279,22 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale
     return dpcp_sum(total, mesh)
 
 
-def aux_loss(model, mesh, steps):
+def aux_loss(model, mesh):
     """The MoE layers' aux loss (moe.py) as one process computes it, averaged over the layers and
-    the micro-steps of the `steps` since the last call (every rank calls it), then reset; None: a
-    dense model."""
+    the micro-steps since the last call (every rank calls it), then reset; None: a dense model."""
     layers = moe.moe_layers(model)
     if not layers:
         return None
-    total = sum(layer.aux_loss for layer in layers) + torch.zeros(())
+    total = torch.zeros(())
     for layer in layers:
-        layer.aux_loss = 0.0
+        total = total + layer.aux_loss / max(1, layer.aux_count)
+        layer.aux_loss, layer.aux_count = 0.0, 0
     # each rank's layers and tokens' share (under sp a tp rank's tokens; else tp copies are equal)
     sp = mesh.tp > 1 and mesh.sequence_parallel
     for group in (mesh.dpcp_group, mesh.pp_group, mesh.tp_group if sp else None):
         if group is not None:
             total = parallel.all_reduce(total, group)
-    return total.item() / (model.config.n_layer * steps * gradient_accumulation_steps)
+    return total.item() / model.config.n_layer
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
@@ -762,7 +762,7 @@ def main():
                'peak_mem_bytes': peak_memory(dev),
                'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent,
                'loss_scale': scale_state(optimizer),  # fp16's [scale, clean steps]; else None
-               'aux_loss': aux_loss(raw_model, mesh, iter_num - it0)}
+               'aux_loss': aux_loss(raw_model, mesh)}
         write_log(rank, bar, row, val_loss, mem)
         check_finite(optimizer, iter_num, lr)
         t0, it0 = time.perf_counter(), iter_num

@@ -1,0 +1,248 @@
+"""moe.py: the MoE MLP against a loop over experts as transformers' Mixtral writes it (outputs and every
+gradient), with chunked experts, an expert that gets no token and every token on one expert; the aux loss
+against Switch's formula by hand and its gradient against autograd's; expert parallelism (ep) under dp, zero
+2 / 3, tp (with and without sequence parallelism), Ulysses and ring against one process (one step: loss,
+norm, every gradient, updated weights; spawned ranks on gloo); train.py: a tiny Mixtral trains on the default
+corpus, pp 2 x ep 2 gives one process's losses, an ep 2 checkpoint resumes on ep 1 and ep 4."""
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import offload  # noqa: E402
+import parallel  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+from moe import MoE  # noqa: E402
+from test_parallel import (MODEL, RTOL, LR, TINY, assert_close_losses, free_port, gather_full,  # noqa: E402
+                           one_step, read_log, rel, torchrun)
+
+CONFIG = dict(MODEL, n_experts=4, experts_per_token=2)
+
+
+def hf_moe(moe, x):
+    """transformers' MixtralSparseMoeBlock, written out: softmax over all experts, the top k renormalised, a
+    loop over experts, index_add of each one's weighted output."""
+    E = moe.experts
+    logits = moe.router(x).flatten(0, 1)
+    weights, chosen = F.softmax(logits.float(), dim=-1).topk(moe.config.experts_per_token, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    tokens = x.flatten(0, 1)
+    y = torch.zeros_like(tokens)
+    for e in range(moe.config.n_experts):
+        token, slot = torch.where(chosen == e)
+        h = tokens[token]
+        out = F.linear(F.silu(F.linear(h, E.w1[e])) * F.linear(h, E.w3[e]), E.w2[e])
+        y.index_add_(0, token, out * weights[token, slot, None])
+    return y.view_as(x)
+
+
+def biased(moe, bias):
+    """The router with a bias: expert e's logit + bias[e] (a large one forces every token's choice)."""
+    moe.router.bias = nn.Parameter(torch.tensor(bias, dtype=torch.float32))
+    return moe
+
+
+@pytest.mark.parametrize('mlp_chunks,k,bias', [
+    (1, 2, None), (3, 2, None), (0, 1, None),
+    (2, 2, [0, 0, 0, -1e4]),   # expert 3 gets no token
+    (2, 1, [1e4, 0, 0, 0]),    # every token on expert 0
+])
+def test_moe_equals_mixtrals_loop_over_experts(mlp_chunks, k, bias):
+    torch.manual_seed(0)
+    config = LlamaConfig(n_embd=32, intermediate_size=48, n_experts=4, experts_per_token=k, mlp_chunks=mlp_chunks)
+    moe = MoE(config)
+    if bias:
+        biased(moe, bias)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    g = torch.randn(2, 24, 32)
+    y = moe(x)
+    grads = torch.autograd.grad((y * g).sum(), [x, *moe.parameters()])
+    ref = hf_moe(moe, x)
+    # the reference's gradients plus the aux loss's (which moe's backward adds): coef / n_layer · aux
+    aux_weight = config.router_aux_loss_coef / config.n_layer
+    ref_grads = torch.autograd.grad((ref * g).sum() + aux_weight * aux_by_hand(moe, x),
+                                    [x, *moe.parameters()])
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if bias == [0, 0, 0, -1e4]:
+        assert grads[-1][3].abs().max() == 0 and grads[-1][:3].abs().min() > 0  # w2 of expert 3: no token
+    assert moe.aux_loss.item() == pytest.approx(aux_by_hand(moe, x).item(), rel=1e-6)
+
+
+def aux_by_hand(moe, x):
+    """Switch's E · Σ_e f_e · P_e, f_e the fraction of the T·k choices on e, P_e the mean probability of e."""
+    E, k = moe.config.n_experts, moe.config.experts_per_token
+    logits = moe.router(x).flatten(0, 1).float()
+    chosen = logits.topk(k, dim=-1).indices
+    f = torch.stack([(chosen == e).float().sum() for e in range(E)]) / len(logits)
+    return E * (f * F.softmax(logits, -1).mean(0)).sum()
+
+
+def test_balanced_routing_gives_an_aux_loss_of_k_and_training_pulls_toward_it():
+    """aux is k when every expert gets T·k/E choices and the router is uniform; skewed routing is higher, and
+    the aux loss's gradient, alone, makes the router more uniform."""
+    torch.manual_seed(0)
+    config = LlamaConfig(n_embd=16, intermediate_size=16, n_experts=4, experts_per_token=2)
+    moe = MoE(config)
+    x = torch.randn(1, 64, 16)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+    assert aux_by_hand(moe, x).item() == pytest.approx(2.0)
+    biased(moe, [3.0, 0, 0, 0])
+    skewed = aux_by_hand(moe, x).item()
+    assert skewed > 2.2
+    opt = torch.optim.SGD(moe.router.parameters(), lr=0.5)
+    for _ in range(10):
+        moe.aux_weight = 1 / config.router_aux_loss_coef * config.n_layer  # the aux loss alone, weight 1
+        (moe(x) * 0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert aux_by_hand(moe, x).item() < skewed - 0.1
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+# name: (world, tp, cp, cp_impl, sequence_parallel, zero, ep, model overrides)
+EP_LAYOUTS = {
+    'ep2':          (2, 1, 1, 'ulysses', True, 0, 2, {}),
+    'ep2_empty':    (2, 1, 1, 'ulysses', True, 0, 2, dict(bias=[0, 0, 0, -1e4])),  # expert 3 (rank 1's) no token
+    'ep2_one':      (2, 1, 1, 'ulysses', True, 2, 2, dict(experts_per_token=1, bias=[1e4, 0, 0, 0])),  # all on 0
+    'tp_no_sp':     (2, 2, 1, 'ulysses', False, 0, 1, dict(recompute='selective')),
+    'cp_ep2':       (2, 1, 2, 'ulysses', True, 0, 2, dict(recompute='full')),
+    'tp_ep2':       (4, 2, 1, 'ulysses', True, 0, 2, dict(recompute='selective')),
+    'dp_cp_zero3_ep2': (4, 1, 2, 'ulysses', True, 3, 2, {}),  # the experts' rows over the 2 ranks holding them
+    'ring_ep4':     (4, 1, 2, 'ring', True, 0, 4, dict(recompute='full')),
+    'tp_cp_ep2':    (4, 2, 2, 'ulysses', True, 2, 2, {}),
+}
+
+
+def new_moe_model(overrides):
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**CONFIG, **{k: v for k, v in overrides.items() if k != 'bias'}})
+    model = Llama(config)
+    if 'bias' in overrides:
+        for block in model.layers.values():
+            biased(block.feed_forward, overrides['bias'])
+    return model
+
+
+def gather_experts(full, mesh):
+    """gather_full's tensors with the experts' pieces of every ep rank put together (dim 0)."""
+    for n, t in full.items():
+        if '.experts.' in n and mesh.ep > 1:
+            full[n] = torch.cat(parallel.all_gather(t.unsqueeze(0), 0, mesh.ep_group).unbind(0))
+    return full
+
+
+def _ep_worker(rank, world, port, names, out_dir):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo')
+    for name in names:
+        _, tp, cp, cp_impl, sp, zero, ep, overrides = EP_LAYOUTS[name]
+        model = new_moe_model(overrides)
+        mesh = parallel.make_mesh(tp, cp, cp_impl, model.config.n_kv_head, sp, ep=ep)
+        model = offload.apply(parallel.parallelize(model, mesh))
+        if zero > 1:
+            parallel.shard_states(model, mesh, zero, torch.float32)
+        loss, norm, grads, weights = one_step(model, mesh, model.config, zero)
+        step = (loss, norm, gather_experts(grads, mesh), gather_experts(weights, mesh))
+        if rank == 0:
+            torch.save(step, os.path.join(out_dir, f'{name}.pt'))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def ep_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp('ep')
+    for world in (2, 4):
+        names = [n for n, layout in EP_LAYOUTS.items() if layout[0] == world]
+        mp.spawn(_ep_worker, args=(world, free_port(), names, str(out)), nprocs=world)
+    return {name: torch.load(out / f'{name}.pt') for name in EP_LAYOUTS}
+
+
+@pytest.mark.parametrize('name', list(EP_LAYOUTS))
+def test_expert_parallel_step_equals_one_process(ep_results, name):
+    *_, zero, ep, overrides = EP_LAYOUTS[name]
+    loss, norm, grads, weights = ep_results[name]
+    model = offload.apply(new_moe_model(overrides))
+    ref_loss, ref_norm, ref_grads, ref_weights = one_step(model, parallel.Mesh(), model.config, zero)
+    assert abs(loss - ref_loss) <= RTOL * ref_loss, (loss, ref_loss)
+    assert abs(norm - ref_norm) <= RTOL * ref_norm, (norm, ref_norm)
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        assert grads[n].shape == ref_grads[n].shape, n
+        assert rel(grads[n], ref_grads[n]) <= RTOL or ref_grads[n].abs().max() == 0, (n, rel(grads[n], ref_grads[n]))
+        if zero:  # AdamW: the Decision's atol, where a gradient is not so small that its sign is noise
+            sure = ref_grads[n].abs() > 1e-6
+            torch.testing.assert_close(weights[n][sure], ref_weights[n][sure], rtol=0, atol=1e-3 * LR)
+        else:
+            assert rel(weights[n], ref_weights[n]) <= RTOL, n
+    if 'bias' in overrides:  # the routing was as forced: an expert without a token has no gradient
+        idle = [e for e, b in enumerate(overrides['bias']) if b < 0 or b == 0 and max(overrides['bias']) > 1e3]
+        for e in idle:
+            assert ref_grads['layers.0.feed_forward.experts.w2'][e].abs().max() == 0
+
+
+# ----------------------------------------------------------------------------- train.py
+
+MOE = ['--n_experts=4', '--experts_per_token=2']
+
+
+def test_a_tiny_mixtral_trains_on_the_default_corpus_and_logs_its_aux_loss(tmp_path):
+    torchrun(1, *TINY, *MOE, '--batch_size=4', '--max_iters=30', '--learning_rate=3e-3', '--warmup_iters=5',
+             f'--out_dir={tmp_path}')
+    rows = read_log(tmp_path)
+    first, last = rows[0], rows[-1]
+    assert last['loss'] < first['loss'] - 1.0, (first, last)
+    assert all(1.9 < r['aux_loss'] < 4 for r in rows), [r['aux_loss'] for r in rows]  # k = 2 when balanced
+
+
+@pytest.fixture(scope='module')
+def single_moe(tmp_path_factory):
+    """One process: 3 steps, then resumed to 5 (the uninterrupted run's losses: resume is exact)."""
+    out = tmp_path_factory.mktemp('single_moe')
+    torchrun(1, *TINY, *MOE, '--batch_size=4', '--max_iters=5', f'--out_dir={out}')
+    return read_log(out)
+
+
+def test_pipeline_with_expert_parallelism_trains_as_one_process(tmp_path, single_moe):
+    """pp 2 x dp 2 with ep 2 in each stage (1F1B over 2 micro-batches of 2 rows: the same global batch)."""
+    out = str(tmp_path / 'run')
+    torchrun(4, *TINY, *MOE, '--batch_size=1', '--gradient_accumulation_steps=2', '--pp_size=2', '--ep_size=2',
+             '--max_iters=2', f'--out_dir={out}')
+    ref = torchrun(1, *TINY, *MOE, '--batch_size=2', '--gradient_accumulation_steps=2', '--max_iters=2',
+                   f'--out_dir={tmp_path / "ref"}')
+    assert ref.returncode == 0
+    assert_close_losses(read_log(out), read_log(tmp_path / 'ref'))
+    # (the first row's aux loss is not compared: on its first step torch's schedule runs micro-batch 0 through
+    # the stage once more, forward and backward, to learn the shapes, and the log's mean counts it)
+    got, want = read_log(out)[1:], read_log(tmp_path / 'ref')[1:]
+    assert got and all(abs(a['aux_loss'] - b['aux_loss']) <= 1e-5 * b['aux_loss'] for a, b in zip(got, want))
+
+
+def same_losses(got, want):
+    assert [r['iter'] for r in got] == [r['iter'] for r in want]
+    assert all(abs(a['loss'] - b['loss']) <= 1e-5 * b['loss'] for a, b in zip(got, want)), (got, want)
+
+
+def test_an_ep2_checkpoint_resumes_on_ep1_and_ep4(tmp_path, single_moe):
+    out = str(tmp_path / 'ep2')
+    torchrun(2, *TINY, *MOE, '--batch_size=2', '--ep_size=2', '--zero=3', '--max_iters=3', f'--out_dir={out}')
+    same_losses(read_log(out), single_moe[:3])
+    for nproc, layout in [(1, []), (4, ['--batch_size=1', '--ep_size=4'])]:
+        resumed = str(tmp_path / f'resumed{nproc}')
+        shutil.copytree(out, resumed)
+        torchrun(nproc, *TINY, *MOE, '--batch_size=4', *layout, '--max_iters=5', f'--out_dir={resumed}',
+                 '--init_from=resume')
+        same_losses(read_log(resumed), single_moe)
