@@ -326,10 +326,10 @@ class Llama(nn.Module):
     # ------------------------------------------------------------------------- Hugging Face
     @classmethod
     def from_pretrained(cls, hf_dir, weights=True, **overrides):
-        """Load a local HF Llama directory: config.json + model.safetensors, or shards with an
-        index (weights=False: config.json only, the model as Llama(config) makes it). `overrides`
-        set LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling extends its
-        context."""
+        """Load a local HF Llama or Mixtral directory: config.json + model.safetensors, or shards
+        with an index (weights=False: config.json only, the model as Llama(config) makes it).
+        `overrides` set LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling
+        extends its context."""
         from safetensors.torch import load_file
 
         @contextmanager
@@ -362,7 +362,11 @@ class Llama(nn.Module):
         state = {}
         for ours, theirs in _hf_names(config).items():
             with reading(hf_dir):
-                state[ours] = hf_state.pop(theirs)
+                if isinstance(theirs, list):
+                    # Mixtral's experts, a matrix each on disk: ours are stacked [E, ...]
+                    state[ours] = torch.stack([hf_state.pop(name) for name in theirs])
+                else:
+                    state[ours] = hf_state.pop(theirs)
             shape = model.get_parameter(ours).shape
             if state[ours].shape != shape:
                 raise ValueError(f"{hf_dir}: {theirs} is {list(state[ours].shape)}, config.json "
@@ -374,13 +378,19 @@ class Llama(nn.Module):
         return model
 
     def save_pretrained(self, out_dir):
-        """HF's Llama config.json (rope_scaling's older form, read by every transformers) +
-        model.safetensors."""
+        """HF's Llama config.json (rope_scaling's older form, read by every transformers), or
+        Mixtral's when n_experts > 0, + model.safetensors."""
         from safetensors.torch import save_file
         c, s = self.config, self.config.rope_scaling or {}
         os.makedirs(out_dir, exist_ok=True)
-        state = {theirs: self.get_parameter(ours).detach().cpu().contiguous()
-                 for ours, theirs in _hf_names(c).items()}
+        state = {}
+        for ours, theirs in _hf_names(c).items():
+            p = self.get_parameter(ours).detach().cpu()
+            if isinstance(theirs, list):
+                # an expert's matrix apiece, each a copy: safetensors refuses views of one storage
+                state.update((name, w.clone()) for name, w in zip(theirs, p.unbind()))
+            else:
+                state[theirs] = p.contiguous()
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
         hf = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG.items()}
         hf.update(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
@@ -391,6 +401,9 @@ class Llama(nn.Module):
                   max_position_embeddings=int(s.get('factor', 1)
                                               * s.get('original_max_position_embeddings', 8192)),
                   torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
+        if c.n_experts:
+            hf.update({theirs: getattr(c, ours) for ours, theirs in HF_MOE_CONFIG.items()},
+                      architectures=['MixtralForCausalLM'], model_type='mixtral')
         with open(os.path.join(out_dir, 'config.json'), 'w') as f:
             json.dump(hf, f, indent=2)
 
@@ -400,39 +413,66 @@ HF_CONFIG = {'n_layer': 'num_hidden_layers', 'n_head': 'num_attention_heads',
              'n_kv_head': 'num_key_value_heads', 'n_embd': 'hidden_size',
              'intermediate_size': 'intermediate_size', 'vocab_size': 'vocab_size',
              'norm_eps': 'rms_norm_eps', 'tie_embeddings': 'tie_word_embeddings'}
+# and Mixtral's, which a 'mixtral' config.json always has
+HF_MOE_CONFIG = {'n_experts': 'num_local_experts', 'experts_per_token': 'num_experts_per_tok',
+                 'router_aux_loss_coef': 'router_aux_loss_coef'}
 
 
 def _config_from_hf(hf):
     """LlamaConfig from HF's config.json (a dict)."""
+    # other families differ in what the names can't say (Qwen2's attention biases, Gemma's
+    # (1 + w) norms): refused, not loaded to wrong logits. No model_type: a hand-made Llama's
+    model_type = hf.get('model_type', 'llama')
+    if model_type not in ('llama', 'mixtral'):
+        raise ValueError(f"model_type {model_type!r} is not a Llama or Mixtral (nanolong reads "
+                         "'llama' and 'mixtral')")
     # transformers 5's form, or the older one (with 'type' for 'rope_type')
     rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
     theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
     rope = {'rope_type': rope.pop('type', 'default'), **rope}
     n_head, h = hf['num_attention_heads'], hf['hidden_size']
-    if hf.get('head_dim', h // n_head) * n_head != h:
+    # (Mixtral writes head_dim null: hidden_size / num_attention_heads)
+    if (hf.get('head_dim') or h // n_head) * n_head != h:
         raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+    # (Mixtral's attention is windowed when this is set; ours sees the whole causal past)
+    if hf.get('sliding_window'):
+        raise ValueError(f"sliding_window={hf['sliding_window']} is not supported")
     # HF's defaults for the keys it may leave out
     hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, **hf}
     hf['num_key_value_heads'] = hf.get('num_key_value_heads') or n_head
     fields = {ours: hf[theirs] for ours, theirs in HF_CONFIG.items()}
+    if model_type == 'mixtral':
+        fields.update({ours: hf[theirs] for ours, theirs in HF_MOE_CONFIG.items()})
     rope_scaling = None if rope['rope_type'] == 'default' else rope
     return LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling)
 
 
 def _hf_names(config):
-    """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too)."""
+    """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too). Mixtral's
+    stacked experts -> a list of E names, one matrix each, as its checkpoints store them."""
     names = {'tok_embeddings.weight': 'model.embed_tokens.weight',
              'norm.weight': 'model.norm.weight'}
     if not config.tie_embeddings:
         names['output.weight'] = 'lm_head.weight'
     block = {'attention.wq': 'self_attn.q_proj', 'attention.wk': 'self_attn.k_proj',
              'attention.wv': 'self_attn.v_proj', 'attention.wo': 'self_attn.o_proj',
-             'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
-             'feed_forward.w2': 'mlp.down_proj', 'attention_norm': 'input_layernorm',
-             'ffn_norm': 'post_attention_layernorm'}
+             'attention_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm'}
+    if config.n_experts:
+        # Mixtral's router (its experts below)
+        block['feed_forward.router'] = 'block_sparse_moe.gate'
+    else:
+        block.update({'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
+                      'feed_forward.w2': 'mlp.down_proj'})
     for i in range(config.n_layer):
         for ours, theirs in block.items():
             names[f'layers.{i}.{ours}.weight'] = f'model.layers.{i}.{theirs}.weight'
+        if config.n_experts:
+            # the experts as Mixtral's checkpoints store them (transformers 5 fuses them in
+            # memory, mlp.experts.gate_up_proj, and still reads and writes these names)
+            for w in ('w1', 'w2', 'w3'):
+                names[f'layers.{i}.feed_forward.experts.{w}'] = [
+                    f'model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight'
+                    for j in range(config.n_experts)]
     return names
 
 

@@ -56,6 +56,10 @@ CASES = [
     ('rope_theta=0', ['--rope_theta=0'], 'rope_theta'),
     ('rope_scaling a list', ['--rope_scaling=[1,2]'], 'rope_scaling=[1, 2]: must be None or a dict'),
     ('timeout_s not positive', ['--timeout_s=-1'], 'timeout_s=-1: must be a number of seconds > 0'),
+    ('more experts a token than experts', ['--n_experts=4', '--experts_per_token=5'],
+     'experts_per_token=5: must be <= n_experts=4'),
+    ('ep_size in one process', ['--n_experts=4', '--ep_size=2'], 'ep_size=2 must divide the 1 dp x cp ranks'),
+    ('n_experts=-1', ['--n_experts=-1'], 'n_experts=-1: must be >= 0'),
     ('float16 with the optimizer in backward', ['--dtype=float16', '--optimizer_in_backward=True'],
      "optimizer_in_backward=True with dtype float16: a parameter's step can't wait"),
     ('rope_scaling of an unknown type', ["--rope_scaling={{'rope_type': 'ntk', 'factor': 2.0}}"],  # ({{: format's)

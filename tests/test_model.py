@@ -112,6 +112,56 @@ def test_save_pretrained_round_trip_through_transformers(tmp_path, tie, rope):
     assert torch.equal(again(idx), ours(idx))
 
 
+def hf_mixtral(seed=0):
+    """A tiny MixtralForCausalLM as transformers makes it (config.json's head_dim null)."""
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=128, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, attn_implementation='eager')
+    m = transformers.MixtralForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # as hf_model: norms off one
+        for name, p in m.named_parameters():
+            if 'norm' in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def test_mixtral_loads_from_shards_and_exports_to_the_same_logits(tmp_path):
+    hf = hf_mixtral()
+    hf.save_pretrained(tmp_path / 'hf', max_shard_size='100KB')  # shards and an index, as the hub's
+    assert (tmp_path / 'hf' / 'model.safetensors.index.json').exists()
+    assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['head_dim'] is None
+    ours = Llama.from_pretrained(tmp_path / 'hf').eval()
+    c = ours.config
+    assert (c.n_experts, c.experts_per_token, c.router_aux_loss_coef) == (4, 2, hf.config.router_aux_loss_coef)
+    idx = torch.randint(0, 128, (2, 50))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert rel_err(ours(idx), ref) < 1e-5
+    ours.save_pretrained(tmp_path / 'export')
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'export', attn_implementation='eager')
+    assert type(theirs) is transformers.MixtralForCausalLM
+    with torch.no_grad():
+        assert rel_err(theirs.float()(idx).logits, ref) < 1e-5
+
+
+NOT_OURS = "is not a Llama or Mixtral (nanolong reads 'llama' and 'mixtral')"
+
+
+@pytest.mark.parametrize('model_type,edit,message', [
+    ('qwen2', {}, f"model_type 'qwen2' {NOT_OURS}"),  # attention biases
+    ('gemma', {}, f"model_type 'gemma' {NOT_OURS}"),  # (1 + w) norms
+    ('mixtral', {'sliding_window': 4096}, "sliding_window=4096 is not supported")],
+    ids=['qwen2', 'gemma', 'mixtral windowed'])
+def test_other_families_are_refused_in_one_line_naming_them(tmp_path, model_type, edit, message):
+    transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)  # config.json is enough
+    config = json.loads((tmp_path / 'config.json').read_text())
+    (tmp_path / 'config.json').write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError) as e:
+        Llama.from_pretrained(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
 # a checkpoint's context extended: S = 100 tokens, past the original 32 of every scaling
 EXTENSIONS = {
     'rope_theta': (2e6, None),

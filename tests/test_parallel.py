@@ -682,12 +682,21 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, pp=2, microbatches=2, offload=0.5), 'offload=0.5 with pp_size > 1'),
     (dict(world=4, pp=2, microbatches=2, zero=3), None),  # FSDP2 over the dp ranks of each stage
     (dict(world=2, pp=2, microbatches=2, zero=3), 'zero=3 shards over the dp x cp ranks: there is one'),
+    # mixture of experts (moe.py): ep over the dp x cp ranks holding the same weights
+    (dict(world=4, ep=4, n_experts=4), None),
+    (dict(world=8, tp=2, cp=2, ep=2, n_experts=4), None),  # 2 dp x cp ranks a tp rank
+    (dict(world=4, tp=2, ep=4, n_experts=4), 'ep_size=4 must divide the 2 dp x cp ranks holding the same weights'),
+    (dict(world=4, ep=4, n_experts=6), 'n_experts=6 is not divisible by ep_size=4'),
+    (dict(world=2, ep=2), 'ep_size=2 splits experts: n_experts=0'),
+    (dict(n_experts=4, offload=0.5), "offload=0.5 with recompute='none' and n_experts=4"),
+    (dict(n_experts=4, offload=0.5, recompute='selective'), None),
+    (dict(n_experts=4, offload=1.0), None),
 ])
 def test_check_layout_owns_every_rule(layout, reason):
     """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
     fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
     run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32,
-               states_on_host=False, pp=1, microbatches=1, schedule='1f1b')
+               states_on_host=False, pp=1, microbatches=1, schedule='1f1b', ep=1)
     run.update({k: layout.pop(k) for k in list(layout) if k in run})
     why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
     assert why is None if reason is None else (reason in why and '\n' not in why), why
