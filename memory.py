@@ -66,6 +66,16 @@ current one's "held" beside every moment (pipeline.py):
                gradients are alive as the moment has them: none at the LM head's forward (all
                from the second micro-step on), the head's at the last block, all but the
                embedding's at block 0.
+  MoE          (n_experts > 0, moe.memory_terms) a rank holds E/ep of the experts (under tp
+               their I/t), and under zero > 1 their fp32 rows over the d/ep ranks holding the
+               same ones: 4·N/d with N counting all E. In place of the plain MLP's kept bytes,
+               per token: its three [T·k, h] copies (routed, the experts' outputs, weighted:
+               3·b·h·k, whole under sp), the router's fp32 probabilities and the pairs' int64
+               indices, and unchunked the experts' 4·b·I/t for each of the k; in a block's
+               backward at the MoE the incoming gradient and the larger of two [T·k, h] copies
+               (three under ep: the forward's dispatch) and one expert's backward on its
+               n = ep·T·k/E tokens (chunked.mlp_chunks(n): a chunk's 3·b·I/t and the fp32
+               12·h·I/t; unchunked 2·b·I/t·n)
   workspace    on a CUDA target in bf16, flash attention's backward beside its outputs (torch's
                copy of FA2: flash_attn/flash_api.cpp, mha_bwd) for its call's q [B, a, Sa, hd]: an
                fp32 dq accumulator and softmax_d, 4·B·Sa·a·(hd + 1) (Sa rounded up to 128, hd to
@@ -98,6 +108,7 @@ from typing import NamedTuple
 import torch
 
 import chunked
+import moe
 import offload
 import parallel
 # (the dry run's fake model and batch: train.py's)
@@ -144,6 +155,11 @@ class Rank(NamedTuple):
     last: bool     # the last stage: the final norm, the LM head and the loss
     F: int
     M: int
+    # moe.memory_terms (zeros for a dense model): an MoE layer's bytes per token beyond a plain
+    # MLP's, its backward's working set, the parameters of the experts on the other ep ranks
+    moe_kept: float
+    moe_backward: float
+    away: float
 
 
 class States(NamedTuple):
@@ -164,13 +180,15 @@ def model_states(r, d, zero, in_backward, on_host):
     c, b, t = r.config, r.b, r.t
     h, V = c.n_embd, c.vocab_size
     vocab = V * h / t  # the embedding's parameters on this rank, or the LM head's
-    block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h  # its norms not split
+    # its norms not split; under ep (moe.py) E/ep experts
+    block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h - r.away
     N = r.L * block + vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
     params, grads, optimizer, host = b * N, 4 * N, (8 + 4 * (b == 2)) * N, 0  # bf16: + fp32 master
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
     # embedding's), in a block's backward, and last (the embedding's)
     head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
-    shard = 4 * N / d  # under FSDP2: this rank's rows of every parameter, in fp32
+    # under FSDP2: this rank's rows of every parameter, in fp32 (of its E/ep experts', over d/ep)
+    shard = 4 * (N + r.L * r.away) / d
     at_root = 0
     if zero > 1:
         # at backward's end the root's gradients, whole, go to fp32 for the reduce-scatter: that
@@ -206,8 +224,8 @@ def kept_per_token(r, batch_size, cp_size, dtype):
     the layout's."""
     c, t, sequence = r.config, r.t, r.sequence
     # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm
-    # outputs
-    gathered_in = 2 * r.b * c.n_embd * (1 - 1 / t)
+    # outputs; an MoE keeps its own (moe.py)
+    gathered_in = 2 * r.b * c.n_embd * (1 - 1 / t) + r.moe_kept
     # all a block saves: what recompute='none' keeps
     everything = offload.kept_bytes(replace(c, recompute='none'), 1, sequence, dtype) / sequence / t
     everything += gathered_in
@@ -239,6 +257,10 @@ def block_backward(r, rebuilt, back=0):
     else:
         mlp_kept = 4 * b * I / t
         at_mlp = (u + gathered + 3 * b * I / t) * T
+    if c.n_experts:
+        # moe.py's in place of the plain MLP's: what it keeps (freed past it), its backward
+        mlp_kept += r.moe_kept
+        at_mlp = r.moe_backward
     # gradient in, dq, dk, dv, dx; by G head groups the gradient in, dx and one group's q, k, v,
     # output and their gradients
     G, kv = c.attention_chunks, c.n_kv_head * c.head_dim
@@ -301,7 +323,7 @@ def moments(r, states, kept, activations, workspace):
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', dp=1,
              tp_size=1, cp_size=1, cp_impl='ulysses', pp_size=1, pp_rank=0, pp_schedule='1f1b',
              gradient_accumulation_steps=1, zero=0, offload_states=False,
-             optimizer_in_backward=False, doc_mask=False):
+             optimizer_in_backward=False, doc_mask=False, ep_size=1):
     """Per-rank peak bytes of one training step of model.Llama(config) on pipeline stage pp_rank:
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
@@ -318,7 +340,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         F = M
     lo, hi = pp_rank * c.n_layer // pp_size, (pp_rank + 1) * c.n_layer // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi - lo, first, last, F, M)
+    r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi - lo, first, last, F, M,
+             *moe.memory_terms(c, batch_size, sequence, b, tp_size, ep_size))
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
     states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states)
     kept = kept_per_token(r, batch_size, cp_size, dtype)

@@ -92,7 +92,7 @@ class MoE(nn.Module):
         self.mesh = None
         # train.py: the aux loss's weight in the step's loss (1 / micro-batches, x fp16's scale)
         self.aux_weight = 1.0
-        # the sum of the aux losses backward has seen (this rank's share) and their count, for the log
+        # for the log: the sum of the aux losses backward has seen (this rank's share), their count
         self.aux_loss = 0.0
         self.aux_count = 0
 
@@ -145,14 +145,16 @@ class MoE(nn.Module):
             sizes = torch.tensor(counts, device=x.device).view(ep, n)
             theirs = parallel.all_to_all(sizes, group).tolist()
         received = [sum(row) for row in theirs]
-        x = parallel.exchange(x, group, send, received)
-        # from each rank, its rows for our experts, by expert: regroup them by expert
+        # from each rank come its rows for our experts, by expert: the order that groups them by
+        # expert (output_size: a length the dry run's fake tensors can't compute)
         expert = torch.arange(n, device=x.device).repeat(ep)
-        expert = expert.repeat_interleave(torch.tensor(theirs, device=x.device).flatten())
-        order = expert.argsort(stable=True)
-        y = self.experts(x[order], [sum(column) for column in zip(*theirs)])
+        rows = torch.tensor(theirs, device=x.device).flatten()
+        order = expert.repeat_interleave(rows, output_size=sum(received)).argsort(stable=True)
+        # (one expression: the rows as they came are freed once regrouped)
+        x = parallel.exchange(x, group, send, received)[order]
+        y = self.experts(x, [sum(column) for column in zip(*theirs)])[order.argsort()]
         # back in the order they came, and to the ranks they came from
-        return parallel.exchange(y[order.argsort()], group, received, send)
+        return parallel.exchange(y, group, received, send)
 
 
 def expert_counts(chosen, n_experts):
@@ -203,24 +205,36 @@ def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def memory_terms(config, tokens, b, t=1, ep=1):
-    """memory.py's terms for one MoE layer (the header's, b bytes an element) on a rank with T =
-    `tokens` (under tp: all t ranks', which the experts take): (bytes kept for backward per token,
-    the working set of its backward beyond what it keeps). An expert's tokens, balanced: its share
+def memory_terms(config, batch, sequence, b, t=1, ep=1):
+    """memory.py's terms for one layer's MoE (the header's; zeros for a dense model), b bytes an
+    element, on a rank of `batch` sequences of `sequence` tokens, T = batch·sequence of them (under
+    tp all t ranks' tokens, which the experts take): (the bytes it keeps per token beyond what
+    offload.kept_bytes counts for a block, its backward's working set beyond what it keeps, the
+    parameters of the experts the other ep ranks hold). An expert's tokens when balanced: its share
     of the T·k pairs of each of the ep ranks, n = ep·T·k/E."""
     c, k, E = config, config.experts_per_token, config.n_experts
+    if not E:
+        return 0, 0, 0
     h, I = c.n_embd, c.intermediate_size / t
-    n = ep * tokens * k // E
+    T = batch * sequence
+    n = ep * T * k // E
     chunks = chunked.mlp_chunks(c, n)
     # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the
     # router's fp32 probabilities (its rank's tokens) and the pairs' three int64 indices
     kept = 3 * b * h * k + 4 * (E + k) / t + 24 * k
+    if chunked.mlp_chunks(c, sequence) == 1:
+        # offload.py counts a plain MLP's four [S, I] tensors: a block with an MoE has none
+        kept -= 4 * b * I
     # one expert's backward: one chunk's three [n, I] buffers and the fp32 dW1..3, or (unchunked,
     # keeping four) two more [n, I] at once
     expert = 3 * b * I * math.ceil(n / chunks) + 12 * h * I
     if chunks == 1:
         kept += 4 * b * I * k
         expert = 2 * b * I * n
-    # the larger of its start (the gradients of two [T·k, h] copies; under ep an all-to-all's send
-    # and receive buffers) and an expert's backward, the copies weighed then freed
-    return kept, max(2 * b * h * k * tokens, expert)
+    # the gradient coming in (under sp of all t ranks' tokens), and the larger of two [T·k, h]
+    # copies (at its backward's start the gradients of two; under ep an all-to-all's send and
+    # receive buffers) and an expert's backward (the copies weighed by then freed)
+    backward = b * h * (1 / t + (t > 1)) * T + max(2 * b * h * k * T, expert)
+    # of the experts a layer, the other ep ranks hold all but E/ep (with their states)
+    away = 3 * h * I * E * (1 - 1 / ep)
+    return kept, backward, away

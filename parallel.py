@@ -312,9 +312,8 @@ def all_to_all(x, group, out_sizes=None, in_sizes=None):
     """x [n, ...]: x[j] goes to rank j; out[j] is what rank j sent us. With sizes (moe.py):
     in_sizes[j] rows of x go to rank j, out_sizes[j] rows come from rank j."""
     x = x.contiguous()
-    out = torch.empty_like(x)
-    if out_sizes is not None:
-        out = x.new_empty(sum(out_sizes), *x.shape[1:])
+    rows = len(x) if out_sizes is None else sum(out_sizes)
+    out = x.new_empty(rows, *x.shape[1:])
     dist.all_to_all_single(out, x, out_sizes, in_sizes, group=group)
     return out
 

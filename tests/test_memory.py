@@ -323,6 +323,41 @@ def test_a_float16_dry_run_is_the_bfloat16_one(tmp_path):
     assert est_fp16 == est_bf16 and abs(dry_fp16 / dry_bf16 - 1) < 0.01, totals
 
 
+@pytest.mark.parametrize('world,flags', [
+    # one process: 4 experts, 2 a token, each on its 1,024 pairs at once (mlp_chunks=1), the block rebuilt in
+    # backward (recompute='full')
+    (1, []),
+    # expert parallelism over 4 fake ranks, one expert each on the 4 ranks' pairs routed to it, in mini-sequences,
+    # every block's tensors kept; FSDP2 zero 3 shards each expert over the ranks holding it (here each alone)
+    (4, ['--ep_size=4', '--zero=3', '--recompute=none', '--mlp_chunks=0'])],
+    ids=['one-process', 'ep4-zero3'])
+def test_dry_run_of_a_mixture_of_experts_is_its_estimate(tmp_path, monkeypatch, world, flags):
+    """moe.memory_terms in the estimate: a rank's E/ep experts with their states, the MoE's [T·k, h] copies kept
+    for backward (routed, the experts' outputs, weighted), the router's fp32 probabilities and the pairs' indices,
+    and its backward's working set, all within 10% of the dry run (without them: -13% and -21%; 2026-11-27)."""
+    monkeypatch.setenv('WORLD_SIZE', str(world))
+    dry_run(tmp_path, '--n_layer=3', '--n_experts=4', '--experts_per_token=2', *flags)
+    rank = json.loads((tmp_path / 'memory.json').read_text())['ranks'][0]
+    est, measured = rank['estimate'], rank['measured']
+    assert abs(est['total'] - measured['total']) < 0.10 * measured['total'], (est, measured)
+    # (a recompute's tensors are the dry run's activations, the estimate's transient: compared together)
+    work = est['activations'] + est['transient'] - measured['activations'] - measured['transient']
+    assert abs(work) < 0.10 * measured['total'], (est, measured)
+
+
+def test_the_mixtral_config_fits_by_its_estimate(capsys, tmp_path):
+    """config/mixtral_8x7b_long.py (its header: the dry run, 30 seconds) by the formula alone: rank 0 of its 8
+    holds one expert's states in host memory (16 bytes per parameter of all P / 8) with its share of the rest, and
+    the estimate fits the 80% rule as the dry run does (60.88 GiB: 2026-11-27)."""
+    est, printed, code = config_report('mixtral_8x7b_long', capsys, tmp_path)
+    assert code is None and '-> fits' in printed, printed
+    c = LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=32000,
+                    n_experts=8)
+    blocks = 30 * 3670016 // 8 * 4096 * 2  # 30 block inputs offloaded (offload.KEEP_LAST = 2), bf16
+    assert est.host == pytest.approx(16 * num_params(c, False) / 8 + blocks, rel=1e-3)
+    assert 60 * GiB < est.total < 61 * GiB
+
+
 @pytest.mark.parametrize('flags', [
     # Ulysses cp 2 with FSDP2, every block input but the last two's to the host, two micro-steps
     ['--n_layer=8', '--cp_size=2', '--zero=2', '--offload=1.0', '--gradient_accumulation_steps=2'],
