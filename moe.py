@@ -11,13 +11,17 @@ model.py's Block takes this MoE for its MLP when config.n_experts > 0 (0: the de
 
 Per token it computes k experts, 6·3·h·I·k FLOPs of training against the dense MLP's 6·3·h·I; its
 parameters are E times the MLP's (3·h·I·E + h·E a layer), every one with its states (2 + 4 + 12
-bytes in bf16): Mixtral-8x7B holds 46.7B parameters and computes 12.9B a token. The memory it adds
-per token and layer (b bytes per element): the k routed copies of the token that the experts take
-(b·h·k), the experts' outputs the weighting keeps (b·h·k), the router's fp32 logits (4·E twice);
-under ep the two all-to-alls' buffers (b·h·k each way) at one layer's forward or backward. The
-experts' SwiGLU runs an expert at a time, each chunked over its tokens as the dense MLP
-(chunked.py's mlp_chunks, from the tokens routed to it): a long sequence's routed tokens never hold
-S·k·I at once.
+bytes in bf16): Mixtral-8x7B holds 46.7B parameters and computes 12.9B a token; under ep a rank
+holds E/ep experts and their states. The memory it keeps for backward per token and layer (b bytes
+per element; memory_terms at the end of this file, which memory.py counts): three copies of each
+of the token's k (token, expert) pairs, 3·b·h·k (the rows the experts take, their outputs, the
+outputs weighted, which index_add keeps), the router's fp32 probabilities over E and over the
+chosen k, 4·(E + k), and the pairs' int64 indices, 24·k; no [S, I] tensor. Its backward's working
+set is the larger of two [T·k, h] copies (their gradients; under ep an all-to-all's send and
+receive buffers) and one expert's backward. The experts' SwiGLU runs an expert at a time, each
+chunked over its tokens as the dense MLP (chunked.py's mlp_chunks, from the tokens routed to it):
+a long sequence's routed tokens never hold S·k·I at once (unchunked, an expert keeps 4·b·I per
+pair, k times the dense MLP's per token).
 
 The tokens: the T·k (token, expert) pairs are sorted by expert (stable: token order within one),
 each expert runs on its rows of that one gathered [T·k, h] copy, and the outputs are weighted and
