@@ -547,9 +547,9 @@ def single_f16(tmp_path_factory):
 @pytest.mark.parametrize('nproc,layout', [
     (1, ['--mlp_chunks=3', '--loss_chunks=3', '--recompute=selective', '--offload=1.0']),
     (2, ['--tp_size=2']),
-    (2, ['--cp_size=2']),
+    # (Ulysses and zero=2 are left out for the suite's time: fp16 changes nothing in them that the ring and
+    # zero=3 don't run)
     (2, ['--cp_size=2', '--cp_impl=ring']),
-    (2, ['--batch_size=2', '--zero=2']),
     (2, ['--batch_size=2', '--zero=3', '--offload_states=True']),  # FSDP2's rows and AdamW on the host
     (2, ['--pp_size=2', '--pp_schedule=gpipe']),
 ])
