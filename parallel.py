@@ -26,6 +26,9 @@ vocabulary, N parameters, b bytes per element. What each dimension saves, per ra
       Rajbhandari 2020) keeps 1/d of every fp32 row of the tp shard over the d = dp·c ranks holding
       the same weights: zero=2 the gradients and AdamW's moments, zero=3 the weights too:
       16·N/(t·d) bytes; offload_states=True keeps those rows in host memory.
+  e   expert parallel (a mixture of experts, moe.py): groups of e of those d ranks share out each
+      layer's E experts, E/e a rank: the experts' states / e (then FSDP2's rows of them over the
+      d/e ranks holding the same ones); each token's k rows go to their experts' ranks and back.
 
 parallelize(model, mesh) shards the weights in place, hooks Megatron's f, g onto block.attention
 and block.feed_forward (they read their head counts from the weights' shapes), wraps
@@ -48,6 +51,9 @@ of the four functions below or ring.py's ring_shift (chunked.py's loss makes its
                   go out after
   p, per stage    1 send of its output to the next stage, B·S·h/(c·t) elements, point to point
                   (1 gradient back)
+  e (MoE)         1 all-to-all of E counts, 2 of variable sizes (2): the T·k pairs' rows out to
+                  their experts and back (k·B·S·h/c elements, of which a share (e-1)/e leaves);
+                  1 all-reduce of E counts over dp·c (the aux loss's f)
 Per step: embedding 1 (g), LM head input 1 (f), per loss chunk one all-gather of [B·S/chunks]
 log-sum-exps, 1 all-reduce of the target logits. FSDP2 gathers the embedding, final norm and LM
 head once (before the forward, kept to the end of the backward) and reduce-scatters their gradients
@@ -497,8 +503,11 @@ def parallelize(model, mesh):
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
         for block in model.layers.values():
-            # (an MoE gathers and reduces itself: its router runs on the rank's tokens)
-            for m in (block.attention, block.feed_forward)[:1 if c.n_experts else 2]:
+            hooked = [block.attention]
+            # (an MoE gathers and reduces itself: its router runs on the rank's own tokens)
+            if not c.n_experts:
+                hooked.append(block.feed_forward)
+            for m in hooked:
                 m.register_forward_pre_hook(lambda m, args: (enter_tp(args[0], mesh), *args[1:]))
                 m.register_forward_hook(lambda m, args, y: leave_tp(y, mesh))
         if model.norm is not None:  # f before the LM head
