@@ -88,14 +88,15 @@ def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_loses_the_upd
 # train_tiny narrowed (2 layers of width 64, 4 x 64 tokens a step) for CPU bf16, whose matmuls are emulated here:
 # 120 steps, about 20 s a run. Both runs without clipping: the step in backward has no global norm to clip.
 TINY = [os.path.join(ROOT, 'config', 'train_tiny.py'), '--device=cpu', '--dtype=bfloat16', '--n_layer=2',
-        '--n_embd=64', '--intermediate_size=192', '--batch_size=4', '--seq_len=64', '--max_iters=120',
-        '--warmup_iters=10', '--eval_interval=119', '--eval_iters=10', '--log_interval=119', '--seed=3', '--grad_clip=0']
+        '--n_embd=64', '--intermediate_size=192', '--batch_size=4', '--seq_len=64', '--max_iters=60',
+        '--warmup_iters=10', '--eval_interval=59', '--eval_iters=10', '--log_interval=59', '--seed=3', '--grad_clip=0']
 
 
 def test_bf16_in_backward_trains_train_tiny_like_the_fp32_master_run(tmp_path):
     """bf16 training: Megatron's fp32 masters (18 bytes per parameter) against the step in backward with bf16
-    weights and moments (6), stochastically rounded. Measured (2026-11-23, this 2-core CPU): val loss after 120
-    steps 3.0212 with masters, 3.0146 in backward (seed 4: 3.0257 and 3.0232); the margin asserted is 0.03."""
+    weights and moments (6), stochastically rounded. Measured (this 2-core CPU): val loss after 120 steps 3.0212 with
+    masters, 3.0146 in backward (seed 4: 3.0257 and 3.0232; 2026-11-23); after the 60 steps run here (for the suite's
+    time) 3.2991 and 3.3073 (seed 4: 3.2508 and 3.2524; 2026-11-27); the margin asserted is 0.03."""
     val, N = {}, num_params(LlamaConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=4, intermediate_size=192,
                                         vocab_size=256), non_embedding=False)
     for name, extra in (('master', []), ('in_backward', ['--optimizer_in_backward=True'])):
@@ -106,7 +107,7 @@ def test_bf16_in_backward_trains_train_tiny_like_the_fp32_master_run(tmp_path):
         val[name] = [json.loads(line) for line in open(out / 'log.jsonl')][-1]['val_loss']
         n = sum(json.loads((out / 'memory.json').read_text())['ranks'][0]['estimate'][k] for k in ('params', 'optimizer'))
         assert n == pytest.approx(N * (6 if name == 'in_backward' else 14), rel=1e-6)  # + 4 of fp32 grads
-    assert val['master'] < 3.3  # it learned: untrained, ln 256 = 5.5
+    assert val['master'] < 3.4  # it learned: untrained, ln 256 = 5.5
     assert abs(val['in_backward'] - val['master']) < 0.03, val
 
 
