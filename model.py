@@ -22,8 +22,9 @@ change how forward runs, never what it computes: MLP, LM head and attention's he
 (chunked.py: Attention.group runs one group of heads, or all of them), and `offload.apply(model)`
 wraps each block to keep, recompute or offload at build time, so forward is a plain loop over
 blocks. Tensor and context parallelism shard the weights and wrap `Attention.attend` (parallel.py):
-a new attention variant changes `attention()` alone. `Llama.from_pretrained()` reads a local HF
-directory; `save_pretrained()` writes one that transformers loads back to the same logits.
+a new attention variant changes `attention()` alone. With config.n_experts > 0 each block's MLP is
+moe.py's mixture of experts (Mixtral's block). `Llama.from_pretrained()` reads a local HF Llama or
+Mixtral directory; `save_pretrained()` writes one that transformers loads back to the same logits.
 """
 
 import json
