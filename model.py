@@ -333,36 +333,23 @@ class Llama(nn.Module):
         extends its context."""
         from safetensors.torch import load_file
 
-        @contextmanager
-        def reading(path):
-            # a file from outside: whatever is wrong with it is one ValueError naming it
-            try:
-                yield
-            except Exception as e:
-                missing = 'missing ' if isinstance(e, KeyError) else ''
-                raise ValueError(f"{path}: {missing}{getattr(e, 'strerror', 0) or e}") from None
-
-        path = os.path.join(hf_dir, 'config.json')
-        with reading(path), open(path) as f:
-            config = _config_from_hf(json.load(f))
-        # checked again: a bad override is the user's, not the file's
-        config = replace(config, **overrides)
+        config = read_config(hf_dir, **overrides)
         if not weights:
             return cls(config)
         files = ['model.safetensors']
         index = os.path.join(hf_dir, 'model.safetensors.index.json')
         if os.path.exists(index):
-            with reading(index), open(index) as f:
+            with _reading(index), open(index) as f:
                 files = sorted(set(json.load(f)['weight_map'].values()))
         hf_state = {}
         for name in files:
             path = os.path.join(hf_dir, name)
-            with reading(path):
+            with _reading(path):
                 hf_state.update(load_file(path))
         model = cls(config)
         state = {}
         for ours, theirs in _hf_names(config).items():
-            with reading(hf_dir):
+            with _reading(hf_dir):
                 if isinstance(theirs, list):
                     # Mixtral's experts, a matrix each on disk: ours are stacked [E, ...]
                     state[ours] = torch.stack([hf_state.pop(name) for name in theirs])
@@ -417,6 +404,26 @@ HF_CONFIG = {'n_layer': 'num_hidden_layers', 'n_head': 'num_attention_heads',
 # and Mixtral's, which a 'mixtral' config.json always has
 HF_MOE_CONFIG = {'n_experts': 'num_local_experts', 'experts_per_token': 'num_experts_per_tok',
                  'router_aux_loss_coef': 'router_aux_loss_coef'}
+
+
+@contextmanager
+def _reading(path):
+    """A file from outside: whatever is wrong with it is one ValueError naming it."""
+    try:
+        yield
+    except Exception as e:
+        missing = 'missing ' if isinstance(e, KeyError) else ''
+        raise ValueError(f"{path}: {missing}{getattr(e, 'strerror', 0) or e}") from None
+
+
+def read_config(hf_dir, **overrides):
+    """The LlamaConfig of a local HF directory's config.json, `overrides` (LlamaConfig fields)
+    set: no weights read (train.py settles the layout and the memory knobs before it builds)."""
+    path = os.path.join(hf_dir, 'config.json')
+    with _reading(path), open(path) as f:
+        config = _config_from_hf(json.load(f))
+    # checked again: a bad override is the user's, not the file's
+    return replace(config, **overrides)
 
 
 def _config_from_hf(hf):
