@@ -364,14 +364,14 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
 
 def head_groups(group, groups, x, *args):
     """Attention as the sum of `groups` head groups' outputs, one group at a time: group(x, *args,
-    kv_cache, g, groups) is model.Attention.group, group g's projections, RoPE, attention (Ulysses'
+    g, groups) is model.Attention.group, group g's projections, RoPE, attention (Ulysses'
     all-to-alls or the ring's steps inside) and wo. Each runs under torch's checkpoint: forward
     keeps x alone (the norm's output, which the block holds anyway) and frees the group's q, k, v,
     output and the kernel's memory before the next group starts; backward runs the group again,
     then its backward."""
     y = None
     for g in range(groups):
-        y_g = checkpoint(group, x, *args, None, g, groups, use_reentrant=False)
+        y_g = checkpoint(group, x, *args, g, groups, use_reentrant=False)
         if y is None:
             y = y_g
         else:

@@ -17,14 +17,21 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   residual stream (wo, w2) scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow
   with depth; norms at 1.
 
-The memory knobs of LlamaConfig (mlp_chunks, loss_chunks, attention_chunks, recompute, offload)
-change how forward runs, never what it computes: MLP, LM head and attention's heads chunk
-(chunked.py: Attention.group runs one group of heads, or all of them), and `offload.apply(model)`
-wraps each block to keep, recompute or offload at build time, so forward is a plain loop over
-blocks. Tensor and context parallelism shard the weights and wrap `Attention.attend` (parallel.py):
-a new attention variant changes `attention()` alone. With config.n_experts > 0 each block's MLP is
-moe.py's mixture of experts (Mixtral's block). `Llama.from_pretrained()` reads a local HF Llama or
-Mixtral directory; `save_pretrained()` writes one that transformers loads back to the same logits.
+The seams: what this file runs is decided where the model is built, `Llama(config, core, mesh)`. The
+attention core (`attention()` below, or what parallel.attention_core puts around it or in its place
+for the layout: varlen on CUDA, Ulysses, the ring) is handed to every Attention, which reads q, k, v
+-> core -> output; the head counts come from the config and the mesh's tp. Techniques apply from
+outside by replacing whole modules, as torchtitan's plans do: parallel.parallelize shards the
+weights and puts Megatron's f and g in the identities kept for them (enter_tp, leave_tp),
+offload.apply puts each block under its keep / recompute / offload policy (a module holding the
+block's own modules), FSDP2 wraps blocks. Nothing rebinds a method or a config field afterwards
+(tests/test_budget.py checks), so a new attention variant changes `attention()` alone. The memory
+knobs of LlamaConfig (mlp_chunks, loss_chunks, attention_chunks, recompute, offload) change how
+forward runs, never what it computes: the MLP, the LM head and attention's heads chunk (chunked.py)
+when theirs is not 1; with all of them off forward runs this file and rope.py only. With
+config.n_experts > 0 each block's MLP is moe.py's mixture of experts (Mixtral's block).
+`Llama.from_pretrained()` reads a local HF Llama or Mixtral directory; `save_pretrained()` writes
+one that transformers loads back to the same logits.
 """
 
 import json
@@ -171,59 +178,99 @@ def one_kernel(q, k, v, docs):
 
 
 class Attention(nn.Module):
-    def __init__(self, config):
+    """Grouped-query attention: q, k, v -> core -> output. `core` is the attention core the layout
+    chose where the model was built (attention() above; parallel.attention_core: varlen on CUDA,
+    Ulysses' or the ring's under context parallelism); `mesh` (parallel.Mesh, None: one process)
+    says how many heads this rank computes: n_head / tp of them under tensor parallelism."""
+
+    def __init__(self, config, core=attention, mesh=None):
         super().__init__()
         h, H, K, hd = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
-        self.config = config  # attention_chunks, read at every forward (chunked.attention_chunks)
         self.head_dim = hd
-        self.attend = attention  # parallel.py wraps it for context parallelism (Ulysses, ring)
-        self.ulysses = 1  # parallel.py: the cp ranks Ulysses spreads each call's heads over
+        self.core = core
+        tp = 1
+        ulysses = 1
+        if mesh is not None:
+            tp = mesh.tp
+            if mesh.cp_impl == 'ulysses':
+                ulysses = mesh.cp
+        # this rank's heads (kv heads replicated when fewer than tp ranks): picotron's
+        # num_attention_heads // tp_world_size. parallel.py's plan shards the weights to match
+        self.heads, self.kv_heads = H // tp, max(1, K // tp)
+        # head groups run one at a time (chunked.py; 1: all heads at once)
+        self.groups = chunked.attention_chunks(config, self.heads, self.kv_heads, ulysses)
         self.wq = nn.Linear(h, H * hd, bias=False)
         self.wk = nn.Linear(h, K * hd, bias=False)
         self.wv = nn.Linear(h, K * hd, bias=False)
         self.wo = nn.Linear(H * hd, h, bias=False)
+        # Megatron's f and g: every tp rank gets all of x, and wo's partial sums are summed.
+        # Identities in one process; parallel.py's tensor-parallel plan puts its collectives here
+        self.enter_tp = nn.Identity()
+        self.leave_tp = nn.Identity()
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
-        # heads from the weights' shapes: under tensor parallelism this rank holds a share of them
-        heads, kv_heads = len(self.wq.weight) // self.head_dim, len(self.wk.weight) // self.head_dim
-        groups = chunked.attention_chunks(self.config, heads, kv_heads, self.ulysses)
-        if groups == 1 or kv_cache is not None:
-            return self.group(x, cos, sin, docs, kv_cache)
-        return chunked.head_groups(self.group, groups, x, cos, sin, docs)
-
-    def group(self, x, cos, sin, docs=None, kv_cache=None, g=0, groups=1):
-        """Heads of group g of `groups` (by default all of them): their q, k, v projections, RoPE,
-        attention and their share of the output projection wo."""
-        B, S, _ = x.shape
-        # group g's rows of wq, wk, wv (a kv head's query heads are next to each other) and its
-        # columns of wo
-        wq, wk, wv = (w.weight.chunk(groups)[g] for w in (self.wq, self.wk, self.wv))
-        wo = self.wo.weight.chunk(groups, dim=1)[g]
-        q, k, v = (F.linear(x, w).view(B, S, -1, self.head_dim).transpose(1, 2)
-                   for w in (wq, wk, wv))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is None:
-            y = self.attend(q, k, v, docs)
+        x = self.enter_tp(x)
+        if kv_cache is not None:
+            y = self.out(self.cached(x, cos, sin, kv_cache))
+        elif self.groups == 1:
+            y = self.out(self.core(*self.qkv(x, cos, sin), docs))
         else:
-            # sampling: append to the cache; one new token sees every key
-            k, v = kv_cache.update(k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=S > 1, enable_gqa=True)
-        return F.linear(y.transpose(1, 2).reshape(B, S, -1), wo)
+            # chunked.py: group g's q, k, v, core and its share of wo, one group at a time
+            y = chunked.head_groups(self.group, self.groups, x, cos, sin, docs)
+        return self.leave_tp(y)
+
+    def qkv(self, x, cos, sin, g=0, groups=1):
+        """q [B, heads, S, hd] and k, v [B, kv heads, S, hd] of head group g of `groups` (by
+        default all heads), RoPE applied: group g's rows of wq, wk, wv (a kv head's query heads
+        are next to each other)."""
+        B, S, _ = x.shape
+        q, k, v = (F.linear(x, w.weight.chunk(groups)[g]).view(B, S, -1, self.head_dim)
+                   for w in (self.wq, self.wk, self.wv))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, y, g=0, groups=1):
+        """The output projection of head group g's attention output y [B, heads, S, hd]: its
+        columns of wo."""
+        y = y.transpose(1, 2).flatten(2)
+        return F.linear(y, self.wo.weight.chunk(groups, dim=1)[g])
+
+    def group(self, x, cos, sin, docs, g, groups):
+        """Head group g of `groups`: its q, k, v, the core and its share of wo (chunked.py)."""
+        return self.out(self.core(*self.qkv(x, cos, sin, g, groups), docs), g, groups)
+
+    def cached(self, x, cos, sin, kv_cache):
+        """Sampling: the new tokens' keys and values appended to the cache; a new token sees every
+        key before it (the prompt's tokens causally)."""
+        q, k, v = self.qkv(x, cos, sin)
+        k, v = kv_cache.update(k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
 
 
 # ----------------------------------------------------------------------------- MLP
 class MLP(nn.Module):
+    """SwiGLU: w2(silu(w1 x) · w3 x). With mlp_chunks != 1, chunked.py's mini-sequences of it."""
+
     def __init__(self, config):
         super().__init__()
-        self.config = config  # mlp_chunks, read at every forward (chunked.mlp_chunks)
+        self.config = config
         h, I = config.n_embd, config.intermediate_size
         self.w1 = nn.Linear(h, I, bias=False)  # gate
         self.w3 = nn.Linear(h, I, bias=False)  # up
         self.w2 = nn.Linear(I, h, bias=False)  # down
+        # Megatron's f and g, as Attention's
+        self.enter_tp = nn.Identity()
+        self.leave_tp = nn.Identity()
 
     def forward(self, x):
-        chunks = chunked.mlp_chunks(self.config, x.shape[-2])  # from one sequence's length
-        return chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
+        x = self.enter_tp(x)
+        if self.config.mlp_chunks == 1:
+            y = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        else:
+            # (0: chunked.py counts them from one sequence's length)
+            chunks = chunked.mlp_chunks(self.config, x.shape[-2])
+            y = chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
+        return self.leave_tp(y)
 
 
 # ----------------------------------------------------------------------------- the block
@@ -246,36 +293,60 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, core=attention, mesh=None):
         super().__init__()
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, core, mesh)
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
         # Mixtral's block: the same, its MLP a mixture of experts
-        self.feed_forward = MoE(config) if config.n_experts else MLP(config)
+        self.feed_forward = MoE(config, mesh) if config.n_experts else MLP(config)
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, docs, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    # The same block in three parts, for a caller that runs attention's core once over token
+    # ranges it cut (offload.py's split): qkv on each range, attention.core on all, rest on each.
+    # (All heads at once: by head groups offload cuts no tokens.)
+    def qkv(self, x, cos, sin):
+        """q, k, v of x's tokens (cos, sin: theirs)."""
+        return self.attention.qkv(self.attention.enter_tp(self.attention_norm(x)), cos, sin)
+
+    def rest(self, x, a):
+        """The block's output for x's tokens, given their attention core's output a."""
+        x = x + self.attention.leave_tp(self.attention.out(a))
+        return x + self.feed_forward(self.ffn_norm(x))
+
 
 # ----------------------------------------------------------------------------- the model
 class Llama(nn.Module):
-    def __init__(self, config):
+    """The model for `config`, its attention `core` and this rank's place in the layout `mesh`
+    (parallel.Mesh; None: one process) chosen where it is built (train.py): the class says what it
+    computes. parallel.py's plan then shards its weights and replaces the tensor-parallel
+    identities (enter_tp, leave_tp) with collectives; offload.py wraps its blocks."""
+
+    def __init__(self, config, core=attention, mesh=None):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
         # by index, not a list: a pipeline stage (parallel.py) drops the blocks it doesn't own, the
         # names stay
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(config, core, mesh)
+                                     for i in range(config.n_layer)})
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        # f before the LM head: under tensor parallelism each rank's rows of the vocabulary need
+        # every token (an identity here: parallel.py's plan)
+        self.enter_tp = nn.Identity()
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # parallel.py: the tensor-parallel group the vocabulary is split over
+        # the tensor-parallel group the vocabulary is split over (chunked.py's loss)
         self.vocab_group = None
-        # parallel.py: a pipeline stage returns its activations; the schedule applies the head
+        # a pipeline stage returns its activations; the schedule applies the head (pipeline.py)
         self.pipelined = False
+        if mesh is not None:
+            self.vocab_group = mesh.tp_group
+            self.pipelined = mesh.pp > 1
         for m in self.modules():  # (a tied matrix twice, as nanoGPT's self.apply does)
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
@@ -300,7 +371,7 @@ class Llama(nn.Module):
             kv_cache = None if kv_caches is None else kv_caches[int(i)]
             x = block(x, cos, sin, docs, kv_cache)
         if self.norm is not None:
-            x = self.norm(x)
+            x = self.enter_tp(self.norm(x))
         if self.pipelined:
             return x
         return self.head(x, targets)

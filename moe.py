@@ -87,13 +87,13 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, mesh=None):
         super().__init__()
         self.config = config
         self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
         self.experts = Experts(config)
-        # parallel.py: this rank's Mesh (tp, ep, the dp·cp ranks of a micro-batch); None: alone
-        self.mesh = None
+        # this rank's parallel.Mesh (tp, ep, the dp·cp ranks of a micro-batch); None: alone
+        self.mesh = mesh
         # train.py: the aux loss's weight in the step's loss (1 / micro-batches, x fp16's scale)
         self.aux_weight = 1.0
         # for the log: the sum of the aux losses backward has seen (this rank's share), their count

@@ -29,12 +29,13 @@ there ('full', or 'none' with α = 1: parallel.check_layout says so).
 The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
 The cut (`_Split`, its events numbered above it): all but the attention core works on each token
-alone, so the block runs on tokens [0, S-n) under torch's checkpoint and on [S-n, S) with its saved
-tensors sent to host, while the attention core runs once, on both ranges' q, k, v; in backward the
-first range's recompute takes its tokens of attention's output back from host instead of attending
-again. Ring attention merges its kernels in its own Function, whose output can't be taken back so:
-'full' or α = 1 only (parallel.check_layout). A weight's gradient is the sum of the two ranges'
-parts: in bf16 rounded twice, within bf16's 2^-8 of the plain path's.
+alone, so the block's parts (model.py's Block.qkv, Attention.core, Block.rest) run in order: q, k, v
+of tokens [0, S-n) under torch's checkpoint and of [S-n, S) with what they save sent to host, the
+core once on both ranges' q, k, v, then the rest of each range; in backward the first range's
+recompute takes its tokens of the core's output back from host instead of attending again. Ring
+attention merges its kernels in its own Function, whose output can't be taken back so: 'full' or α =
+1 only (parallel.check_layout). A weight's gradient is the sum of the two ranges' parts: in bf16
+rounded twice, within bf16's 2^-8 of the plain path's.
 
 A block's tensors go to host on a side stream while the next blocks compute (at most MAX_IN_FLIGHT
 blocks' copies in flight) and come back on another once the next block's MLP backward is done (so
@@ -43,8 +44,9 @@ forward never backpropagated keeps its buffer until `reset()`). From: Memo (Zhao
 arXiv 2407.12117), torch's `save_on_cpu`, recomputation (Chen et al. 2016), selective recomputation
 (Korthikanti et al. 2022).
 
-With every knob off (recompute='none', offload=0) `apply` wraps no block: the model runs as model.py
-writes it, and nothing here runs.
+The policy wraps each block from outside (`apply`: a Policy module in the block's place, holding
+its modules under their own names); with every knob off (recompute='none', offload=0) it wraps
+none: the model runs as model.py writes it, and nothing here runs.
 """
 import math
 import weakref
@@ -53,12 +55,14 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts,
                                     CheckpointPolicy)
 
 import chunked
+from model import Block
 
 # the last blocks stay on the device: their backward comes right after their forward
 KEEP_LAST = 2
@@ -182,37 +186,53 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
 
 # ------------------------------------------------------------------------ the policy, per block
 def apply(model):
-    """Wrap each block's forward (as torchtitan applies checkpointing) for model.config's knobs,
-    read at every call: apply once they are final (train.py: after auto_memory), and once (a
-    second apply would wrap the wrapper)."""
+    """Put each block under the policy of model.config's knobs (as torchtitan applies
+    checkpointing): model.layers[i] becomes a Policy holding the block's own modules. Apply once
+    the knobs are final (train.py builds the model after auto_memory), and once."""
     c = model.config
     # nothing to keep, recompute or offload (the default): no block is wrapped, the model runs as
     # model.py writes it (the wrapper would only call the block's own forward)
     if c.recompute == 'none' and c.offload == 0:
         return model
-    for i, block in model.layers.items():
-        block.forward = partial(_block_forward, c, int(i), block, block.forward)
+    for i, block in list(model.layers.items()):
+        model.layers[i] = Policy(block, c, int(i))
         if c.offload > 0:
-            block.attention.register_forward_hook(partial(_prefetch, int(i)))
+            # on attention's last module, which every way through the block calls (the split's
+            # parts too)
+            block.attention.leave_tp.register_forward_hook(partial(_prefetch, int(i)))
     return model
 
 
-def _block_forward(c, i, block, inner, x, cos, sin, docs=None, kv_cache=None):
-    """Block i's forward (`inner`) under the model's config `c`: its recompute and offload."""
-    if kv_cache is not None or not torch.is_grad_enabled():
-        # sampling or evaluation: nothing is kept for a backward
-        return inner(x, cos, sin, docs, kv_cache)
-    # (blocks 0..k-1: `<`, as torch.compile may trace i as a symbolic int, which `in` can't take)
-    if i < len(offloaded_blocks(c)):
-        return _offload(block, inner, x, cos, sin, docs, c, i)
-    return _keep_or_recompute(inner, c.recompute, x, cos, sin, docs)
+class Policy(Block):
+    """Block i under the keep / recompute / offload policy: the block's own modules, adopted under
+    their own names (its parameters and state dict are the block's), and Block's forward run under
+    the policy."""
+
+    def __init__(self, block, config, i):
+        # not Block.__init__: that would make new modules; these are the block's
+        nn.Module.__init__(self)
+        for name, module in block.named_children():
+            self.add_module(name, module)
+        self.config = config
+        self.i = i
+
+    def forward(self, x, cos, sin, docs=None, kv_cache=None):
+        c = self.config
+        if kv_cache is not None or not torch.is_grad_enabled():
+            # sampling or evaluation: nothing is kept for a backward
+            return super().forward(x, cos, sin, docs, kv_cache)
+        # (blocks 0..k-1: `<`, as torch.compile may trace i as a symbolic int, which `in` can't
+        # take)
+        if self.i < len(offloaded_blocks(c)):
+            return _offload(self, super().forward, x, cos, sin, docs)
+        return _keep_or_recompute(super().forward, c.recompute, x, cos, sin, docs)
 
 
-def _prefetch(i, attention, args, output):
-    """A forward hook on block i's attention: block i-1, if offloaded in the forward under way,
-    starts coming back once this output has its gradient, i.e. once block i's MLP backward is done
-    (its tensors don't add to that peak), before block i-1's backward needs them. (A recompute
-    in backward runs it too: a hook on a recomputed tensor never runs.)"""
+def _prefetch(i, module, args, output):
+    """A forward hook on block i's attention output (its leave_tp): block i-1, if offloaded in the
+    forward under way, starts coming back once this output has its gradient, i.e. once block i's MLP
+    backward is done (its tensors don't add to that peak), before block i-1's backward needs them.
+    (A recompute in backward runs it too: a hook on a recomputed tensor never runs.)"""
     previous = _offloaded.get(i - 1)
     if previous is None or not output.requires_grad:
         return
@@ -228,16 +248,16 @@ def _prefetch(i, attention, args, output):
     output.register_hook(fetch_previous)
 
 
-def _keep_or_recompute(inner, recompute, *args):
-    """A block on the device (`inner`, args: x, cos, sin, docs) keeps everything ('none'), its
-    input ('full'), or its input and attention's output ('selective': checkpoint keeps what SDPA
-    saves, any kernel)."""
+def _keep_or_recompute(forward, recompute, *args):
+    """A block on the device (its `forward`, args: x, cos, sin, docs) keeps everything ('none'),
+    its input ('full'), or its input and attention's output ('selective': checkpoint keeps what
+    SDPA saves, any kernel)."""
     if recompute == 'none':
-        return inner(*args)
+        return forward(*args)
     if recompute == 'full':
-        return checkpoint(inner, *args, use_reentrant=False)
+        return checkpoint(forward, *args, use_reentrant=False)
     context = partial(create_selective_checkpoint_contexts, _keep_attention)
-    return checkpoint(inner, *args, use_reentrant=False, context_fn=context)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
 
 
 def _keep_attention(ctx, op, *args, **kwargs):
@@ -246,80 +266,104 @@ def _keep_attention(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# eager under torch.compile too: saved-tensor hooks, side streams, a swapped attention
+# eager under torch.compile too: saved-tensor hooks, side streams
 @torch.compiler.disable
-def _offload(block, inner, x, cos, sin, docs, c, i):
-    """Block i's forward, its saved tensors sent to host (the header's table, α > 0)."""
+def _offload(block, forward, x, cos, sin, docs):
+    """Block i's forward (a Policy and Block's `forward` of it), its saved tensors sent to host
+    (the header's table, α > 0)."""
+    c = block.config
     # cos, sin and the weights are shared by every block: they stay
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]
-    saved = Offloaded(_device(x), i, keep)
+    saved = Offloaded(_device(x), block.i, keep)
     S = x.shape[1]
     n = math.floor(c.offload * S) if c.recompute == 'none' else 0  # the last n tokens: to host
     with saved_tensors_hooks(saved.pack, saved.unpack):
         if c.recompute == 'full' or n == S:
             # 'full': torch's checkpoint saves the block's input only, through our hooks, to host;
             # 'none' with α = 1: no token is recomputed, all the block saves goes to host
-            y = _keep_or_recompute(inner, c.recompute, x, cos, sin, docs)
+            y = _keep_or_recompute(forward, c.recompute, x, cos, sin, docs)
         else:
-            y = _Split(block.attention, block.attention.attend, inner, saved, cos, sin, docs,
-                       S, S - n).forward(x)
+            y = _Split(block, saved, cos, sin, docs, S, S - n).forward(x)
     saved.send()
-    _offloaded[i] = saved  # for block i+1's _prefetch
+    _offloaded[block.i] = saved  # for block i+1's _prefetch
     return y
 
 
-# The header's cut, as the events it performs. The block runs on each of two token ranges with
-# attention.attend swapped for one of ours (`run`), and attention's core runs once, on all tokens:
+# The header's cut, as the events it performs, each a call of one of the block's parts (model.py's
+# Block.qkv, Attention.core, Block.rest), in this order, all under the block's hooks to host:
 #
 # forward (`forward`)
-#   1. The first range, tokens [0, s0), runs under torch's checkpoint, which drops what it saves
-#      (its input goes to host through our hooks) and runs it again in backward. Its attention
-#      calls attend_first with its q, k, v.
-#   2. There, with our hooks back on (else checkpoint would drop these too), the second range,
-#      tokens [s0, S), runs; its attention calls attend_all with its q, k, v.
-#   3. attend_all joins both ranges' q, k, v and runs attention once, on every token. What
-#      attention saves goes to host whole; its output `a` is packed once more, as `replay` (the
-#      tensor attention saved: no second copy, but under Ulysses, whose `a` is another tensor).
-#   4. The second range takes its tokens of `a` and finishes the block: what it saves goes to host.
-#      Its output waits in second_y.
-#   5. Back in attend_first: the first range takes its tokens of `a` and finishes the block. The
-#      block's output is the first range's joined with second_y.
+#   1. The first range, tokens [0, s0): its q, k, v (Block.qkv) under torch's checkpoint, which
+#      drops what they save (its input goes to host through our hooks) and makes them again in
+#      backward.
+#   2. The second range, tokens [s0, S): its q, k, v; what they save goes to host.
+#   3. The core once, on both ranges' q, k, v joined: every token. What it saves goes to host
+#      whole; its output `a` is packed once more, as `replay` (the tensor the core saved: no
+#      second copy, but under Ulysses, whose `a` is another tensor).
+#   4. The second range's rest (Block.rest: wo, the residual, the MLP) on its tokens of `a`: what
+#      it saves goes to host.
+#   5. The first range's rest on its tokens of `a`, under torch's checkpoint (its input: the
+#      first step's, sent once). The block's output: the first range's, then the second's.
 # backward (autograd, once the next block's backward has fetched this block's tensors back)
-#   6. The first range's MLP and wo need what they saved: checkpoint runs the first range again,
-#      from its input (back from host). Its attention calls attend_first, which returns its tokens
-#      of `replay`, detached, instead of attending again (the gradient flows through the
-#      forward's graph). Their backward runs.
+#   6. The first range's MLP and wo need what they saved: checkpoint runs its rest again, from its
+#      input (back from host) and its tokens of `replay` (back from host), detached (the gradient
+#      flows through the forward's graph). Their backward runs.
 #   7. The second range's MLP and wo run backward on what they saved, from host.
-#   8. Attention's backward gets its output's gradient from both ranges, and gives every token's
-#      q, k, v theirs: the first range's projections and norm run backward on what step 6
-#      recomputed, the second range's on what it saved, from host.
-# With s0 = S ('selective', or n = 0) there is no second range: attend_first calls attend_all
-# itself (steps 2, 4 and 7 vanish).
+#   8. The core's backward gets its output's gradient from both ranges, and gives every token's
+#      q, k, v theirs: the second range's projections and norm run backward on what they saved,
+#      from host; the first range's after checkpoint ran them again (step 1's recompute).
+# With s0 = S ('selective', or n = 0) there is no second range: steps 2, 4 and 7 vanish.
 @dataclass
 class _Split:
-    attention: torch.nn.Module  # the block's
-    attend: object              # its own attend: the attention core (parallel.py's, under cp)
-    block: object               # the block's own forward
-    saved: object               # the Offloaded that takes the second range's tensors to host
+    block: object           # the block (a Policy): its parts
+    saved: object           # the Offloaded that takes what the block saves to host
     cos: torch.Tensor
     sin: torch.Tensor
     docs: object
-    S: int                      # tokens in a run
-    s0: int                     # the first range is [0, s0) of each run, the second [s0, S)
-    # what the steps hand each other, each dropped once taken: this object lives until backward
-    second_x: torch.Tensor = None   # 1 -> 2
-    first_qkv: tuple = None         # 1 -> 3
-    a: torch.Tensor = None          # 3 -> 5
-    second_y: torch.Tensor = None   # 4 -> 5
-    replay: object = None           # 3 -> 6: `a`, packed (an index into `saved`)
-    requires_grad: bool = False     # 3 -> 6: whether `a` did
+    S: int                  # tokens in a run
+    s0: int                 # the first range is [0, s0) of each run, the second [s0, S)
+    a: torch.Tensor = None  # 3 -> 5: the core's output, dropped once taken
+    replay: object = None   # 3 -> 6: `a`, packed (an index into `saved`)
+    requires_grad: bool = False  # 3 -> 6: whether `a` did
 
     def forward(self, x):
+        first = x[:, :self.s0]
+        # 1.
+        q, k, v = checkpoint(self.qkv, first, 0, self.s0, use_reentrant=False)
         if self.s0 < self.S:  # (an empty view of x would keep all of x alive)
-            self.second_x = x[:, self.s0:]
-        y = checkpoint(self.run, self.attend_first, x[:, :self.s0], 0, self.s0, use_reentrant=False)
-        second_y, self.second_y = self.second_y, None
-        return y if second_y is None else torch.cat([y, second_y], 1)
+            second = x[:, self.s0:]
+            # 2.
+            q2, k2, v2 = self.qkv(second, self.s0, self.S)
+            # in each run of S tokens (one per tp rank under sequence parallelism): the first
+            # range's tokens, then the second's
+            q, k, v = self.join(q, q2), self.join(k, k2), self.join(v, v2)
+        # 3.
+        a = self.block.attention.core(q, k, v, self.docs)
+        self.replay = self.saved.pack(a)
+        self.requires_grad = a.requires_grad
+        y2 = None
+        if self.s0 < self.S:
+            # 4.
+            y2 = self.block.rest(second, self.tokens(a, self.s0, self.S))
+        # 5.
+        self.a = a
+        y = checkpoint(self.rest_first, first, use_reentrant=False)
+        self.a = None
+        if y2 is None:
+            return y
+        return torch.cat([y, y2], 1)
+
+    def qkv(self, x, lo, hi):
+        """Steps 1 and 2: q, k, v of tokens [lo, hi) of each run (x: theirs)."""
+        return self.block.qkv(x, self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi))
+
+    def rest_first(self, x):
+        """Step 5, and its recompute in backward (6): the first range's rest."""
+        if self.a is not None:
+            return self.block.rest(x, self.tokens(self.a, 0, self.s0))
+        # 6. requiring grad as in forward, so that the ops after it save what they saved then
+        a = self.tokens(self.saved.unpack(self.replay), 0, self.s0)
+        return self.block.rest(x, a.detach().requires_grad_(self.requires_grad))
 
     def tokens(self, t, lo, hi):
         """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run
@@ -331,47 +375,6 @@ class _Split:
         `second`'s S - s0."""
         both = [first.unflatten(-2, (-1, self.s0)), second.unflatten(-2, (-1, self.S - self.s0))]
         return torch.cat(both, -2).flatten(-3, -2)
-
-    def run(self, attend, x, lo, hi):
-        """The block on tokens [lo, hi) of each run, with attention.attend swapped for `attend`."""
-        self.attention.attend = attend
-        try:
-            cos, sin = self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi)
-            return self.block(x, cos, sin, self.docs)
-        finally:
-            # the real one back (also after step 2: the first range doesn't attend again)
-            self.attention.attend = self.attend
-
-    def attend_first(self, q, k, v, docs):
-        if self.replay is not None:
-            # 6. requiring grad as in forward, so that the ops after it save what they saved then
-            a = self.saved.unpack(self.replay)
-            return self.tokens(a, 0, self.s0).detach().requires_grad_(self.requires_grad)
-        with saved_tensors_hooks(self.saved.pack, self.saved.unpack):
-            if self.second_x is None:
-                # no second range: attention on the first's q, k, v alone
-                self.attend_all(q, k, v, docs)
-            else:
-                # 2.
-                self.first_qkv = (q, k, v)
-                x, self.second_x = self.second_x, None
-                self.second_y = self.run(self.attend_all, x, self.s0, self.S)
-        # 5.
-        a, self.a = self.a, None
-        return self.tokens(a, 0, self.s0)
-
-    def attend_all(self, q, k, v, docs):
-        """3. Attention once, on every token (the second range's attend)."""
-        if self.first_qkv is not None:
-            # in each run of S tokens (one per tp rank under sequence parallelism): the first
-            # range's tokens, then the second's, for each of q, k, v
-            q, k, v = map(self.join, self.first_qkv, (q, k, v))
-            self.first_qkv = None
-        a = self.attend(q, k, v, docs)
-        self.replay = self.saved.pack(a)
-        self.a, self.requires_grad = a, a.requires_grad
-        # 4. the second range takes its tokens
-        return self.tokens(a, self.s0, self.S)
 
 
 # ------------------------------------------------------------ one block's tensors, to host and back

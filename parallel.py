@@ -30,12 +30,15 @@ vocabulary, N parameters, b bytes per element. What each dimension saves, per ra
       layer's E experts, E/e a rank: the experts' states / e (then FSDP2's rows of them over the
       d/e ranks holding the same ones); each token's k rows go to their experts' ranks and back.
 
-parallelize(model, mesh) shards the weights in place, hooks Megatron's f, g onto block.attention
-and block.feed_forward (they read their head counts from the weights' shapes), wraps
-Attention.attend for c, sets Llama.vocab_group (chunked.py's vocabulary-parallel loss): a fork that
-changes model.attention runs under t and Ulysses as is. On one process (Mesh(): every group None)
-no collective runs: shard_batch returns the batch, parallelize and sync_grads change nothing, and
-clip_grad_norm_ is torch's.
+The model is built for its mesh (Llama(config, core, mesh): each Attention computes n_head/t heads,
+the LM head's loss is vocabulary parallel over the tp group, a pipeline stage returns its
+activations) around the attention core attention_core chooses for c (Ulysses around model.attention,
+or the ring). Then parallelize(model, mesh), torchtitan's way, is the plan applied from outside: it
+shards the weights in place and puts Megatron's f and g (EnterTP, LeaveTP) in the identities the
+model keeps for them (Attention's and the MLP's enter_tp / leave_tp, the LM head's input). A fork
+that changes model.attention runs under t and Ulysses as is. On one process (Mesh(): every group
+None) no collective runs: shard_batch returns the batch, parallelize and sync_grads change nothing,
+and clip_grad_norm_ is torch's.
 
 What moves per block, forward (backward), B·S·h elements each unless said; every collective is one
 of the four functions below or ring.py's ring_shift (chunked.py's loss makes its own):
@@ -349,6 +352,24 @@ def enter_tp(x, mesh):
     return _Pair.apply(x, lambda x: x.view_as(x), lambda d: all_reduce(d.contiguous().clone(), g))
 
 
+class EnterTP(nn.Module):
+    """f as a module: parallelize puts it in the model's place for it (Attention.enter_tp, ...)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x):
+        return enter_tp(x, self.mesh)
+
+
+class LeaveTP(EnterTP):
+    """g as a module, in the model's place for it (Attention.leave_tp, MLP.leave_tp)."""
+
+    def forward(self, x):
+        return leave_tp(x, self.mesh)
+
+
 def exchange(x, group, send, received):
     """x's rows, send[j] of them to rank j; received[j] rows come from rank j (expert parallelism's
     dispatch, moe.py). An all-to-all's adjoint is the one back: gradients return as rows came."""
@@ -416,7 +437,7 @@ class VocabParallelEmbedding(nn.Module):
 
 # ----------------------------------------------------------------------------- attention over c
 def ulysses(attend, group, q, k, v, docs=None):
-    """Attention.attend under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous
+    """The attention core under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous
     sequence shards -> y like q. One all-to-all turns sequence shards of every head into the whole
     sequence of H/c heads (and K/c kv heads, the groups SDPA's enable_gqa forms), `attend` runs
     there as in one process, one all-to-all turns back."""
@@ -464,10 +485,13 @@ def shard_batch(mesh, x, y, positions=None, docs=None):
 
 # ----------------------------------------------------------------------------- the model, parallel
 def parallelize(model, mesh):
-    """Shard a full model (every rank built the same one) in place, hook the collectives on; names
-    stay the model's. In order: pp keeps this stage's blocks; tp shards the weights and hooks f, g
-    around attention and the MLP; c wraps attention."""
+    """The plan: shard a full model (every rank built the same one, for this mesh and its
+    attention core) in place; names stay the model's. In order: pp keeps this stage's blocks; tp
+    shards the weights and puts f, g in the model's places for them (attention, the MLP, the LM
+    head's input). (Context parallelism is the attention core's: attention_core.)"""
     c, t = model.config, mesh.tp
+    if model.pipelined != (mesh.pp > 1) or model.vocab_group is not mesh.tp_group:
+        raise ValueError("parallelize: build the model for this mesh: Llama(config, core, mesh)")
     if mesh.pp > 1:
         # this rank's stage: blocks [lo, hi), the embedding on the first, norm and LM head on the
         # last
@@ -480,7 +504,6 @@ def parallelize(model, mesh):
             model.tok_embeddings = None
         if hi < c.n_layer:
             model.norm = model.output = None
-        model.pipelined = True
     for name, p in list(model.named_parameters()):
         if '.experts.' in name:  # this ep rank's experts (of all: one process)
             p.data = p.data.chunk(mesh.ep)[mesh.ep_rank].clone()
@@ -502,30 +525,32 @@ def parallelize(model, mesh):
     if t > 1:
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
+        # Megatron's f and g where the model has its identities for them (an MoE gathers and
+        # reduces itself: its router runs on the rank's own tokens)
         for block in model.layers.values():
             hooked = [block.attention]
-            # (an MoE gathers and reduces itself: its router runs on the rank's own tokens)
             if not c.n_experts:
                 hooked.append(block.feed_forward)
             for m in hooked:
-                m.register_forward_pre_hook(lambda m, args: (enter_tp(args[0], mesh), *args[1:]))
-                m.register_forward_hook(lambda m, args, y: leave_tp(y, mesh))
-        if model.norm is not None:  # f before the LM head
-            model.norm.register_forward_hook(lambda m, args, y: enter_tp(y, mesh))
-        # Llama.head: chunked.py's loss over our rows of the vocabulary
-        model.vocab_group = mesh.tp_group
-    for block in model.layers.values():
-        if c.n_experts:
-            block.feed_forward.mesh = mesh  # moe.py: tp, ep and the micro-batch's ranks
-    if mesh.cp > 1:  # attention over the whole sequence
-        for block in model.layers.values():
-            if mesh.cp_impl == 'ulysses':
-                block.attention.attend = functools.partial(ulysses, block.attention.attend,
-                                                           mesh.cp_group)
-                block.attention.ulysses = mesh.cp
-            else:
-                block.attention.attend = functools.partial(RingAttention.apply, mesh.cp_group)
+                m.enter_tp, m.leave_tp = EnterTP(mesh), LeaveTP(mesh)
+        # f before the LM head
+        model.enter_tp = EnterTP(mesh)
     return model
+
+
+def attention_core(mesh, varlen=False):
+    """The attention core for this layout, chosen once where the model is built (Llama(config,
+    core, mesh)): model.attention (one varlen kernel for packed documents on CUDA: varlen), under
+    context parallelism Ulysses around it or the ring (ring.py) in its place."""
+    from model import attention  # (here: model.py imports moe.py, which imports this file)
+    core = attention
+    if varlen:
+        core = functools.partial(attention, varlen=True)
+    if mesh.cp == 1:
+        return core
+    if mesh.cp_impl == 'ulysses':
+        return functools.partial(ulysses, core, mesh.cp_group)
+    return functools.partial(RingAttention.apply, mesh.cp_group)
 
 
 def shard_states(model, mesh, zero, dtype, on_host=False):

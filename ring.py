@@ -202,7 +202,7 @@ def _tokens_first(t):
 
 
 class RingAttention(Function):
-    """Attention.attend under ring attention (partial(RingAttention.apply, group)):
+    """The attention core under ring attention (partial(RingAttention.apply, group)):
     q [B, H, 2n, hd], k, v [B, K, 2n, hd] zigzag shards -> y like q, causal, within documents
     (docs: doc_mask's starts in our rows' whole sequences). Forward: online softmax merges each
     step's flash (out, lse) over the visiting keys of our documents. Backward: given the final out

@@ -153,3 +153,78 @@ def test_nothing_cites_files_outside_the_repository(path):
     with open(path) as f:
         src = f.read()
     assert 'DESIGN.md' not in src and 'REFERENCES.md' not in src and '../shared' not in src
+
+
+# What a model module is and does is set where it is built (model.py, moe.py's MoE): its methods, its attributes
+# that are not modules, its config's fields. The aux loss's log (read and reset by train.py) is no behaviour.
+MODEL_FILES = ('model.py', 'moe.py')
+LOGGED = {'aux_loss', 'aux_count'}
+
+
+def model_behaviour():
+    """The names of the model's methods and of its non-module attributes, from model.py and moe.py."""
+    names = set()
+    for name in MODEL_FILES:
+        for cls in ast.walk(ast.parse(open(os.path.join(ROOT, name)).read())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef):
+                    names.add(node.name)
+                if isinstance(node, ast.Assign):
+                    made = node.value.func if isinstance(node.value, ast.Call) else None
+                    module = made is not None and ast.unparse(made).split('.')[-1][:1].isupper()
+                    for t in node.targets:
+                        for a in t.elts if isinstance(t, ast.Tuple) else [t]:
+                            if isinstance(a, ast.Attribute) and ast.unparse(a.value) == 'self' and not module:
+                                names.add(a.attr)
+    return names - LOGGED - {'__init__'}
+
+
+def rebinds(src):
+    """(line, what) for every assignment in src of a model module's method or behaviour attribute, or of a
+    field of its config, and every setattr on a config."""
+    from model import LlamaConfig
+    behaviour = model_behaviour() | {'attend', 'ulysses'}
+    fields = set(LlamaConfig.__dataclass_fields__)
+    bad = []
+    for node in ast.walk(ast.parse(src)):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            for a in t.elts if isinstance(t, ast.Tuple) else [t]:
+                # (a class's own attributes, in its own file; an autograd Function's ctx)
+                if not isinstance(a, ast.Attribute) or ast.unparse(a.value) in ('self', 'ctx'):
+                    continue
+                on_config = ast.unparse(a.value).split('.')[-1] in ('config', 'c') and a.attr in fields
+                if a.attr in behaviour or on_config:
+                    bad.append((node.lineno, ast.unparse(a)))
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == 'setattr':
+            if ast.unparse(node.args[0]).endswith('config'):
+                bad.append((node.lineno, ast.unparse(node)))
+    return bad
+
+
+def test_the_seam_guard_catches_what_it_names():
+    assert {'forward', 'core', 'qkv', 'rest', 'vocab_group', 'pipelined', 'mesh', 'config'} <= model_behaviour()
+    caught = ['block.forward = partial(f, block.forward)', 'block.attention.attend = partial(ulysses, f)',
+              'attention.ulysses = 2', 'model.config.recompute = "full"', 'setattr(self.config, k, v)',
+              'block.attention.core, x = f, 1', 'model.pipelined = True', 'c.offload += 0.5']
+    for src in caught:
+        assert rebinds(src), src
+    # whole modules replaced by a plan, a class's own attributes, parameters made fake
+    allowed = ['model.layers[i] = Policy(block, c, i)', 'm.enter_tp, m.leave_tp = EnterTP(mesh), LeaveTP(mesh)',
+               'model.norm = model.output = None', 'self.config = config', 'setattr(m, k, made[p])', 'ctx.group = g']
+    for src in allowed:
+        assert not rebinds(src), src
+
+
+@pytest.mark.parametrize('path', [p for p in CORE if os.path.basename(p) not in MODEL_FILES],
+                         ids=lambda p: os.path.relpath(p, ROOT))
+def test_no_file_outside_the_model_rebinds_its_behaviour(path):
+    """The seams: a technique is chosen where the model is built or replaces whole modules from outside;
+    no other file assigns a model module's method or behaviour attribute (forward, attend, core, ...) or a
+    field of its config, nor setattr's a config."""
+    bad = rebinds(open(path).read())
+    assert not bad, bad

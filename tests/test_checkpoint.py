@@ -41,9 +41,9 @@ B, S = 4, 16
 
 def build(world, tp, zero, dtype, seed):
     config = LlamaConfig(**CONFIG)
-    torch.manual_seed(seed)
-    model = Llama(config)
     mesh = parallel.make_mesh(tp, 1, 'ulysses', config.n_kv_head) if world > 1 else parallel.Mesh()
+    torch.manual_seed(seed)
+    model = Llama(config, mesh=mesh)
     if world > 1:
         parallel.parallelize(model, mesh)
     offload.apply(model).to(torch.float32 if zero else dtype)  # FSDP2's fp32 rows are the masters

@@ -482,20 +482,17 @@ def test_sdpa_on_cuda_in_bf16_is_the_cpu_fp32_model():
 
 @cuda
 def test_documents_in_one_varlen_kernel_on_cuda_are_the_per_document_loop():
-    """doc_mask on CUDA (train.py binds attention with varlen=True there): one varlen_attn call for every document of
+    """doc_mask on CUDA (train.py builds the model around attention with varlen=True there): one varlen_attn call for every document of
     the batch gives the loss and gradients of the per-document SDPA loop on the same GPU, to bf16's rounding;
     one-token documents and one of most of a row among them."""
     import functools
     import model as model_py
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=256,
-                              vocab_size=97)).cuda()
+    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=256, vocab_size=97)
     x, y, positions, docs = packed_batch([[1, 1, 254], [100, 56, 100]], 97)
     results = []
     for varlen in (False, True):
-        for block in model.layers.values():
-            block.attention.attend = functools.partial(model_py.attention, varlen=varlen)
-        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        model = Llama(config, functools.partial(model_py.attention, varlen=varlen)).cuda()
         with torch.autocast('cuda', dtype=torch.bfloat16):
             loss = model(x.cuda(), y.cuda(), positions.cuda(), docs.numpy())[1]
         loss.backward()

@@ -126,10 +126,11 @@ EP_LAYOUTS = {
 }
 
 
-def new_moe_model(overrides):
+def new_moe_model(overrides, mesh=None):
     torch.manual_seed(0)
     config = LlamaConfig(**{**CONFIG, **{k: v for k, v in overrides.items() if k != 'bias'}})
-    model = Llama(config)
+    mesh = mesh or parallel.Mesh()
+    model = Llama(config, parallel.attention_core(mesh), mesh)
     if 'bias' in overrides:
         for block in model.layers.values():
             biased(block.feed_forward, overrides['bias'])
@@ -150,9 +151,8 @@ def _ep_worker(rank, world, port, names, out_dir):
     dist.init_process_group('gloo')
     for name in names:
         _, tp, cp, cp_impl, sp, zero, ep, overrides = EP_LAYOUTS[name]
-        model = new_moe_model(overrides)
-        mesh = parallel.make_mesh(tp, cp, cp_impl, model.config.n_kv_head, sp, ep=ep)
-        model = offload.apply(parallel.parallelize(model, mesh))
+        mesh = parallel.make_mesh(tp, cp, cp_impl, CONFIG['n_kv_head'], sp, ep=ep)
+        model = offload.apply(parallel.parallelize(new_moe_model(overrides, mesh), mesh))
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32)
         loss, norm, grads, weights = one_step(model, mesh, model.config, zero)

@@ -144,10 +144,14 @@ def test_every_knob_off_wraps_no_block():
     """The default path is model.py's: with nothing to keep, recompute or offload, apply wraps no
     block; any knob on wraps every block."""
     plain = offload.apply(Llama(config()))
-    assert not any('forward' in vars(block) for block in plain.layers.values())
+    assert not any(isinstance(block, offload.Policy) for block in plain.layers.values())
     for knobs in (dict(recompute='full'), dict(recompute='selective'), dict(offload=0.5)):
-        wrapped = offload.apply(Llama(config(**knobs)))
-        assert all('forward' in vars(block) for block in wrapped.layers.values()), knobs
+        model = Llama(config(**knobs))
+        names = model.state_dict().keys()
+        wrapped = offload.apply(model)
+        assert all(isinstance(block, offload.Policy) for block in wrapped.layers.values()), knobs
+        assert wrapped.state_dict().keys() == names  # the blocks' own names
+        assert not any('forward' in vars(m) for m in wrapped.modules())  # no method rebound
 
 
 # ------------------------------------------------------------------------ what stays on the device

@@ -107,15 +107,16 @@ def sliding_window(q, k, v, is_causal=True, window=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def new_model(overrides):
-    """Llama from seed 0; with 'window' in overrides, built while model.attention is the sliding window
-    (Attention.attend is bound at construction)."""
+def new_model(overrides, mesh=None):
+    """Llama from seed 0 for mesh (None: one process) around its attention core; with 'window' in overrides,
+    built while model.attention is the sliding window (a fork's change: attention_core wraps it)."""
     torch.manual_seed(0)
+    mesh = mesh or parallel.Mesh()
     window, saved = overrides.get('window'), model_py.attention
     if window:
         model_py.attention = functools.partial(sliding_window, window=window)
     try:
-        return Llama(model_config(overrides))
+        return Llama(model_config(overrides), parallel.attention_core(mesh), mesh)
     finally:
         model_py.attention = saved
 
@@ -214,7 +215,7 @@ def count_collectives(fn):
 def per_block_counts(mesh, overrides):
     """Collectives of one forward + backward with 2 layers minus with 1: what one block costs."""
     def run(n_layer):
-        model = offload.apply(parallel.parallelize(new_model({**overrides, 'n_layer': n_layer}), mesh))
+        model = offload.apply(parallel.parallelize(new_model({**overrides, 'n_layer': n_layer}, mesh), mesh))
         x, y = global_batch(model.config.vocab_size)
         x, y, *pos = parallel.shard_batch(mesh, x, y)
         return count_collectives(lambda: model(x, y, *pos)[1].backward())
@@ -261,7 +262,7 @@ def _worker(rank, world, port, names, out_dir):
         _, tp, cp, cp_impl, sp, zero, overrides = LAYOUTS[name]
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
-        model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
+        model = offload.apply(parallel.parallelize(new_model(overrides, mesh), mesh))
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32, overrides.get('host', False))
         matmuls = eval_matmuls(model, mesh)
@@ -402,7 +403,7 @@ def _offload_worker(rank, world, port, out_dir):
                 continue
             mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head)
             torch.manual_seed(0)
-            model = offload.apply(parallel.parallelize(Llama(config), mesh))
+            model = offload.apply(parallel.parallelize(Llama(config, parallel.attention_core(mesh), mesh), mesh))
             before = offload.stats()
             loss, _, grads, _ = one_step(model, mesh, config, zero=0)
             moved = {k: offload.stats()[k] - before[k] for k in ('bytes_to_host', 'bytes_to_device')}
@@ -415,7 +416,8 @@ def _offload_worker(rank, world, port, out_dir):
         config = LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=64,
                              recompute='selective', offload=alpha, loss_chunks=4)
         torch.manual_seed(0)
-        model = offload.apply(parallel.parallelize(Llama(config), parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)))
+        mesh = parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)
+        model = offload.apply(parallel.parallelize(Llama(config, mesh=mesh), mesh))
         x = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(1))
         tracker = memory.Tracker(model, inputs=[x])
         with tracker:
@@ -922,7 +924,7 @@ def _pp_worker(rank, world, port, names, out_dir):
         _, pp, tp, cp, cp_impl, zero, schedule, overrides = PP_LAYOUTS[name]
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, pp=pp)
-        model = offload.apply(parallel.parallelize(new_model(overrides), mesh))
+        model = offload.apply(parallel.parallelize(new_model(overrides, mesh), mesh))
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32)
         pipe = pipeline.Pipeline(model, mesh, schedule, PP_M, nullcontext(), torch.device('cpu'))
