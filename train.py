@@ -160,9 +160,12 @@ auto_memory = False
 # (keys, what they allow, the check of one value)
 _RULES = [
     ('batch_size seq_len gradient_accumulation_steps eval_interval log_interval eval_iters '
-     'tp_size cp_size pp_size', 'must be >= 1', lambda v: v >= 1),
+     'tp_size cp_size pp_size ep_size', 'must be >= 1', lambda v: v >= 1),
     ('max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay grad_clip '
-     'memory_budget_gb host_memory_budget_gb', 'must be >= 0', lambda v: 0 <= v < math.inf),
+     'memory_budget_gb host_memory_budget_gb dry_run_anatomy', 'must be >= 0',
+     lambda v: 0 <= v < math.inf),
+    # torch's generators take 64 bits; evaluate's is seeded with seed + 1
+    ('seed', 'must be in [0, 2**63)', lambda v: 0 <= v < 2 ** 63),
     ('beta1 beta2', 'must be in [0, 1)', lambda v: 0 <= v < 1),
     ('dtype', "must be 'auto', 'float32', 'bfloat16' or 'float16'",
      lambda v: v in ('auto', 'float32', 'bfloat16', 'float16')),
