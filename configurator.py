@@ -143,10 +143,9 @@ def configure(g, argv=None):
     the config: {key: value} of every key."""
     argv = sys.argv[1:] if argv is None else argv
     # the defaults, before any override: every later value is checked against these types. The
-    # keys are the script's own settings: its lower-case names of plain values (not an imported
-    # module or function, not a constant in upper case such as model.MEMORY_KNOBS)
-    defaults = {k: v for k, v in g.items()
-                if k.islower() and k[0] != '_' and isinstance(v, _CONFIG_TYPES)}
+    # keys are the script's own settings: its names in lower case holding plain values (not
+    # _private, an imported module or function, or a constant in upper case: MEMORY_KNOBS)
+    defaults = {k: v for k, v in g.items() if k[0].islower() and isinstance(v, _CONFIG_TYPES)}
     if '-h' in argv or '--help' in argv:
         print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:",
               *[f"  --{k}={v!r}" for k, v in defaults.items()], sep='\n')
