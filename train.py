@@ -704,8 +704,7 @@ def catch_signals():
 
 # -----------------------------------------------------------------------------
 def main():
-    """Setup, in the order it happens, then the loop: evaluate (and checkpoint), set the lr,
-    forward and backward, clip, step, log."""
+    """Setup, in the order it happens, then the loop: evaluate, set the lr, step, log."""
     cfg = configure(globals())  # a config file, then --key=value, over the defaults above
     check_config(cfg)
     dev, ptdtype, autocast = device_and_dtype()
@@ -715,22 +714,16 @@ def main():
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
-    # the model's config, final before the model is built: the layout and the memory report
-    # read it, and auto_memory may set its memory knobs
-    config, ckpt = model_config(meta, cfg, world, dev, ptdtype)
+    config, ckpt = model_config(meta, cfg, world, dev, ptdtype)  # (nothing is built from it yet)
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, config.n_kv_head,
                               timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size)
-    # the memory report: it changes nothing, its auto_memory returns the knobs it chose
-    mem = memory.Report(config, cfg, world, rank, mesh, dev, ptdtype)
-    if auto_memory:  # (the planner offers only what parallel.check_layout allows)
+    mem = memory.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
+    if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
-    # built now, from the final config; a Hugging Face directory's weights read before out_dir
-    # is made (a bad file leaves it as it was)
-    model = build_model(config)
+    model = build_model(config)  # from the final config (a bad HF file: stopped before out_dir)
     lock = make_out_dir(rank)  # (held while main runs)
-    # the estimate, before anything is on the device: stops a run that can't fit (80% rule)
-    mem.check(config)
+    mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
     place_model(model, mesh, dev, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
