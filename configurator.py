@@ -3,7 +3,9 @@ Poor man's configurator, after nanoGPT's, made safe. train.py keeps its config a
 and calls configure(globals()); `python train.py config/x.py --batch_size=32 --out_dir=a=b` then
 applies, in order, each config file (a Python file, exec'd on its own) and each --key=value (a
 Python literal if it parses as one, else the raw string), and returns the config as a dict. Each
-value must fit its default's type.
+value must fit its default's type. The keys are the script's settings: its globals in lower case
+holding plain values (numbers, strings, None, containers), never its constants, imports or
+functions.
 
 Every mistake is one 'error: ...' line on stderr and exit status 2, never a traceback: a typo in a
 key must stop a run that would otherwise train for hours on the default, and a traceback buries the
@@ -140,8 +142,10 @@ def configure(g, argv=None):
     """Apply the config files and --key=value of argv (the command line's) to the globals g; returns
     the config: {key: value} of every key."""
     argv = sys.argv[1:] if argv is None else argv
-    # the defaults, before any override: every later value is checked against these types
-    defaults = {k: v for k, v in g.items() if k[0] != '_' and isinstance(v, _CONFIG_TYPES)}
+    # the defaults, before any override: every later value is checked against these types. The
+    # keys are the script's own settings: its names in lower case holding plain values (not
+    # _private, an imported module or function, or a constant in upper case: MEMORY_KNOBS)
+    defaults = {k: v for k, v in g.items() if k[0].islower() and isinstance(v, _CONFIG_TYPES)}
     if '-h' in argv or '--help' in argv:
         print(f"usage: {sys.argv[0]} [config_file.py ...] [--key=value ...]\nkeys and defaults:",
               *[f"  --{k}={v!r}" for k, v in defaults.items()], sep='\n')

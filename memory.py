@@ -517,16 +517,17 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
 
 # ----------------------------------------------------------------------------- what train.py calls
 class Report:
-    """Made before anything is on the device: auto_memory's plan applied (rank 0 decides, every rank
-    takes its knobs), the estimate printed and written to out_dir/memory.json, offload's host memory
-    checked, and a run that can't fit stopped with the changes that would fit (a dry run gives its
-    verdict instead). `with report.measure(...)` around the first step adds the measured peak.
+    """Made before the model is built, and changing nothing: auto_memory() returns the memory knobs
+    that fit (rank 0 decides, every rank takes its knobs; train.py sets them in the config), then
+    check(config) prints config's estimate and writes it to out_dir/memory.json, checks offload's
+    host memory, and stops a run that can't fit with the changes that would fit (a dry run gives
+    its verdict instead). `with report.measure(...)` around the first step adds the measured peak.
     memory.json: {"ranks": [{"rank", "estimate", "measured", "overhead", "device_bytes",
     "world_size", "tp_size", "cp_size", "seq_len"}], "peak_at", "fits", ...}."""
 
-    def __init__(self, model, cfg, world, rank, mesh, device, dtype):
+    def __init__(self, config, cfg, world, rank, mesh, device, dtype):
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
-        self.config, self.dry = model.config, cfg.get('dry_run')
+        self.config, self.dry = config, cfg.get('dry_run')  # (the configured knobs: check's sets)
         self.measured, self.logged = None, False
         self.at = mesh.rank  # the dry run's rank, in its memory.json's name
         self.name = f'memory.rank{self.at}.json' if self.at > 0 else 'memory.json'
@@ -542,46 +543,47 @@ class Report:
         groups = [mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.cp * mesh.dp, world]
         self.overhead = overhead_bytes(self.layout['device_type'], sum(n > 1 for n in groups))
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
-        if cfg.get('auto_memory'):
-            self.auto_memory()
-        self.est = estimate(self.config, **self.layout)
         where = f"rank {self.at} of {world}"
         if world > 1:
             where += f" (dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp})"
         target = 'the target (dry run)' if self.dry else device
-        if rank == 0:
-            print(self.table(f"memory estimate per rank, {where}, {self.layout['dtype']} on "
-                             f"{target}, batch {cfg['batch_size']} x {cfg['seq_len']} tokens:"))
-        states_on_host = cfg.get('offload_states', False)
-        if self.config.offload > 0 or states_on_host:
-            self.check_host(states_on_host)
-        if not self.dry and not fits(self.est, self.budget, self.overhead):
-            self.stop([f"error: does not fit: {gib(self.est.total)} per rank + "
-                       f"{gib(self.overhead)} overhead > 80% of {gib(self.budget)}, peak at "
-                       f"{self.est.moment}"] + self.suggest())
-        if rank == 0:  # only now: a run stopped by a check writes nothing
-            self.write()
+        self.title = (f"memory estimate per rank, {where}, {self.layout['dtype']} on {target}, "
+                      f"batch {cfg['batch_size']} x {cfg['seq_len']} tokens:")
 
     def auto_memory(self):
-        # rank 0 plans and every rank takes its knobs: no rank's own free memory can make it differ
+        """The memory knobs the cheapest setting that fits changes ({}: the configured one, or
+        none fits). Rank 0 plans and every rank takes its knobs: no rank's own free memory can
+        make it differ."""
         p = None
         if self.rank == 0:
             p = plan(self.config, self.budget, self.overhead, self.host, **self.layout)
         chosen = [p.changed if p else {}]
         if self.world > 1 and not self.dry and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(chosen, src=0)
-        # (self.config is the model's: forward reads its knobs at every call)
-        for k, v in chosen[0].items():
-            setattr(self.config, k, v)
-        if self.rank != 0:
-            return
-        if p:
+        if self.rank == 0 and p:
             print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
                   f"{gib(p.estimate.total)}, {100 * p.cost:+.1f}% step time")
-            return
-        unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
-        print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
-              + unknown)
+        elif self.rank == 0:
+            unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
+            print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
+                  + unknown)
+        return chosen[0]
+
+    def check(self, config):
+        """config's estimate (the model's, as built): printed, its host memory checked, a run that
+        can't fit stopped, then memory.json written."""
+        self.config, self.est = config, estimate(config, **self.layout)
+        if self.rank == 0:
+            print(self.table(self.title))
+        states_on_host = self.cfg.get('offload_states', False)
+        if config.offload > 0 or states_on_host:
+            self.check_host(states_on_host)
+        if not self.dry and not fits(self.est, self.budget, self.overhead):
+            self.stop([f"error: does not fit: {gib(self.est.total)} per rank + "
+                       f"{gib(self.overhead)} overhead > 80% of {gib(self.budget)}, peak at "
+                       f"{self.est.moment}"] + self.suggest())
+        if self.rank == 0:  # only now: a run stopped by a check writes nothing
+            self.write()
 
     def check_host(self, states):
         """This rank's offloaded blocks (offload.host_bytes) and the states' rows in host memory:

@@ -5,12 +5,15 @@ Train a Llama. One process on a laptop CPU, a GPU, or Apple's MPS:
     python train.py config/train_tiny.py --max_iters=500 --device=cpu
 
 As nanoGPT's train.py: the config (defaults below, then a config file, then --key=value), setup in
-the order it happens, then one loop. Setup: prepare the data if it is missing, build or load the
-model, print the memory estimate (memory.py), shard the model (parallel.py: under torchrun only),
-wrap its blocks' keep / recompute / offload policy (offload.py). The loop: evaluate (and
-checkpoint), set the lr, sample a global batch, run the micro-steps' forward and backward with the
-loss normalised by the number of real target tokens across all of them, sync the gradients (several
-ranks), clip, AdamW, log.
+the order it happens, then one loop. Setup: prepare the data if it is missing; settle the model's
+config (the keys, a checkpoint's or a Hugging Face directory's) and check it against the layout and
+the data; the memory report (memory.py), whose auto_memory returns the memory knobs that fit, set
+in the config here; build the model from the final config (or load its weights); print the
+estimate, stopping a run that can't fit; shard the model (parallel.py: under torchrun only), wrap
+its blocks' keep / recompute / offload policy (offload.py). A dry run then measures one step on fake
+tensors (dry_run_step) instead of training. The loop: evaluate (and checkpoint), set the lr, sample
+a global batch, run the micro-steps' forward and backward with the loss normalised by the number of
+real target tokens across all of them, sync the gradients (several ranks), clip, AdamW, log.
 
 The default path is short: on one process with every memory knob off, a step runs through
 train.py, model.py, chunked.py and optim.py only; each call into parallel.py sits under
@@ -43,14 +46,14 @@ import tempfile
 import time
 from collections import namedtuple
 from contextlib import nullcontext, suppress
-from dataclasses import fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import Llama, LlamaConfig, MEMORY_KNOBS, flops_per_token, num_params
+from model import Llama, LlamaConfig, MEMORY_KNOBS, flops_per_token, num_params, read_config
 import checkpoint
 from configurator import collective_failed, configure, die, has_device, writable
 from data.tokenizer import check_tokenizer, read_docs, read_meta
@@ -160,9 +163,12 @@ auto_memory = False
 # (keys, what they allow, the check of one value)
 _RULES = [
     ('batch_size seq_len gradient_accumulation_steps eval_interval log_interval eval_iters '
-     'tp_size cp_size pp_size', 'must be >= 1', lambda v: v >= 1),
+     'tp_size cp_size pp_size ep_size', 'must be >= 1', lambda v: v >= 1),
     ('max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay grad_clip '
-     'memory_budget_gb host_memory_budget_gb', 'must be >= 0', lambda v: 0 <= v < math.inf),
+     'memory_budget_gb host_memory_budget_gb dry_run_anatomy', 'must be >= 0',
+     lambda v: 0 <= v < math.inf),
+    # torch's generators take 64 bits; evaluate's is seeded with seed + 1
+    ('seed', 'must be in [0, 2**63)', lambda v: 0 <= v < 2 ** 63),
     ('beta1 beta2', 'must be in [0, 1)', lambda v: 0 <= v < 1),
     ('dtype', "must be 'auto', 'float32', 'bfloat16' or 'float16'",
      lambda v: v in ('auto', 'float32', 'bfloat16', 'float16')),
@@ -548,24 +554,15 @@ def device_and_dtype():
     return dev, ptdtype, autocast
 
 
-def check_layout(config, world, dev, ptdtype):
-    """Stop on every rank, in one line, before anything is allocated, if this layout can't run
-    config."""
-    why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type,
-                                ptdtype, offload_states, pp_size, gradient_accumulation_steps,
-                                pp_schedule, ep_size)
-    if why:
-        die(why)
-
-
-def model_from_config(meta, cfg, world, dev, ptdtype):
-    """Build (or load) the model named by init_from, its config and layout checked before the
-    model is allocated (a Hugging Face model is checked as it loads); returns (model, checkpoint
-    or None)."""
+def model_config(meta, cfg, world, dev, ptdtype):
+    """The model's config, settled before anything is built: the keys' (scratch), the checkpoint's
+    model_args (resume) or a Hugging Face directory's config.json (its weights are read by
+    build_model), checked against the layout and the data; returns (config, checkpoint or
+    None)."""
     knobs = {k: cfg[k] for k in MEMORY_KNOBS}  # how forward runs: free to change on resume
     # the model's keys that were given (None: not given)
     given = {f.name: cfg[f.name] for f in fields(LlamaConfig) if cfg[f.name] is not None}
-    model = ckpt = None
+    ckpt = None
     if init_from != 'resume' and not (overwrite or dry_run) and checkpoint.latest(out_dir):
         die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True "
             f"starts a new run (the old checkpoint stays until the new run saves one)")
@@ -582,20 +579,36 @@ def model_from_config(meta, cfg, world, dev, ptdtype):
             config = LlamaConfig(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
         else:
             # its architecture, but a rope_theta or rope_scaling given: a new one extends the
-            # model's context. The tokenizer first: another tokenizer's ids are nonsense to it (a
-            # dry run reads no weights)
+            # model's context. The tokenizer first: another tokenizer's ids are nonsense to it
             check_tokenizer(meta, init_from)
-            model = Llama.from_pretrained(init_from, not dry_run,
-                                          **{k: v for k, v in given.items()
-                                             if k in knobs or 'rope' in k})
-            config = model.config
+            config = read_config(init_from, **{k: v for k, v in given.items()
+                                               if k in knobs or 'rope' in k})
     except ValueError as e:
         die(e)
-    check_layout(config, world, dev, ptdtype)
+    # this layout's rules (parallel.check_layout), on every rank, before anything is allocated
+    why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type,
+                                ptdtype, offload_states, pp_size, gradient_accumulation_steps,
+                                pp_schedule, ep_size)
+    if why:
+        die(why)
     if meta['vocab_size'] > config.vocab_size:
         die(f"dataset {dataset!r} has vocab_size {meta['vocab_size']} ({meta.get('tokenizer')}), "
             f"more than the model's {config.vocab_size}: prepare it with the model's tokenizer")
-    return model or Llama(config), ckpt
+    return config, ckpt
+
+
+def build_model(config):
+    """The model of config, once config is final: a Hugging Face directory's weights read into it,
+    else initialised from the seed (a checkpoint's weights load after sharding: main). A dry run's
+    is shapes only, on the meta device: no weights read, nothing allocated."""
+    with torch.device('meta') if dry_run else nullcontext():
+        if init_from in ('scratch', 'resume') or dry_run:
+            return Llama(config)
+        try:
+            # config is config.json's with our knobs and RoPE: its every field over the file's
+            return Llama.from_pretrained(init_from, **asdict(config))
+        except ValueError as e:  # a shard missing, a tensor of the wrong shape: the user's files
+            die(e)
 
 
 def place_model(model, mesh, dev, ptdtype):
@@ -619,47 +632,60 @@ def place_model(model, mesh, dev, ptdtype):
         parallel.shard_states(model, mesh, zero, ptdtype, offload_states)
 
 
-def dry_run_step(mem, model, raw_model, autocast, mesh, optimizer, pipe):
-    """One step on fake tensors, measured: the table and the verdict (memory.py). Two micro-steps
-    show what gradient accumulation adds; under pp one more than rank 0's stage keeps in flight,
-    then the last stage's dry run in a fresh process. A stage of more than n + 1 blocks (unless
-    dry_run_full): the same command with n and n + 1 blocks a stage, measured fully, side by side
-    in processes of their own, and extrapolated (measure.extrapolate)."""
+def dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe):
+    """One step on fake tensors, measured: the table and the verdict (memory.py). A stage of up to
+    n + 1 blocks (or dry_run_full) runs it here; a longer one runs it with n and n + 1 blocks and
+    extrapolates; under pp the last stage's dry run follows."""
     # n: the fewest blocks a stage extrapolates from, the first, one between, the last KEEP_LAST
     blocks, n = len(raw_model.layers), offload_policy.KEEP_LAST + 2
     if dry_run_full or dry_run_anatomy or blocks <= n + 1:
+        # two micro-steps show what gradient accumulation adds; under pp one more than rank 0's
+        # stage keeps in flight
         micro_steps = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)
         # made before the step: they are not the step's
         batches = [parallel.shard_batch(mesh, *memory.fake_batch(
-            batch_size * mesh.dp, seq_len, model.config.vocab_size, doc_mask))
+            batch_size * mesh.dp, seq_len, config.vocab_size, doc_mask))
             for _ in range(micro_steps)]
         with mem.measure(pipe or raw_model, optimizer.masters, optimizer):
             train_step(model, batches, autocast, mesh, optimizer, pipe)
     else:
-        # the model as it is here (auto_memory's knobs, a Hugging Face directory's shape)
-        config = [f'--{f.name}={getattr(mem.config, f.name)!r}' for f in fields(mem.config)]
-        timelines = []
-        with tempfile.TemporaryDirectory() as tmp:
-            runs = {m: subprocess.Popen([sys.executable, *sys.argv, *config, '--init_from=scratch',
-                                         f'--n_layer={m * mesh.pp}', '--auto_memory=False',
-                                         '--dry_run_full=True', f'--out_dir={tmp}/{m}'],
-                                        env={**os.environ, 'RANK': str(mesh.rank)},
-                                        stdout=subprocess.DEVNULL)
-                    for m in (n, n + 1)}
-            for m, run in runs.items():
-                if run.wait():  # (its error on our stderr)
-                    die(f"the dry run of {m} blocks a stage failed")
-                with open(f'{tmp}/{m}/{mem.name}') as f:
-                    timelines.append(json.load(f)['timeline'])
-        timeline = measure.extrapolate(*timelines, n, blocks, mesh.pp_rank)
+        # every block of a long stage measured on fake tensors takes minutes, and its blocks'
+        # moments repeat: what one more block adds to each moment extrapolates them all, to the
+        # byte (measure.extrapolate)
+        fewer = measure_few_blocks(n, config, mesh, mem.name)
+        more = measure_few_blocks(n + 1, config, mesh, mem.name)
+        timeline = measure.extrapolate(fewer, more, n, blocks, mesh.pp_rank)
         print(f"(this stage's {blocks} blocks: measured with {n} and {n + 1}, each moment "
               f"extrapolated from what one more block adds to it; --dry_run_full=True measures "
               f"all {blocks})")
         mem.report(dict(max(timeline, key=lambda m: m['total'])), timeline=timeline)
-    # the user's command: the LM head and loss, the fewest in flight
+    # the user's command (not a stage's run of it) under pp: rank 0 measured the first stage only
     if mesh.pp > 1 and mesh.pp_rank == 0 and 'RANK' not in os.environ:
-        subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)},
-                       check=True)
+        dry_run_last_stage(mesh)
+
+
+def measure_few_blocks(blocks, config, mesh, name):
+    """The timeline of this dry run with `blocks` blocks a stage, every one measured: this command
+    in a process of its own, as this rank, with config's every field (auto_memory's knobs, a Hugging
+    Face directory's shape). name: its memory.json's."""
+    fixed = [f'--{f.name}={getattr(config, f.name)!r}' for f in fields(config)]
+    with tempfile.TemporaryDirectory() as tmp:
+        run = subprocess.run([sys.executable, *sys.argv, *fixed, '--init_from=scratch',
+                              f'--n_layer={blocks * mesh.pp}', '--auto_memory=False',
+                              '--dry_run_full=True', f'--out_dir={tmp}'],
+                             env={**os.environ, 'RANK': str(mesh.rank)}, stdout=subprocess.DEVNULL)
+        if run.returncode:  # (its error on our stderr)
+            die(f"the dry run of {blocks} blocks a stage failed")
+        with open(os.path.join(tmp, name)) as f:
+            return json.load(f)['timeline']
+
+
+def dry_run_last_stage(mesh):
+    """The last pipeline stage holds what rank 0's does not (the final norm, the LM head and the
+    loss) and the fewest micro-batches in flight: the user's command again as the last rank, in a
+    process of its own (its table, verdict and memory.rank<r>.json)."""
+    subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)},
+                   check=True)
 
 
 def catch_signals():
@@ -678,8 +704,7 @@ def catch_signals():
 
 # -----------------------------------------------------------------------------
 def main():
-    """Setup, in the order it happens, then the loop: evaluate (and checkpoint), set the lr,
-    forward and backward, clip, step, log."""
+    """Setup, in the order it happens, then the loop: evaluate, set the lr, step, log."""
     cfg = configure(globals())  # a config file, then --key=value, over the defaults above
     check_config(cfg)
     dev, ptdtype, autocast = device_and_dtype()
@@ -689,15 +714,16 @@ def main():
     if world > 1 and dev.type == 'cuda':
         dev = torch.device('cuda', local_rank)
     meta = read_dataset(world, rank)
-    with torch.device('meta') if dry_run else nullcontext():  # a dry run's model is shapes only
-        model, ckpt = model_from_config(meta, cfg, world, dev, ptdtype)
+    config, ckpt = model_config(meta, cfg, world, dev, ptdtype)  # (nothing is built from it yet)
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
-    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, model.config.n_kv_head,
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, config.n_kv_head,
                               timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size)
+    mem = memory.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
+    if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
+        config = replace(config, **mem.auto_memory())
+    model = build_model(config)  # from the final config (a bad HF file: stopped before out_dir)
     lock = make_out_dir(rank)  # (held while main runs)
-    # the memory report, before anything is on the device: stops a run that can't fit (80% rule)
-    mem = memory.Report(model, cfg, world, rank, mesh, dev, ptdtype)
-    check_layout(model.config, world, dev, ptdtype)  # the knobs as auto_memory left them
+    mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
     place_model(model, mesh, dev, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
@@ -712,13 +738,13 @@ def main():
     pipe = (pipeline.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev)
             if pp_size > 1 else None)  # pp: torch's pipeline schedule over this rank's stage
     if dry_run:
-        return dry_run_step(mem, model, raw_model, autocast, mesh, optimizer, pipe)
+        return dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
 
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # global batch
-    mfu_flops, hfu_flops = flops_per_token(model.config, seq_len)
+    mfu_flops, hfu_flops = flops_per_token(config, seq_len)
     device_flops = peak_flops(dev, ptdtype, world)  # MFU is per device: against all of them
     if rank == 0:  # (the device, dtype and layout: in the memory report's title)
-        print(f"{num_params(model.config) / 1e6:.2f}M parameters (non-embedding), "
+        print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
               f"{tokens_per_iter:,} tokens per step")
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on

@@ -12,6 +12,7 @@ from configurator import configure  # noqa: E402
 def defaults():
     # what train.py's globals() looks like: config keys next to things that aren't
     return {'__name__': '__main__', '_private': 1, 'os': os, 'configure': configure,
+            'MEMORY_KNOBS': ('mlp_chunks',), 'SCALE_GROWTH': 2000,  # constants, imported or not
             'batch_size': 12, 'max_iters': 5000, 'learning_rate': 6e-4, 'compile': True,
             'dry_run': False, 'out_dir': 'out', 'init_from': 'scratch', 'rope_scaling': None,
             'betas': (0.9, 0.95), 'layers': [1, 2], 'extra': {'a': 1}}
@@ -117,6 +118,7 @@ def test_help(capsys):
     out = capsys.readouterr().out
     assert '--max_iters=5000' in out and "--out_dir='out'" in out
     assert '_private' not in out and '--configure' not in out and '--os' not in out
+    assert 'MEMORY_KNOBS' not in out and 'SCALE_GROWTH' not in out
     with pytest.raises(SystemExit) as e:
         configure(defaults(), ['-h'])
     assert e.value.code in (0, None)
@@ -137,6 +139,9 @@ def test_private_and_module_names_are_not_keys(capsys):
     assert "'_private'" in error(capsys, ['--_private=2'])
     assert "'os'" in error(capsys, ['--os=2'])
     assert "'configure'" in error(capsys, ['--configure=2'])
+    # an upper-case constant (one train.py imports: it once ended in a KeyError traceback)
+    assert "unknown config key 'MEMORY_KNOBS'" in error(capsys, ["--MEMORY_KNOBS=('x',)"])
+    assert "unknown config key 'SCALE_GROWTH'" in error(capsys, ['--SCALE_GROWTH=2'])
 
 
 @pytest.mark.parametrize('arg,msg', [

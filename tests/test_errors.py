@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -60,6 +61,7 @@ CASES = [
      'experts_per_token=5: must be <= n_experts=4'),
     ('ep_size in one process', ['--n_experts=4', '--ep_size=2'], 'ep_size=2 must divide the 1 dp x cp ranks'),
     ('n_experts=-1', ['--n_experts=-1'], 'n_experts=-1: must be >= 0'),
+    ('ep_size=0', ['--ep_size=0'], 'ep_size=0: must be >= 1'),  # (a ZeroDivisionError traceback before)
     ('float16 with the optimizer in backward', ['--dtype=float16', '--optimizer_in_backward=True'],
      "optimizer_in_backward=True with dtype float16: a parameter's step can't wait"),
     ('rope_scaling of an unknown type', ["--rope_scaling={{'rope_type': 'ntk', 'factor': 2.0}}"],  # ({{: format's)
@@ -69,6 +71,10 @@ CASES = [
     ('norm_eps=-1', ['--norm_eps=-1'], 'norm_eps'),
     ('host_memory_budget_gb=-1', ['--host_memory_budget_gb=-1'], 'host_memory_budget_gb'),
     ('unknown key', ['--batch_sise=2'], 'batch_sise'),
+    # a constant train.py imports is no key (it was, and ended in a KeyError traceback)
+    ('a constant as a key', ["--MEMORY_KNOBS=('x',)"], "unknown config key 'MEMORY_KNOBS'"),
+    ('seed past 63 bits', ['--seed=100000000000000000000000'], 'seed=100000000000000000000000: must be in [0, 2**63)'),
+    ('dry_run_anatomy=-1', ['--dry_run_anatomy=-1'], 'dry_run_anatomy=-1: must be >= 0'),
     ('wrong type', ['--batch_size=two'], 'batch_size'),
     ('dtype unknown', ['--dtype=float8'], "dtype='float8': must be 'auto', 'float32', 'bfloat16' or 'float16'"),
     # a rule between keys (the others: test_parallel.py), init_from and out_dir (the config file: test_configurator.py)
@@ -230,6 +236,16 @@ def test_bad_input_is_one_line_and_leaves_out_dir_alone(results, case, names):
 
 def test_there_are_at_least_40_cases():
     assert len({c for c, _, _ in CASES}) == len(CASES) >= 40
+
+
+def test_help_lists_the_settings_only():
+    """--help lists train.py's settings, the keys: not a constant it defines or imports (MEMORY_KNOBS, SCALE_GROWTH
+    were listed)."""
+    p = subprocess.run([sys.executable, 'train.py', '--help'], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    keys = [line[4:].partition('=')[0] for line in p.stdout.splitlines() if line.startswith('  --')]
+    assert p.returncode == 0 and {'seq_len', 'out_dir', 'auto_memory'} <= set(keys), p.stdout
+    assert {f.name for f in fields(LlamaConfig)} <= set(keys)  # the model's own keys
+    assert [k for k in keys if not k.islower()] == []
 
 
 @pytest.mark.parametrize('args,names', [

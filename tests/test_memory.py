@@ -620,20 +620,25 @@ def test_host_memory_is_the_targets_and_shared_by_a_nodes_ranks(monkeypatch):
 PLAN_WORKER = """
 import os, sys
 sys.path.insert(0, {root!r})
+from dataclasses import replace
 import torch, torch.distributed as dist
 import memory, parallel
-from model import Llama, LlamaConfig
+from model import LlamaConfig
 dist.init_process_group('gloo')
 rank = dist.get_rank()
 memory.meminfo = lambda key: 1 << 40
 if rank == 1:  # what this rank would plan alone (its own device or host memory could make it differ)
     memory.plan = lambda *args, **kw: None
-with torch.device('meta'):  # shapes only: the report is made before anything is allocated
-    model = Llama(LlamaConfig(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192,
-                              vocab_size=32000, mlp_chunks=0, loss_chunks=0))
+# the config alone: the report is made before the model is built, and changes nothing
+config = LlamaConfig(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192, vocab_size=32000,
+                     mlp_chunks=0, loss_chunks=0)
 cfg = dict(batch_size=1, seq_len=32768, auto_memory=True, memory_budget_gb=20, out_dir={out!r})
-memory.Report(model, cfg, 2, rank, parallel.Mesh(), torch.device('cpu'), torch.bfloat16)
-open(os.path.join({out!r}, 'plan%d' % rank), 'w').write('%s %s' % (model.config.recompute, model.config.offload))
+report = memory.Report(config, cfg, 2, rank, parallel.Mesh(), torch.device('cpu'), torch.bfloat16)
+configured = replace(config)  # a copy
+knobs = report.auto_memory()
+assert config == configured and knobs  # it changed nothing: train.py sets the knobs (replace)
+config = replace(config, **knobs)
+open(os.path.join({out!r}, 'plan%d' % rank), 'w').write('%s %s' % (config.recompute, config.offload))
 dist.destroy_process_group()
 """
 
@@ -672,8 +677,11 @@ def config_report(name, capsys, tmp_path, world=None, last_stage=False, **overri
                            rank=stage * cp * tp)
     capsys.readouterr()
     try:
-        report = memory.Report(SimpleNamespace(config=config), cfg, world, 0, mesh, torch.device('cpu'),
-                               torch.bfloat16)
+        # as train.py's main: the report, auto_memory's knobs set in the config, the estimate checked
+        report = memory.Report(config, cfg, world, 0, mesh, torch.device('cpu'), torch.bfloat16)
+        if cfg.get('auto_memory'):
+            config = replace(config, **report.auto_memory())
+        report.check(config)
         est, code = report.est, None
     except SystemExit as e:
         est, code = None, e.code
