@@ -397,16 +397,13 @@ class Llama(nn.Module):
 
     # ------------------------------------------------------------------------- Hugging Face
     @classmethod
-    def from_pretrained(cls, hf_dir, weights=True, **overrides):
+    def from_pretrained(cls, hf_dir, core=attention, mesh=None, **overrides):
         """Load a local HF Llama or Mixtral directory: config.json + model.safetensors, or shards
-        with an index (weights=False: config.json only, the model as Llama(config) makes it).
-        `overrides` set LlamaConfig fields: the memory knobs; a new rope_theta or rope_scaling
-        extends its context."""
+        with an index, into Llama(config, core, mesh). `overrides` set LlamaConfig fields: the
+        memory knobs; a new rope_theta or rope_scaling extends its context."""
         from safetensors.torch import load_file
 
         config = read_config(hf_dir, **overrides)
-        if not weights:
-            return cls(config)
         files = ['model.safetensors']
         index = os.path.join(hf_dir, 'model.safetensors.index.json')
         if os.path.exists(index):
@@ -417,7 +414,7 @@ class Llama(nn.Module):
             path = os.path.join(hf_dir, name)
             with _reading(path):
                 hf_state.update(load_file(path))
-        model = cls(config)
+        model = cls(config, core, mesh)
         state = {}
         for ours, theirs in _hf_names(config).items():
             with _reading(hf_dir):

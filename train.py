@@ -34,7 +34,6 @@ in train_step, on the device).
 """
 
 import fcntl
-import functools
 import json
 import math
 import os
@@ -597,16 +596,21 @@ def model_config(meta, cfg, world, dev, ptdtype):
     return config, ckpt
 
 
-def build_model(config):
-    """The model of config, once config is final: a Hugging Face directory's weights read into it,
-    else initialised from the seed (a checkpoint's weights load after sharding: main). A dry run's
-    is shapes only, on the meta device: no weights read, nothing allocated."""
+def build_model(config, mesh, dev):
+    """The model of config, once config is final, for this rank's place in the mesh, around the
+    attention core the layout takes (parallel.attention_core): a Hugging Face directory's weights
+    read into it, else initialised from the seed (a checkpoint's weights load after sharding:
+    main). A dry run's is shapes only, on the meta device: no weights read, nothing allocated."""
+    # packed documents on CUDA: a window's documents in one varlen kernel, not one call each (a dry
+    # run stands in for CUDA devices)
+    varlen = doc_mask and (dev.type == 'cuda' or dry_run)
+    core = parallel.attention_core(mesh, varlen)
     with torch.device('meta') if dry_run else nullcontext():
         if init_from in ('scratch', 'resume') or dry_run:
-            return Llama(config)
+            return Llama(config, core, mesh)
         try:
             # config is config.json's with our knobs and RoPE: its every field over the file's
-            return Llama.from_pretrained(init_from, **asdict(config))
+            return Llama.from_pretrained(init_from, core, mesh, **asdict(config))
         except ValueError as e:  # a shard missing, a tensor of the wrong shape: the user's files
             die(e)
 
@@ -614,10 +618,6 @@ def build_model(config):
 def place_model(model, mesh, dev, ptdtype):
     """This rank's share of the full model (every rank built the same one, from the seed), its
     blocks' activation policy wrapped, on its device in its weights' dtype."""
-    if doc_mask and (dev.type == 'cuda' or dry_run):  # (a dry run stands in for CUDA devices)
-        # a window's documents in one varlen kernel, not one call each (model.attention)
-        for block in model.layers.values():
-            block.attention.attend = functools.partial(block.attention.attend, varlen=True)
     if mesh.world > 1:  # sharded (and staged) for this rank; one process keeps it whole
         parallel.parallelize(model, mesh)
     # keep, recompute or offload each block's activations (every knob off: no block wrapped)
@@ -721,7 +721,7 @@ def main():
     mem = memory.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
-    model = build_model(config)  # from the final config (a bad HF file: stopped before out_dir)
+    model = build_model(config, mesh, dev)  # (a bad HF file: stopped before out_dir)
     lock = make_out_dir(rank)  # (held while main runs)
     mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
     place_model(model, mesh, dev, ptdtype)
