@@ -385,7 +385,10 @@ class Llama(nn.Module):
                 raise NotImplementedError("logits under tensor parallelism: sample in one process "
                                           "(sample.py)")
             return self.output(x)
-        chunks = chunked.loss_chunks(self.config, targets.numel())
+        chunks = self.config.loss_chunks
+        if chunks != 1:
+            # (0: chunked.py counts them from the micro-batch's tokens)
+            chunks = chunked.loss_chunks(self.config, targets.numel())
         if chunks == 1 and self.vocab_group is None:
             # the plain path keeps the [B, S, V] logits, hands them back
             logits = self.output(x)

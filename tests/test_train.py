@@ -662,3 +662,49 @@ def test_a_second_run_in_the_same_out_dir_stops_in_one_line_and_writes_nothing(t
         first.kill()
         first.wait()
     run_train(*SMALL, '--max_iters=3', f'--out_dir={out}', '--init_from=resume')
+
+
+TRACE = '''
+import json, os, sys
+sys.argv = ['train.py', *{args!r}]
+sys.path.insert(0, {root!r})
+import train
+files, calls, step = set(), [], train.train_step
+
+
+def tracer(frame, event, arg):
+    files.add(frame.f_code.co_filename)
+    return tracer
+
+
+def traced(*args, **kw):
+    """train_step, its steps 3 and 4 traced: every Python frame they enter."""
+    calls.append(1)
+    if len(calls) not in (3, 4):
+        return step(*args, **kw)
+    sys.settrace(tracer)
+    try:
+        return step(*args, **kw)
+    finally:
+        sys.settrace(None)
+
+
+train.train_step = traced
+train.main()
+ours = sorted(os.path.basename(f) for f in files if os.path.dirname(f) == {root!r})
+print(json.dumps(ours))
+'''
+
+
+@pytest.mark.parametrize('knobs, files', [
+    ([], ['model.py', 'optim.py', 'rope.py', 'train.py']),
+    (['--mlp_chunks=2'], ['chunked.py', 'model.py', 'optim.py', 'rope.py', 'train.py'])])
+def test_the_default_step_runs_four_files(tmp_path, knobs, files):
+    """One process, the default config (train_tiny's shape, smaller): steps 3 and 4 of train.py's loop run code
+    in train.py, model.py, rope.py and optim.py only (train.py's header says so); a chunk knob adds chunked.py.
+    No parallel.py, no MoE walk, no offload.py."""
+    args = [*SMALL, '--max_iters=5', '--eval_interval=100', f'--out_dir={tmp_path}', *knobs]
+    p = subprocess.run([sys.executable, '-c', TRACE.format(args=args, root=ROOT)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == files
