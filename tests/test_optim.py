@@ -24,6 +24,13 @@ def groups_of(params, wd=0.1):  # train.make_optimizer's: weight decay on matric
             {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
 
 
+def in_backward(model, max_norm=float('inf'), **kw):
+    """train.make_optimizer's with optimizer_in_backward: our AdamW, its state made by MasterWeights."""
+    params = optim.make_master_weights(model, in_backward=True)
+    inner = optim.AdamWInBackward(groups_of(params), max_norm, **kw)
+    return optim.MasterWeights(list(model.named_parameters()), params, params, [inner], parallel.Mesh(), CONFIG)
+
+
 @pytest.mark.parametrize('max_norm', [float('inf'), 0.05])
 def test_step_in_backward_is_torchs_adamw_in_fp32(max_norm):
     """3 steps: the same weights as torch's AdamW (within 1e-6, absolute and relative), with grad_clip each tensor clipped to its share of the
@@ -35,8 +42,7 @@ def test_step_in_backward_is_torchs_adamw_in_fp32(max_norm):
     opt_ref = torch.optim.AdamW(groups_of(list(ref.parameters())), **kw)
     params = optim.make_master_weights(ours, in_backward=True)
     assert all(m is p for m, p in zip(params, ours.parameters()))  # no fp32 holders: the parameters themselves
-    opt = optim.AdamW(list(ours.named_parameters()), params, groups_of(params), parallel.Mesh(), CONFIG,
-                      in_backward=True, max_norm=max_norm, fused=False, **kw)
+    opt = in_backward(ours, max_norm, **kw)
     total, clipped = sum(p.numel() for p in ref.parameters()), 0
     for i in range(3):
         x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
@@ -60,9 +66,7 @@ def test_step_in_backward_is_torchs_adamw_in_fp32(max_norm):
 def test_a_non_finite_gradient_leaves_its_parameter_alone():
     torch.manual_seed(0)
     model = Llama(CONFIG)
-    params = optim.make_master_weights(model, in_backward=True)
-    opt = optim.AdamW(list(model.named_parameters()), params, groups_of(params), parallel.Mesh(), CONFIG,
-                      in_backward=True, fused=False, lr=1e-2)
+    opt = in_backward(model, lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randint(0, 50, (2, 16))
     (model(x, x)[1] * float('nan')).backward()

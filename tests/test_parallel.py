@@ -162,7 +162,8 @@ def one_step(model, mesh, config, zero, docs=None):
     grads = gather_full(named, mesh, config, grads=True)
     if zero:
         params = [p for _, p in named]
-        opt = optim.AdamW(named, params, [{'params': params}], mesh, config, lr=LR)
+        pieces = optim.fp32_pieces(params)
+        opt = optim.MasterWeights(named, params, pieces, [torch.optim.AdamW(pieces, lr=LR)], mesh, config)
     else:
         opt = torch.optim.SGD([p for _, p in named], lr=LR)
     opt.step()
