@@ -93,11 +93,17 @@ def muon_steps(name, x):
     return x.dim() == 2 and name.startswith('layers.') and not name.endswith('router.weight')
 
 
-def muon_params(config):
-    """The parameters of a block that Muon steps (muon_steps'): attention's four matrices and a
-    dense MLP's three (memory.py)."""
+def optimizer_bytes(config, name, b, N, L):
+    """memory.py's optimizer bytes of N parameters of b bytes each, L blocks among them: the state
+    of optimizer `name` (STATE_BYTES; under Muon AdamW's for all but the blocks' matrices) + a bf16
+    run's fp32 master weights."""
     h, kv = config.n_embd, config.n_kv_head * config.head_dim
-    return 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size * (config.n_experts == 0)
+    # the parameters of a block Muon steps (muon_steps'): attention's four matrices, a dense MLP's
+    # three
+    matrices = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size * (config.n_experts == 0)
+    muon = L * matrices * (name == 'muon')
+    adamw = STATE_BYTES['adamw']
+    return (adamw + 4 * (b == 2)) * N - (adamw - STATE_BYTES[name]) * muon
 
 
 def new_state(optimizer, group, x):
