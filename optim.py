@@ -199,14 +199,18 @@ class LossScaler:
 
     def step(self, optimizer, *checks):
         """optimizer.step, skipped if any of checks (the loss, the gradient norm) is not finite:
-        found_inf, on the device."""
-        self.found_inf = torch.stack([~t.isfinite() for t in checks]).any().float()
+        found_inf, on the device (no checks: None, the step taken)."""
+        self.found_inf = None
+        if checks:
+            self.found_inf = torch.stack([~t.isfinite() for t in checks]).any().float()
         optimizer.step(self.found_inf)
 
     def update(self):
         """After the step: fp16's scale halved if it was skipped, doubled after SCALE_GROWTH clean
         steps, at least 1; skipped counted in a row (in fp16 once the scale is at its floor). On
         the device, no host sync."""
+        if self.found_inf is None:
+            return
         stops = self.found_inf
         if self.enabled:
             stops = self.found_inf * (self.factor <= 1)

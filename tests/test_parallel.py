@@ -567,6 +567,24 @@ def test_float16_layouts_train_as_one_process(tmp_path, single_f16, nproc, layou
         assert a['loss_scale'] == b['loss_scale']
 
 
+@pytest.fixture(scope='module')
+def single_muon(tmp_path_factory):
+    """One process, optimizer='muon': 4 steps."""
+    out = tmp_path_factory.mktemp('single_muon')
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', '--optimizer=muon', f'--out_dir={out}')
+    return read_log(out)
+
+
+@pytest.mark.parametrize('nproc,layout', [(2, ['--batch_size=2']), (2, ['--pp_size=2', '--pp_schedule=gpipe'])],
+                         ids=['dp2', 'pp2'])
+def test_muon_under_dp_and_pp_trains_as_one_process(tmp_path, single_muon, nproc, layout):
+    """Muon orthogonalizes each matrix whole: dp 2 (the gradients summed, every rank the same update) and pp 2 (each
+    stage its own blocks' matrices) give one process's losses."""
+    out = str(tmp_path / 'run')
+    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--optimizer=muon', f'--out_dir={out}')
+    assert_close_losses(read_log(out), single_muon)
+
+
 def test_zero2_resumes_twice_at_a_decaying_lr_as_an_uninterrupted_run(tmp_path):
     """dp 2 with zero=2, resumed at steps 3 and 5 of a decaying schedule: the same lrs and losses, bit for
     bit. Before, the optimizer kept the param groups and state that load_state_dict replaced: after a
