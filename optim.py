@@ -53,7 +53,6 @@ tensor spikes alone). A non-finite gradient skips its parameter.
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from parallel import local, shard_spec
 
@@ -66,26 +65,20 @@ SCALE_GROWTH = 2000  # fp16: clean steps in a row that double the loss scale (Gr
 
 
 def make_master_weights(model, in_backward=False):
-    """The tensors whose .grad holds each parameter's step gradient: the parameters (fp32, or in
-    backward), or for bf16 memory-less fp32 holders (stride-0 views of one zero; the masters live
-    in MasterWeights) into whose .grad a hook folds each bf16 gradient as autograd makes it:
-    accumulated in fp32, no bf16 gradient outlives it."""
+    """The tensors whose .grad holds each parameter's step gradient, which torch's optimizers step
+    (their local rows under FSDP2): the parameters (fp32, or in backward), or for bf16 their fp32
+    copies, the master weights, into whose .grad a hook folds each bf16 gradient as autograd makes
+    it: accumulated in fp32, no bf16 gradient outlives it."""
     params = list(model.parameters())
     if in_backward or all(p.dtype == torch.float32 for p in params):
         return params
-    masters = [p.new_zeros((), dtype=torch.float32).expand(p.shape) for p in params]
+    masters = [p.detach().float() for p in params]
     for p, m in zip(params, masters):
         def fold(p, m=m):
             m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
             p.grad = None
         p.register_post_accumulate_grad_hook(fold)
     return masters
-
-
-def fp32_pieces(params):
-    """What torch's optimizers step for each parameter: an fp32 one itself (FSDP2's DTensor: its
-    local rows, a leaf sharing their storage), else its fp32 copy, the master weight."""
-    return [local(p) if p.dtype == torch.float32 else p.detach().float() for p in params]
 
 
 def muon_steps(name, x):
@@ -117,18 +110,16 @@ def new_state(optimizer, group, x):
 
 
 class MasterWeights:
-    """torch's optimizers (or AdamWInBackward) on this rank's pieces of the weights, the bf16
-    weights copied from them after each step. named_params: this rank's; masters:
-    make_master_weights'; pieces: what the optimizers step, one per parameter (fp32_pieces, or
-    the parameters in backward). state and param_groups are the optimizers' (checkpoint.py, the
-    lr schedule); rows: each piece's rows that are not the vocabulary's padding."""
+    """torch's optimizers (or AdamWInBackward) on this rank's pieces of the master weights, the
+    bf16 weights copied from them after each step. named_params: this rank's; masters:
+    make_master_weights'; pieces: what the optimizers step, one per parameter: the masters, or
+    FSDP2's local rows of them. state and param_groups are the optimizers' (checkpoint.py, the lr
+    schedule); rows: each piece's rows that are not the vocabulary's padding."""
 
     def __init__(self, named_params, masters, pieces, optimizers, mesh, config):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.masters, self.pieces, self.optimizers = masters, pieces, optimizers
-        # FSDP2's DTensors: a gradient's local rows are its piece's
-        self.sharded = isinstance(self.params[0], DTensor)
         # each parameter's rows that are not padding: the vocabulary's, ⌈V/t⌉ a tp rank, end at V
         V, per_rank = config.vocab_size, math.ceil(config.vocab_size / mesh.tp)
         vocab_rows = max(0, min(per_rank, V - mesh.tp_rank * per_rank))
@@ -150,8 +141,8 @@ class MasterWeights:
         if isinstance(self.optimizers[0], AdamWInBackward):
             return  # backward took every parameter's step
         for m, x in zip(self.masters, self.pieces):
-            # (the same tensor when the parameters are fp32 on one process)
-            x.grad = local(m.grad) if self.sharded else m.grad
+            if x is not m:  # FSDP2's DTensor: its gradient's local rows are its piece's
+                x.grad = local(m.grad)
         for opt in self.optimizers:
             if opt.defaults.get('fused'):
                 # fused AdamW reads found_inf on the device, as GradScaler hands it over: 1 skips

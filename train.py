@@ -311,8 +311,9 @@ def make_optimizer(model, masters, device_type, mesh=None):
     """torch's AdamW, and Muon for the blocks' matrices (optimizer='muon'), on fp32 master weights:
     under zero=2, 3 FSDP2's share per dp·cp rank; or our AdamW in backward (optim.py)."""
     named = list(model.named_parameters())
-    params = [p for _, p in named]
-    pieces = params if optimizer_in_backward else optim.fp32_pieces(params)
+    # what torch steps: FSDP2's DTensors by their local rows (on DTensors of mixed placements it
+    # gathers whole tensors)
+    pieces = [parallel.local(m) for m in masters]
     # Muon: the blocks' matrices (Moonlight's split); AdamW: every other piece
     muon = [x for (n, _), x in zip(named, pieces) if optimizer == 'muon' and optim.muon_steps(n, x)]
     adamw = [x for x in pieces if all(x is not m for m in muon)]

@@ -51,7 +51,7 @@ def build(world, tp, zero, dtype, seed):
         parallel.shard_states(model, mesh, zero, dtype)
     masters = optim.make_master_weights(model)
     named = list(model.named_parameters())
-    pieces = optim.fp32_pieces([p for _, p in named])
+    pieces = [parallel.local(m) for m in masters]
     groups = [{'params': [x for x in pieces if x.dim() >= 2], 'weight_decay': 0.1},
               {'params': [x for x in pieces if x.dim() < 2], 'weight_decay': 0.0}]
     adamw = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=True)

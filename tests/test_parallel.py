@@ -162,7 +162,7 @@ def one_step(model, mesh, config, zero, docs=None):
     grads = gather_full(named, mesh, config, grads=True)
     if zero:
         params = [p for _, p in named]
-        pieces = optim.fp32_pieces(params)
+        pieces = [parallel.local(p) for p in params]
         opt = optim.MasterWeights(named, params, pieces, [torch.optim.AdamW(pieces, lr=LR)], mesh, config)
     else:
         opt = torch.optim.SGD([p for _, p in named], lr=LR)
