@@ -367,8 +367,13 @@ def train_step(model, batches, autocast, mesh, optimizer, pipe=None, scaler=None
         # the whole model's norm, even unclipped (grad_clip=0: max_norm inf), to see a non-finite
         # one
         max_norm = grad_clip or math.inf
-        if mesh.world == 1 and zero == 0:  # one process holds every gradient whole
-            norm = torch.nn.utils.clip_grad_norm_(optimizer.masters, max_norm)
+        if mesh.world == 1 and zero == 0:
+            # one process holds every gradient whole: their squares summed as parallel.py sums a
+            # rank's, to the bit (torch's clip_grad_norm_ takes a norm of norms: another rounding)
+            squares = sum(torch.linalg.vector_norm(m.grad, dtype=torch.float32) ** 2
+                          for m in optimizer.masters)
+            norm = squares.sqrt()
+            torch.nn.utils.clip_grads_with_norm_(optimizer.masters, max_norm, norm)
         else:  # every shard's squares, each element once
             norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)
         checks.append(norm)

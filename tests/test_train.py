@@ -610,12 +610,12 @@ def test_an_overflow_skips_its_step_and_halves_the_scale_until_the_floor(monkeyp
     opt = train.make_optimizer(model, masters, 'cpu')
     scaler = optim.LossScaler(True)  # 2^16, no clean step yet
     bad, real, steps, norms = set(), train.forward_backward, [], []
-    clip = torch.nn.utils.clip_grad_norm_  # (one process: torch's)
+    clip = torch.nn.utils.clip_grads_with_norm_  # (one process: the norm train_step sums, then torch's clip)
 
-    def clip_grad_norm_(*args):
-        norms.append(clip(*args))
-        return norms[-1]
-    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', clip_grad_norm_)
+    def clip_grads_with_norm_(params, max_norm, norm):
+        norms.append(norm)
+        return clip(params, max_norm, norm)
+    monkeypatch.setattr(torch.nn.utils, 'clip_grads_with_norm_', clip_grads_with_norm_)
 
     def forward_backward(model, *args):
         loss = real(model, *args)
