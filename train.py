@@ -698,7 +698,6 @@ def main():
     place_model(model, mesh, dev, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
-    # fp16's loss scale, or where the checkpoint left it; else a scale of 1 (optim.LossScaler)
     scaler = optim.LossScaler(ptdtype == torch.float16, dev, (ckpt or {}).get('loss_scale'))
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, math.inf
