@@ -2,9 +2,10 @@
 The optimizer step and what it keeps per parameter: torch's optimizers on fp32 master weights
 (AdamW, or Muon for the blocks' matrices), fp16's loss scaler, or our own AdamW inside backward.
 
-MasterWeights (Megatron's mixed precision, the default): bf16 weights, each gradient folded into
-an fp32 holder as autograd makes it (make_master_weights), torch's optimizers stepping fp32
-copies of the weights (the masters), copied back into the bf16 weights after each step:
+MasterWeights (Megatron's mixed precision, the default): bf16 weights, fp32 copies of them (the
+masters), each bf16 gradient folded into its master's fp32 .grad as autograd makes it
+(make_master_weights), torch's optimizers stepping the masters, copied back into the bf16 weights
+after each step:
 2 + 4 + 4 + s bytes per parameter, s the optimizer's own state (STATE_BYTES): AdamW's two moments
 8 (18 in all), Muon's momentum 4. fp32 runs: 4 + 4 + s, the weights their own masters. zero=2, 3
 (parallel.shard_states, FSDP2): the fp32 weights are the masters, and each of d = dp·cp ranks keeps
@@ -35,8 +36,8 @@ summed over every shard (tp, pp, FSDP2's rows), so every rank of every layout sk
 with no collective of its own; the scale has a floor of 1, where an overflow is a non-finite step
 like any (train.check_finite stops a run after a few in a row); the checkpoint keeps [scale,
 clean steps]. On the device, no host sync: a fused AdamW reads found_inf itself; others (Muon)
-wait for it on the host, as GradScaler makes them. With bf16 or fp32 its scale is 1, and it still
-skips a non-finite step.
+wait for it on the host, as GradScaler makes them (one sync a step). With bf16 or fp32 its scale
+is 1, and it still skips a non-finite step.
 
 AdamWInBackward (optimizer_in_backward=True, one rank; the Mini-Sequence Transformer's code,
 torch's "optimizer step in backward" recipe): a post-accumulate-grad hook steps each parameter the
