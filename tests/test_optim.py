@@ -1,4 +1,5 @@
-"""optim.py: the step inside backward equals torch's AdamW in fp32; stochastic rounding is unbiased where
+"""optim.py: optimizer='muon' is torch's Muon and AdamW run by hand, bit for bit; the step inside backward equals
+torch's AdamW in fp32; stochastic rounding is unbiased where
 rounding to nearest loses the update; a bf16 run with 6 bytes per parameter trains train_tiny as well as the
 fp32-master run; and what can't work with it is refused in one line."""
 import json
