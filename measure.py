@@ -61,7 +61,7 @@ class Tracker(ExitStack):
         # MemTracker's keys are the tensors' devices
         if device.type == 'cuda' and device.index is None:
             device = torch.device('cuda', torch.cuda.current_device())
-        self.device, self.root, self.optimizer = device, model, optimizer
+        self.device, self.root = device, model
         # its ModTracker: the modules an op runs in (parents), and whether in backward (is_bw)
         self.mt, self.anatomy = Moments(), anatomy
         self.mods = self.mt._mod_tracker
@@ -79,11 +79,14 @@ class Tracker(ExitStack):
             for state in optimizer.state.values():
                 self.adam += [parallel.local(v) for v in state.values()]
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
-        # optim.AdamW's fp32 master rows, unless they are views of fp32 parameters: optimizer bytes
+        # optim.MasterWeights' fp32 master rows, unless they are views of fp32 parameters:
+        # optimizer bytes
         own = [parallel.local(p).untyped_storage() for p in self.params]
         pieces = getattr(optimizer, 'pieces', ())
         self.state = [x for x in pieces if all(x.untyped_storage() is not s for s in own)]
-        self.mt.track_external(model, *self.state, *self.inputs, optimizer)  # (None: skipped)
+        # torch's optimizers inside optim.MasterWeights: their states are MemTracker's Optstate
+        self.optimizers = optimizer.optimizers if optimizer else []
+        self.mt.track_external(model, *self.state, *self.inputs, *self.optimizers)
 
     def __enter__(self):
         # train.py writes a master's .grad after autograd's hook: MemTracker is told of it then
@@ -96,8 +99,8 @@ class Tracker(ExitStack):
         self.enter_context(warnings.catch_warnings())
         # its own hook sees .grad = None after ours
         warnings.filterwarnings('ignore', message='Expected a tensor')
-        if self.optimizer:
-            self.enter_context(self.optimizer.register_step_pre_hook(self.optimizer_step))
+        for optimizer in self.optimizers:
+            self.enter_context(optimizer.register_step_pre_hook(self.optimizer_step))
         self.enter_context(self.mt)
         return self
 

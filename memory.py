@@ -19,7 +19,9 @@ current one's "held" beside every moment (pipeline.py):
 
   states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed
                precision, bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v);
-               fp32: 4 + 4 + 8
+               fp32: 4 + 4 + 8. The optimizer's state, from optim.STATE_BYTES: AdamW's m, v 8;
+               optimizer='muon': Muon's momentum 4 for the blocks' matrices (attention's, a dense
+               MLP's), AdamW's 8 for the rest (optim.optimizer_bytes)
                  zero=2, 3 (FSDP2): (4 + 4 + 8)/d, the fp32 weights the masters, plus b bytes of
                  what it gathers: the embedding, final norm and LM head, and every block (zero=2,
                  forward to backward) or one (3)
@@ -113,7 +115,7 @@ import offload
 import parallel
 # (the dry run's fake model and batch: train.py's)
 from measure import GiB, Tracker, anatomy, fake_batch, gib, to_fake, write_svg
-from optim import STEP_CHUNK
+from optim import STEP_CHUNK, optimizer_bytes
 from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
@@ -174,16 +176,17 @@ class States(NamedTuple):
     at_root: float         # FSDP2's reduce-scatter of the embedding's, final norm's, LM head's
 
 
-def model_states(r, d, zero, in_backward, on_host):
+def model_states(r, d, zero, in_backward, on_host, name):
     """This rank's N parameters, at the header's bytes each, and its gradients as backward makes
-    them."""
+    them. name: the optimizer's."""
     c, b, t = r.config, r.b, r.t
     h, V = c.n_embd, c.vocab_size
     vocab = V * h / t  # the embedding's parameters on this rank, or the LM head's
     # its norms not split; under ep (moe.py) E/ep experts
     block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h - r.away
     N = r.L * block + vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
-    params, grads, optimizer, host = b * N, 4 * N, (8 + 4 * (b == 2)) * N, 0  # bf16: + fp32 master
+    # the optimizer's state (optim.STATE_BYTES) + bf16's fp32 master
+    params, grads, optimizer, host = b * N, 4 * N, optimizer_bytes(c, name, b, N, r.L), 0
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
     # embedding's), in a block's backward, and last (the embedding's)
     head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
@@ -323,7 +326,7 @@ def moments(r, states, kept, activations, workspace):
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', dp=1,
              tp_size=1, cp_size=1, cp_impl='ulysses', pp_size=1, pp_rank=0, pp_schedule='1f1b',
              gradient_accumulation_steps=1, zero=0, offload_states=False,
-             optimizer_in_backward=False, doc_mask=False, ep_size=1):
+             optimizer_in_backward=False, doc_mask=False, ep_size=1, optimizer='adamw'):
     """Per-rank peak bytes of one training step of model.Llama(config) on pipeline stage pp_rank:
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
@@ -343,7 +346,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi - lo, first, last, F, M,
              *moe.memory_terms(c, batch_size, sequence, b, tp_size, ep_size))
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
-    states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states)
+    states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states, optimizer)
     kept = kept_per_token(r, batch_size, cp_size, dtype)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
     # RoPE's fp32 cos and sin, per position (of every token, with doc_mask or pp)

@@ -75,18 +75,20 @@ class Pipeline(nn.Module):
 
     def forward(self, x, positions=None, targets=None, starts=None):
         """The stage's blocks on x (starts: _starts'); with targets (the last stage's loss_fn), the
-        LM head's loss of x, weighted by its share of the step's count of targets."""
+        LM head's loss of x, weighted by its share of the step's count of targets, scaled."""
         with self.autocast:
             if targets is None:  # contiguous: what a stage sends and receives is flat memory
                 docs = None if starts is None else np.flatnonzero(np.asarray(starts))
                 return self.model(x, positions=positions, docs=docs).contiguous()
-            return self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
+            loss = self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
+            return self.scaler.scale(loss)
 
-    def step(self, micro_batches, count, fake=False):
+    def step(self, micro_batches, count, scaler, fake=False):
         """Every micro-batch's forward and backward, in torch's schedule: the sum of their weighted
-        losses on the last stage, 0 before it. micro_batches: (x, y, positions, docs) each; count:
-        the step's targets. fake (the dry run): fake_step in the schedule's stead."""
-        self.count = count
+        losses times the loss scale (scaler: optim.LossScaler; what backward runs on) on the last
+        stage, 0 before it. micro_batches: (x, y, positions, docs) each; count: the step's targets.
+        fake (the dry run): fake_step in the schedule's stead."""
+        self.count, self.scaler = count, scaler
         losses = []  # the last stage's, one per micro-batch
         if fake:
             self.fake_step(micro_batches, losses)

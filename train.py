@@ -13,11 +13,12 @@ estimate, stopping a run that can't fit; shard the model (parallel.py: under tor
 its blocks' keep / recompute / offload policy (offload.py). A dry run then measures one step on fake
 tensors (dry_run_step) instead of training. The loop: evaluate (and checkpoint), set the lr, sample
 a global batch, run the micro-steps' forward and backward with the loss normalised by the number of
-real target tokens across all of them, sync the gradients (several ranks), clip, AdamW, log.
+real target tokens across all of them, sync the gradients (several ranks), clip, the optimizer's step (AdamW, or Muon),
+log.
 
-The default path is short: on one process with every memory knob off, a step runs through
-train.py, model.py, chunked.py and optim.py only; each call into parallel.py sits under
-`if world > 1` or is a plain no-op there (one rank's share of a batch is all of it).
+The default path is short: on one process with every memory knob off, a step (train_step) runs
+code in train.py, model.py, rope.py and optim.py only (tests/test_train.py traces one); a chunk
+knob adds chunked.py, the layouts parallel.py, a mixture of experts moe.py.
 
 Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights, fp32 master
 weights, optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an
@@ -29,8 +30,9 @@ weights themselves (optim.py). dtype='float16' (GPUs without bf16: V100, T4) is 
 dynamic loss scaling (Micikevicius et al. 2018): fp16 has 5 exponent bits to bf16's 8, so
 gradients under 2^-24 would flush to zero; backward runs on the loss times a scale (2^16 at first)
 and the gradients are divided by it before clipping. A step whose gradients overflow is skipped
-and the scale halved; SCALE_GROWTH clean steps in a row double it (torch's GradScaler's rule, here
-in train_step, on the device).
+and the scale halved; SCALE_GROWTH clean steps in a row double it (torch's GradScaler's rule and
+verbs: optim.LossScaler, which train_step calls in GradScaler's order, on the device).
+optimizer='muon': torch's Muon for the blocks' matrices, AdamW for the rest (optim.py).
 """
 
 import fcntl
@@ -132,6 +134,8 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99  # tokens per step are few here: a shorter second-moment memory trains faster
 grad_clip = 1.0  # 0 disables
+# 'adamw' | 'muon': Muon for the blocks' matrices, AdamW for the rest (optim.py)
+optimizer = 'adamw'
 # True (one rank): each parameter's step inside backward, no fp32 copies (optim.py)
 optimizer_in_backward = False
 warmup_iters = 50
@@ -178,9 +182,14 @@ _RULES = [
     ('init_from', "must be 'scratch', 'resume' or a Hugging Face model directory",
      lambda v: dry_run or v in ('scratch', 'resume') or os.path.isdir(v)),
     ('out_dir', 'must be a directory we can write in, or create', writable),
-    ('optimizer_in_backward', "needs one rank, gradient_accumulation_steps=1 and zero=0 (no step's "
-     "gradient to sum or share)", lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1'
-     and zero == 0 and tp_size == cp_size == gradient_accumulation_steps == 1)]
+    ('optimizer', "must be 'adamw' or 'muon'", lambda v: v in ('adamw', 'muon')),
+    # Newton-Schulz orthogonalizes whole matrices: a layout that splits them can't run it
+    ('optimizer', "Muon needs whole matrices: it runs under dp, pp, cp and ep, not tp_size > 1 "
+     "or zero=2, 3", lambda v: v != 'muon' or tp_size == 1 and zero == 0),
+    ('optimizer_in_backward', "needs one rank, gradient_accumulation_steps=1, zero=0 (no step's "
+     "gradient to sum or share) and optimizer='adamw' (its own)",
+     lambda v: not v or os.environ.get('WORLD_SIZE', '1') == '1' and zero == 0
+     and tp_size == cp_size == gradient_accumulation_steps == 1 and optimizer == 'adamw')]
 
 
 # ----------------------------------------------------------------------------- data
@@ -259,19 +268,21 @@ def dpcp_sum(t, mesh):
     return parallel.all_reduce(t, mesh.dpcp_group)
 
 
-def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale=1.0):
-    """Backward of the mean loss over every real target token of the step, times fp16's loss scale,
-    returned detached (not a mean of per-micro-step means: micro-steps with more ignored targets
-    must weigh less). Under parallelism the count is the whole step's, over every dp × cp rank: the
-    gradients summed over them are then the single-process ones."""
+def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scaler=None):
+    """Backward of the mean loss over every real target token of the step, returned detached (not
+    a mean of per-micro-step means: micro-steps with more ignored targets must weigh less);
+    backward runs on it times fp16's loss scale (scaler.scale; None: no scale). Under parallelism
+    the count is the whole step's, over every dp × cp rank: the gradients summed over them are
+    then the single-process ones."""
+    scaler = scaler or optim.LossScaler()
     count = dpcp_sum(sum((y != -100).sum() for _, y, _, _ in micro_batches), mesh).clamp(min=1)
-    # each micro-step's weight times the scale: the pipeline's loss too, scaled once
-    count = count / scale
-    for layer in moe.moe_layers(model):  # their aux losses: a micro-step's mean, scaled the same
-        layer.aux_weight = scale / len(micro_batches)
+    if model.config.n_experts:  # their aux losses: a micro-step's mean, scaled as the loss is
+        for layer in moe.moe_layers(model):
+            layer.aux_weight = scaler.factor / len(micro_batches)
     if pipe is not None:
-        # torch's schedule runs them, in its order (pipeline.py); the last stage has the loss
-        loss = pipe.step(micro_batches, count, fake=dry_run)
+        # torch's schedule runs them, in its order (pipeline.py); the last stage has the loss,
+        # scaled for its backward
+        loss = pipe.step(micro_batches, count, scaler, fake=dry_run) / scaler.factor
         return dpcp_sum(parallel.all_reduce(loss, mesh.pp_group), mesh)
     total = 0.0
     for x, y, positions, docs in micro_batches:
@@ -279,7 +290,7 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale
         # through backward (memory.py counts on it)
         with autocast:
             loss = model(x, y, positions, docs)[1] * ((y != -100).sum() / count)
-        loss.backward()
+        scaler.scale(loss).backward()
         total += loss.detach()
     return dpcp_sum(total, mesh)
 
@@ -287,9 +298,9 @@ def forward_backward(model, micro_batches, autocast, mesh=None, pipe=None, scale
 def aux_loss(model, mesh):
     """The MoE layers' aux loss (moe.py) as one process computes it, averaged over the layers and
     the micro-steps since the last call (every rank calls it), then reset; None: a dense model."""
-    layers = moe.moe_layers(model)
-    if not layers:
+    if not model.config.n_experts:  # (no module walked for MoE layers)
         return None
+    layers = moe.moe_layers(model)
     total = torch.zeros(())
     for layer in layers:
         total = total + layer.aux_loss / max(1, layer.aux_count)
@@ -303,23 +314,34 @@ def aux_loss(model, mesh):
 
 
 def make_optimizer(model, masters, device_type, mesh=None):
-    """AdamW on fp32 master weights (optim.AdamW): under zero=2, 3 FSDP2's share per dp·cp rank;
-    or in backward."""
-    # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama). (A master has
-    # its parameter's shape.)
-    groups = [{'params': [m for m in masters if m.dim() >= 2], 'weight_decay': weight_decay},
-              {'params': [m for m in masters if m.dim() < 2], 'weight_decay': 0.0}]
-    # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on a
-    # CPU it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers of
-    # width 128: 0.9 vs 5.9 ms). (fused skips a step: train_step)
-    fused = device_type in ('cuda', 'cpu', 'mps') and not optimizer_in_backward
-    optimizer = optim.AdamW(list(model.named_parameters()), masters, groups,
-                            mesh or parallel.Mesh(), model.config,
-                            in_backward=optimizer_in_backward, max_norm=grad_clip or math.inf,
-                            lr=learning_rate, betas=(beta1, beta2), fused=fused)
-    # fp16's loss scale and its clean steps in a row (train_step; main sets them): else 1, None
-    optimizer.scale, optimizer.clean = 1.0, None
-    return optimizer
+    """torch's AdamW, and Muon for the blocks' matrices (optimizer='muon'), on fp32 master weights:
+    under zero=2, 3 FSDP2's share per dp·cp rank; or our AdamW in backward (optim.py)."""
+    named = list(model.named_parameters())
+    # what torch steps: FSDP2's DTensors by their local rows (on DTensors of mixed placements it
+    # gathers whole tensors)
+    pieces = [parallel.local(m) for m in masters]
+    # Muon: the blocks' matrices (Moonlight's split); AdamW: every other piece
+    muon = [x for (n, _), x in zip(named, pieces) if optimizer == 'muon' and optim.muon_steps(n, x)]
+    adamw = [x for x in pieces if all(x is not m for m in muon)]
+    # weight decay on matrices only: norms' gains are not decayed (nanoGPT, Llama)
+    groups = [{'params': [x for x in adamw if x.dim() >= 2], 'weight_decay': weight_decay},
+              {'params': [x for x in adamw if x.dim() < 2], 'weight_decay': 0.0}]
+    if optimizer_in_backward:
+        optimizers = [optim.AdamWInBackward(groups, grad_clip or math.inf, learning_rate,
+                                            (beta1, beta2))]
+    else:
+        # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on
+        # a CPU it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers
+        # of width 128: 0.9 vs 5.9 ms); it reads found_inf on the device (optim.LossScaler)
+        fused = device_type in ('cuda', 'cpu', 'mps')
+        optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2),
+                                        fused=fused)]
+    if muon:
+        # its update's RMS matched to AdamW's (Moonlight): the same lr and weight decay serve both
+        optimizers.append(torch.optim.Muon(muon, lr=learning_rate, weight_decay=weight_decay,
+                                           adjust_lr_fn='match_rms_adamw'))
+    return optim.MasterWeights(named, masters, pieces, optimizers, mesh or parallel.Mesh(),
+                               model.config)
 
 
 def get_lr(it):
@@ -333,78 +355,54 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def train_step(model, batches, autocast, mesh, optimizer, pipe=None):
-    """Forward and backward of every micro-batch, gradient sync and clipping, AdamW (or in
-    backward: optim.py): one step. A step whose loss or gradient norm is not finite changes nothing
-    (as GradScaler skips one), on the device; in fp16 it halves the loss scale (update_scale)."""
-    scale = optimizer.scale  # 1, or fp16's loss scale
-    loss = forward_backward(model, batches, autocast, mesh, pipe, scale) / scale
-    bad = (~loss.isfinite()).float()
-    if not optimizer.in_backward:
+def train_step(model, batches, autocast, mesh, optimizer, pipe=None, scaler=None):
+    """One step in GradScaler's order: forward and backward of every micro-batch on the scaled
+    loss, the gradients synced (several ranks), unscaled (fp16) and clipped, the optimizer's step
+    (skipped, as GradScaler skips one, if the loss or the gradient norm is not finite: on the
+    device), the scale updated (optim.LossScaler; None: a scale of 1, as a dry run's step, whose
+    bytes are the same). In backward (optim.py) each parameter stepped as backward made its
+    gradient."""
+    scaler = scaler or optim.LossScaler()
+    loss = forward_backward(model, batches, autocast, mesh, pipe, scaler)
+    checks = [loss]
+    if not optimizer_in_backward:
         named_masters = list(zip(optimizer.names, optimizer.masters))  # (the model's names)
         if mesh.world > 1:  # each rank's gradients of the whole step (one process has them)
             parallel.sync_grads(named_masters, mesh, model.config)
-        if optimizer.clean is not None:  # fp16: the gradients of the loss itself, in fp32
-            for m in optimizer.masters:
-                parallel.local(m.grad).div_(scale)
-        # the whole model's norm (every shard's, under parallelism), even unclipped (grad_clip=0:
-        # max_norm inf), to see a non-finite one
-        norm = parallel.clip_grad_norm_(named_masters, optimizer.max_norm, mesh, model.config)
-        # fused AdamW reads found_inf as GradScaler sets it: 1 skips the whole update, weight
-        # decay and step count
-        bad = torch.maximum(bad, (~norm.isfinite()).float())
-        optimizer.found_inf = bad
-        optimizer.step()  # updates the fp32 master rows, then the model's weights on every rank
-        optimizer.zero_grad()  # (to None)
-    stops = bad  # in a row: check_finite; in fp16 once the scale is at its floor
-    if optimizer.clean is not None:
-        stops = bad * (scale <= 1)
-        update_scale(optimizer, bad)
-    optimizer.skipped = (getattr(optimizer, 'skipped', 0) + 1) * stops
+        scaler.unscale_(optimizer.masters)
+        # the whole model's norm, even unclipped (grad_clip=0: max_norm inf), to see a non-finite
+        # one
+        max_norm = grad_clip or math.inf
+        if mesh.world == 1 and zero == 0:
+            # one process holds every gradient whole: their squares summed as parallel.py sums a
+            # rank's, to the bit (torch's clip_grad_norm_ takes a norm of norms: another rounding)
+            squares = sum(torch.linalg.vector_norm(m.grad, dtype=torch.float32) ** 2
+                          for m in optimizer.masters)
+            norm = squares.sqrt()
+            torch.nn.utils.clip_grads_with_norm_(optimizer.masters, max_norm, norm)
+        else:  # every shard's squares, each element once
+            norm = parallel.clip_grad_norm_(named_masters, max_norm, mesh, model.config)
+        checks.append(norm)
+    if dry_run:  # fake tensors hold no value to check: the step is taken (its bytes are the same)
+        checks = []
+    # updates the fp32 master rows, then the model's weights on every rank
+    scaler.step(optimizer, *checks)
+    scaler.update()
+    optimizer.zero_grad()  # (to None)
     return loss
-
-
-SCALE_GROWTH = 2000  # fp16: clean steps in a row that double the loss scale (GradScaler's)
-
-
-def update_scale(optimizer, overflow):
-    """fp16's loss scale after a step: halved if it overflowed (the step was skipped), doubled
-    after SCALE_GROWTH clean steps, at least 1; tensors on the device (no host sync)."""
-    optimizer.clean = (optimizer.clean + 1) * (1 - overflow)
-    grow = optimizer.clean >= SCALE_GROWTH
-    halved = torch.where(overflow > 0, optimizer.scale / 2, optimizer.scale)
-    optimizer.scale = torch.where(grow, halved * 2, halved).clamp(min=1.0)
-    optimizer.clean = torch.where(grow, 0.0, optimizer.clean)
 
 
 _MAX_SKIPS = 3  # non-finite steps in a row that end a run: a lone spike is skipped (GradScaler's)
 
 
-def check_finite(optimizer, iter_num, lr):
-    """Stop without saving after _MAX_SKIPS skipped steps in a row: the last checkpoint holds the
-    last good weights."""
-    n = int(optimizer.skipped)
+def check_finite(scaler, iter_num, lr):
+    """Stop without saving after _MAX_SKIPS skipped steps in a row (the scaler's count): the last
+    checkpoint holds the last good weights."""
+    n = int(scaler.skipped)
     if n >= _MAX_SKIPS:
         die(f"iter {iter_num - n}: the loss or gradient norm is not finite ({n} steps in a row, "
             f"lr {lr:g}); stopped without saving: resume the last checkpoint in {out_dir} with a "
             f"lower --learning_rate")
-
-
-def start_scale(optimizer, ptdtype, ckpt, dev):
-    """fp16: the loss scale and clean steps train_step reads, from the checkpoint's scale_state or
-    GradScaler's start (2^16, none). (Else they stay make_optimizer's 1 and None.)"""
-    if ptdtype != torch.float16:
-        return
-    scale, clean = (ckpt or {}).get('loss_scale') or (2.0 ** 16, 0)
-    optimizer.scale = torch.tensor(float(scale), device=dev)
-    optimizer.clean = torch.tensor(float(clean), device=dev)
-
-
-def scale_state(optimizer):
-    """fp16's [loss scale, clean steps] for the checkpoint (resume continues both), else None."""
-    if optimizer.clean is None:
-        return None
-    return [optimizer.scale.item(), optimizer.clean.item()]
 
 
 def make_out_dir(rank):
@@ -727,7 +725,7 @@ def main():
     place_model(model, mesh, dev, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
-    start_scale(optimizer, ptdtype, ckpt, dev)  # fp16's loss scale, or where the checkpoint left it
+    scaler = optim.LossScaler(ptdtype == torch.float16, dev, (ckpt or {}).get('loss_scale'))
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, math.inf
     if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into our pieces
@@ -761,7 +759,7 @@ def main():
             if always_save_checkpoint and iter_num > 0:
                 checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
                                 best_val_loss=best_val_loss, config=cfg,
-                                loss_scale=scale_state(optimizer))
+                                loss_scale=scaler.state())
             t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
@@ -773,7 +771,7 @@ def main():
                    for _ in range(gradient_accumulation_steps)]
         sent = offload_policy.stats()['bytes_to_host']
         with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step
-            loss = train_step(model, batches, autocast, mesh, optimizer, pipe)
+            loss = train_step(model, batches, autocast, mesh, optimizer, pipe, scaler)
         iter_num += 1
         bar.update()
         if world == 1:
@@ -787,17 +785,17 @@ def main():
                'hfu': device_flops and tokens_per_s * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev),
                'offload_bytes': offload_policy.stats()['bytes_to_host'] - sent,
-               'loss_scale': scale_state(optimizer),  # fp16's [scale, clean steps]; else None
+               'loss_scale': scaler.state(),  # fp16's [scale, clean steps]; else None
                'aux_loss': aux_loss(raw_model, mesh)}
         write_log(rank, bar, row, val_loss, mem)
-        check_finite(optimizer, iter_num, lr)
+        check_finite(scaler, iter_num, lr)
         t0, it0 = time.perf_counter(), iter_num
         if world > 1:  # ranks may see a signal in different steps: they agree on log steps only
             stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item())
     bar.close()
     path = checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
                            best_val_loss=best_val_loss, config=cfg,
-                           loss_scale=scale_state(optimizer))
+                           loss_scale=scaler.state())
     if rank == 0 and stop:
         print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
               f"--init_from=resume)")

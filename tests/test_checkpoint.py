@@ -51,9 +51,11 @@ def build(world, tp, zero, dtype, seed):
         parallel.shard_states(model, mesh, zero, dtype)
     masters = optim.make_master_weights(model)
     named = list(model.named_parameters())
-    groups = [{'params': [m for (_, p), m in zip(named, masters) if p.dim() >= 2], 'weight_decay': 0.1},
-              {'params': [m for (_, p), m in zip(named, masters) if p.dim() < 2], 'weight_decay': 0.0}]
-    opt = optim.AdamW(named, masters, groups, mesh, config, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    pieces = [parallel.local(m) for m in masters]
+    groups = [{'params': [x for x in pieces if x.dim() >= 2], 'weight_decay': 0.1},
+              {'params': [x for x in pieces if x.dim() < 2], 'weight_decay': 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=True)
+    opt = optim.MasterWeights(named, masters, pieces, [adamw], mesh, config)
     return model, masters, opt, mesh
 
 
@@ -228,7 +230,8 @@ def test_train_and_sample_refuse_a_crafted_checkpoint_in_one_line(tmp_path):
     out, marker = str(tmp_path / 'out'), tmp_path / 'ran'
     model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=256))
     params = list(model.parameters())
-    opt = optim.AdamW(list(model.named_parameters()), params, [{'params': params}], parallel.Mesh(), model.config)
+    opt = optim.MasterWeights(list(model.named_parameters()), params, params, [torch.optim.AdamW(params)],
+                              parallel.Mesh(), model.config)
     checkpoint.save(out, model, opt, parallel.Mesh(), torch.Generator(), iter_num=1, best_val_loss=9.0,
                     config={'dataset': 'stdlib'})
     craft(checkpoint.latest(out), 'metadata', marker)

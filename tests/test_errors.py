@@ -64,6 +64,14 @@ CASES = [
     ('ep_size=0', ['--ep_size=0'], 'ep_size=0: must be >= 1'),  # (a ZeroDivisionError traceback before)
     ('float16 with the optimizer in backward', ['--dtype=float16', '--optimizer_in_backward=True'],
      "optimizer_in_backward=True with dtype float16: a parameter's step can't wait"),
+    ('optimizer unknown', ['--optimizer=sgd'], "optimizer='sgd': must be 'adamw' or 'muon'"),
+    # Muon orthogonalizes whole matrices: the layouts that split them (one rank: a dry run stands in for two)
+    ('muon with tp', ['--optimizer=muon', '--tp_size=2', '--dry_run=True'],
+     "optimizer='muon': Muon needs whole matrices: it runs under dp, pp, cp and ep, not tp_size > 1 or zero=2, 3"),
+    ('muon with zero', ['--optimizer=muon', '--zero=3'], "optimizer='muon': Muon needs whole matrices"),
+    ('muon in backward', ['--optimizer=muon', '--optimizer_in_backward=True'],
+     "optimizer_in_backward=True: needs one rank, gradient_accumulation_steps=1, zero=0 (no step's gradient to "
+     "sum or share) and optimizer='adamw'"),
     ('rope_scaling of an unknown type', ["--rope_scaling={{'rope_type': 'ntk', 'factor': 2.0}}"],  # ({{: format's)
      "rope_scaling={'rope_type': 'ntk', 'factor': 2.0}: must be None or a dict of 'rope_type' and its fields"),
     ('min_lr=-1', ['--min_lr=-1'], 'min_lr'),

@@ -323,6 +323,24 @@ def test_a_float16_dry_run_is_the_bfloat16_one(tmp_path):
     assert est_fp16 == est_bf16 and abs(dry_fp16 / dry_bf16 - 1) < 0.01, totals
 
 
+@pytest.mark.parametrize('flags', [[], ['--n_experts=4', '--experts_per_token=2']], ids=['dense', 'moe'])
+def test_a_muon_dry_run_is_its_estimate(tmp_path, flags):
+    """optimizer='muon': the blocks' matrices keep Muon's momentum (optim.STATE_BYTES: 4 bytes, AdamW's moments 8),
+    the rest (embedding, LM head, norms; an MoE's router and stacked experts) AdamW's: the estimate's optimizer bytes
+    are the dry run's, its total within 10% of it."""
+    dry_run(tmp_path, '--n_layer=3', '--optimizer=muon', *flags)
+    rank = json.loads((tmp_path / 'memory.json').read_text())['ranks'][0]
+    est, measured = rank['estimate'], rank['measured']
+    assert abs(est['optimizer'] - measured['optimizer']) < 0.01 * measured['optimizer'], (est, measured)
+    assert abs(est['total'] - measured['total']) < 0.10 * measured['total'], (est, measured)
+    # by hand: 4 bytes less than AdamW's for each of a block's wq, wo (h·h), wk, wv (h·kv), w1, w2, w3 (h·I, dense)
+    c = cfg(L=3, h=128, V=512, **{'n_experts': 4, 'experts_per_token': 2} if flags else {})
+    h, kv, I = 128, 64, 384
+    matrices = 2 * h * h + 2 * h * kv + 3 * h * I * (not flags)
+    saved = [memory.estimate(c, 1, 2048, optimizer=name).optimizer for name in ('adamw', 'muon')]
+    assert saved[0] - saved[1] == 4 * 3 * matrices
+
+
 @pytest.mark.parametrize('world,flags', [
     # one process: 4 experts, 2 a token, each on its 1,024 pairs at once (mlp_chunks=1), the block rebuilt in
     # backward (recompute='full')

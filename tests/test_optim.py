@@ -1,4 +1,5 @@
-"""optim.py: the step inside backward equals torch's AdamW in fp32; stochastic rounding is unbiased where
+"""optim.py: optimizer='muon' is torch's Muon and AdamW run by hand, bit for bit; the step inside backward equals
+torch's AdamW in fp32; stochastic rounding is unbiased where
 rounding to nearest loses the update; a bf16 run with 6 bytes per parameter trains train_tiny as well as the
 fp32-master run; and what can't work with it is refused in one line."""
 import json
@@ -24,6 +25,13 @@ def groups_of(params, wd=0.1):  # train.make_optimizer's: weight decay on matric
             {'params': [p for p in params if p.dim() < 2], 'weight_decay': 0.0}]
 
 
+def in_backward(model, max_norm=float('inf'), **kw):
+    """train.make_optimizer's with optimizer_in_backward: our AdamW, its state made by MasterWeights."""
+    params = optim.make_master_weights(model, in_backward=True)
+    inner = optim.AdamWInBackward(groups_of(params), max_norm, **kw)
+    return optim.MasterWeights(list(model.named_parameters()), params, params, [inner], parallel.Mesh(), CONFIG)
+
+
 @pytest.mark.parametrize('max_norm', [float('inf'), 0.05])
 def test_step_in_backward_is_torchs_adamw_in_fp32(max_norm):
     """3 steps: the same weights as torch's AdamW (within 1e-6, absolute and relative), with grad_clip each tensor clipped to its share of the
@@ -35,8 +43,7 @@ def test_step_in_backward_is_torchs_adamw_in_fp32(max_norm):
     opt_ref = torch.optim.AdamW(groups_of(list(ref.parameters())), **kw)
     params = optim.make_master_weights(ours, in_backward=True)
     assert all(m is p for m, p in zip(params, ours.parameters()))  # no fp32 holders: the parameters themselves
-    opt = optim.AdamW(list(ours.named_parameters()), params, groups_of(params), parallel.Mesh(), CONFIG,
-                      in_backward=True, max_norm=max_norm, fused=False, **kw)
+    opt = in_backward(ours, max_norm, **kw)
     total, clipped = sum(p.numel() for p in ref.parameters()), 0
     for i in range(3):
         x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
@@ -60,9 +67,7 @@ def test_step_in_backward_is_torchs_adamw_in_fp32(max_norm):
 def test_a_non_finite_gradient_leaves_its_parameter_alone():
     torch.manual_seed(0)
     model = Llama(CONFIG)
-    params = optim.make_master_weights(model, in_backward=True)
-    opt = optim.AdamW(list(model.named_parameters()), params, groups_of(params), parallel.Mesh(), CONFIG,
-                      in_backward=True, fused=False, lr=1e-2)
+    opt = in_backward(model, lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randint(0, 50, (2, 16))
     (model(x, x)[1] * float('nan')).backward()
@@ -144,3 +149,40 @@ def test_stochastic_rounding_on_cuda_is_unbiased():
     r = optim.stochastic_round(x, torch.bfloat16).float()
     assert abs(r.mean().item() - (1 + 2 ** -9)) < 2e-5
     assert x.bfloat16().float().mean().item() == 1.0
+
+
+def test_muon_steps_the_blocks_matrices_as_torchs_muon_and_adamw_the_rest(monkeypatch):
+    """optimizer='muon': train.make_optimizer's MasterWeights over torch's Muon (the blocks' wq, wk, wv, wo, w1, w2,
+    w3) and fused AdamW (the embedding, the LM head, the norms) equal the two run by hand on the same model, bit for
+    bit over 3 steps; the momentum exists from the start (zeros), so step 1's memory is every step's."""
+    import train
+    monkeypatch.setattr(train, 'optimizer', 'muon')
+    torch.manual_seed(0)
+    ref, ours = Llama(CONFIG), Llama(CONFIG)
+    ours.load_state_dict(ref.state_dict())
+    opt = train.make_optimizer(ours, optim.make_master_weights(ours), 'cpu')
+    matrices = [n for n, p in ours.named_parameters() if n.startswith('layers.') and p.dim() == 2]
+    assert len(matrices) == 7 * CONFIG.n_layer
+    muon_state = {n: opt.state[x] for n, x in zip(opt.names, opt.pieces) if 'momentum_buffer' in opt.state[x]}
+    assert sorted(muon_state) == sorted(matrices) and not any(s['momentum_buffer'].any() for s in muon_state.values())
+    named = dict(ref.named_parameters())
+    rest = [p for n, p in named.items() if n not in matrices]
+    by_hand = [torch.optim.Muon([named[n] for n in matrices], lr=train.learning_rate, weight_decay=train.weight_decay,
+                                adjust_lr_fn='match_rms_adamw'),
+               torch.optim.AdamW(groups_of(rest, train.weight_decay), lr=train.learning_rate,
+                                 betas=(train.beta1, train.beta2), fused=True)]
+    for i in range(3):
+        for group in opt.param_groups + [g for o in by_hand for g in o.param_groups]:
+            group['lr'] = train.get_lr(i + 40)  # near the peak: the steps move the weights
+        x, y = torch.randint(0, 50, (2, 16)), torch.randint(0, 50, (2, 16))
+        ref(x, y)[1].backward()
+        for o in by_hand:
+            o.step()
+            o.zero_grad()
+        ours(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    for (n, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(a, b), n
+    assert not torch.equal(ref.layers['0'].attention.wq.weight, Llama(CONFIG).layers['0'].attention.wq.weight)
+

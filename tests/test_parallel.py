@@ -163,7 +163,8 @@ def one_step(model, mesh, config, zero, docs=None):
     grads = gather_full(named, mesh, config, grads=True)
     if zero:
         params = [p for _, p in named]
-        opt = optim.AdamW(named, params, [{'params': params}], mesh, config, lr=LR)
+        pieces = [parallel.local(p) for p in params]
+        opt = optim.MasterWeights(named, params, pieces, [torch.optim.AdamW(pieces, lr=LR)], mesh, config)
     else:
         opt = torch.optim.SGD([p for _, p in named], lr=LR)
     opt.step()
@@ -566,6 +567,24 @@ def test_float16_layouts_train_as_one_process(tmp_path, single_f16, nproc, layou
     for a, b in zip(got, single_f16):
         assert abs(a['loss'] - b['loss']) <= 2e-3 * b['loss'], (got, single_f16)
         assert a['loss_scale'] == b['loss_scale']
+
+
+@pytest.fixture(scope='module')
+def single_muon(tmp_path_factory):
+    """One process, optimizer='muon': 4 steps."""
+    out = tmp_path_factory.mktemp('single_muon')
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', '--optimizer=muon', f'--out_dir={out}')
+    return read_log(out)
+
+
+@pytest.mark.parametrize('nproc,layout', [(2, ['--batch_size=2']), (2, ['--pp_size=2', '--pp_schedule=gpipe'])],
+                         ids=['dp2', 'pp2'])
+def test_muon_under_dp_and_pp_trains_as_one_process(tmp_path, single_muon, nproc, layout):
+    """Muon orthogonalizes each matrix whole: dp 2 (the gradients summed, every rank the same update) and pp 2 (each
+    stage its own blocks' matrices) give one process's losses."""
+    out = str(tmp_path / 'run')
+    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--optimizer=muon', f'--out_dir={out}')
+    assert_close_losses(read_log(out), single_muon)
 
 
 def test_zero2_resumes_twice_at_a_decaying_lr_as_an_uninterrupted_run(tmp_path):

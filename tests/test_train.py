@@ -69,6 +69,19 @@ def test_compile_gives_the_losses_of_eager(tmp_path):
     np.testing.assert_allclose(b[3]['val_loss'], a[3]['val_loss'], rtol=1e-5)
 
 
+def test_a_muon_run_resumes_bit_for_bit(tmp_path):
+    """optimizer='muon': Muon's momentum is made with the optimizer, saved and loaded back, so 3 steps and 3 resumed
+    are 6 straight ones bit for bit (a momentum restarted from zero would change steps 5 and 6)."""
+    straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
+    muon = [*SMALL, '--optimizer=muon', '--eval_interval=100']
+    run_train(*muon, '--max_iters=6', f'--out_dir={straight}')
+    run_train(*muon, '--max_iters=3', f'--out_dir={split}')
+    run_train(*muon, '--max_iters=6', f'--out_dir={split}', '--init_from=resume')
+    a, b = read_log(straight), read_log(split)
+    assert [r['iter'] for r in b] == list(range(6))
+    assert [r['loss'] for r in a] == [r['loss'] for r in b] and a[0]['loss'] > a[-1]['loss']
+
+
 def test_resume_of_a_bf16_run_keeps_fp32_master_weights(tmp_path):
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
     run_train(*SMALL, '--dtype=bfloat16', '--max_iters=6', '--eval_interval=100', f'--out_dir={straight}')
@@ -107,7 +120,8 @@ from model import Llama, LlamaConfig
 torch.manual_seed(0)
 model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
 params = list(model.parameters())
-opt = optim.AdamW(list(model.named_parameters()), params, [{{'params': params}}], parallel.Mesh(), model.config)
+opt = optim.MasterWeights(list(model.named_parameters()), params, params, [torch.optim.AdamW(params)], parallel.Mesh(),
+                          model.config)
 checkpoint.save({out!r}, model, opt, parallel.Mesh(), iter_num=1)
 print('saved', flush=True)
 with torch.no_grad():
@@ -342,7 +356,7 @@ def test_a_non_finite_step_changes_nothing_and_a_few_in_a_row_stop_the_run(monke
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
     masters = optim.make_master_weights(model)
-    opt = train.make_optimizer(model, masters, 'cpu')
+    opt, scaler = train.make_optimizer(model, masters, 'cpu'), optim.LossScaler()
     x = torch.randint(0, 50, (2, 16))
     bad, real = set(), train.forward_backward
 
@@ -356,17 +370,18 @@ def test_a_non_finite_step_changes_nothing_and_a_few_in_a_row_stop_the_run(monke
 
     def step():
         state = [t.clone() for p in opt.pieces for t in (p, *opt.state[p].values())]
-        train.train_step(model, [train.Batch(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), opt)
+        train.train_step(model, [train.Batch(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), opt,
+                         scaler=scaler)
         steps.append(not all(torch.equal(a, b) for a, b in
                              zip(state, [t for p in opt.pieces for t in (p, *opt.state[p].values())])))
-        return int(opt.skipped)
+        return int(scaler.skipped)
     bad.update({1, 3, 4, 5})
     assert [step() for _ in range(5)] == [0, 1, 0, 1, 2]  # steps skipped in a row
-    train.check_finite(opt, 5, 1e-3)  # 2 in a row: a spike, not yet a divergence
+    train.check_finite(scaler, 5, 1e-3)  # 2 in a row: a spike, not yet a divergence
     assert step() == 3
     assert steps == [True, False, True, False, False, False]  # weights, moments and step count untouched
     with pytest.raises(SystemExit):
-        train.check_finite(opt, 6, 1e-3)
+        train.check_finite(scaler, 6, 1e-3)
     assert capsys.readouterr().err.startswith('error: iter 3: the loss or gradient norm is not finite')
 
 
@@ -593,14 +608,14 @@ def test_an_overflow_skips_its_step_and_halves_the_scale_until_the_floor(monkeyp
     model.to(torch.float16)
     masters = optim.make_master_weights(model)
     opt = train.make_optimizer(model, masters, 'cpu')
-    opt.scale, opt.clean = torch.tensor(2.0 ** 16), torch.tensor(0.0)
+    scaler = optim.LossScaler(True)  # 2^16, no clean step yet
     bad, real, steps, norms = set(), train.forward_backward, [], []
-    clip = parallel.clip_grad_norm_
+    clip = torch.nn.utils.clip_grads_with_norm_  # (one process: the norm train_step sums, then torch's clip)
 
-    def clip_grad_norm_(*args):
-        norms.append(clip(*args))
-        return norms[-1]
-    monkeypatch.setattr(parallel, 'clip_grad_norm_', clip_grad_norm_)
+    def clip_grads_with_norm_(params, max_norm, norm):
+        norms.append(norm)
+        return clip(params, max_norm, norm)
+    monkeypatch.setattr(torch.nn.utils, 'clip_grads_with_norm_', clip_grads_with_norm_)
 
     def forward_backward(model, *args):
         loss = real(model, *args)
@@ -612,17 +627,18 @@ def test_an_overflow_skips_its_step_and_halves_the_scale_until_the_floor(monkeyp
     def step():
         state = [t.clone() for p in opt.pieces for t in (p, *opt.state[p].values())]
         with torch.autocast('cpu', dtype=torch.float16):
-            train.train_step(model, [train.Batch(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), opt)
+            train.train_step(model, [train.Batch(x, x.roll(-1, 1))], train.nullcontext(), parallel.Mesh(), opt,
+                             scaler=scaler)
         steps.append(not all(torch.equal(a, b) for a, b in
                              zip(state, [t for p in opt.pieces for t in (p, *opt.state[p].values())])))
-        return opt.scale.item(), opt.clean.item(), int(opt.skipped)
+        return scaler.factor.item(), scaler.clean.item(), int(scaler.skipped)
     bad.update({1, 2})
     assert [step() for _ in range(4)] == [(2.0 ** 16, 1, 0), (2.0 ** 15, 0, 0), (2.0 ** 14, 0, 0), (2.0 ** 14, 1, 0)]
     assert steps == [True, False, False, True]
     assert abs(norms[0] / norm32 - 1) < 1e-2  # the gradients were divided by 2^16 before clipping
-    monkeypatch.setattr(train, 'SCALE_GROWTH', 2)
+    monkeypatch.setattr(optim, 'SCALE_GROWTH', 2)
     assert step() == (2.0 ** 15, 0, 0)  # the second clean step in a row: doubled
-    opt.scale = torch.tensor(1.0)  # at the floor: an overflow is a non-finite step like any
+    scaler.factor = torch.tensor(1.0)  # at the floor: an overflow is a non-finite step like any
     bad.update({5, 6})
     assert [step() for _ in range(2)] == [(1.0, 0, 1), (1.0, 0, 2)]
 
