@@ -22,7 +22,7 @@ attention core (`attention()` below, or what parallel.attention_core puts around
 for the layout: varlen on CUDA, Ulysses, the ring) is handed to every Attention, which reads q, k, v
 -> core -> output; the head counts come from the config and the mesh's tp. Techniques apply from
 outside by replacing whole modules, as torchtitan's plans do: parallel.parallelize shards the
-weights and puts Megatron's f and g in the identities kept for them (enter_tp, leave_tp),
+weights and puts Megatron's f and g in the places kept for them (NoCollective: enter_tp, leave_tp),
 offload.apply puts each block under its keep / recompute / offload policy (a module holding the
 block's own modules), FSDP2 wraps blocks. Nothing rebinds a method or a config field afterwards
 (tests/test_budget.py checks), so a new attention variant changes `attention()` alone. The memory
@@ -177,6 +177,16 @@ def one_kernel(q, k, v, docs):
     return y.unflatten(0, (B, S)).transpose(1, 2)
 
 
+class NoCollective(nn.Module):
+    """Where tensor parallelism puts a collective (Megatron's f before wq, wk, wv or w1, w3; g after
+    wo or w2): parallel.py's plan replaces this module. In one process x itself, as a view: a step
+    autograd sees, so a tracker of modules in backward (MemTracker) finds this one's bounds, which
+    it can't on a module whose output is its input."""
+
+    def forward(self, x):
+        return x.view_as(x)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: q, k, v -> core -> output. `core` is the attention core the layout
     chose where the model was built (attention() above; parallel.attention_core: varlen on CUDA,
@@ -204,9 +214,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, K * hd, bias=False)
         self.wo = nn.Linear(H * hd, h, bias=False)
         # Megatron's f and g: every tp rank gets all of x, and wo's partial sums are summed.
-        # Identities in one process; parallel.py's tensor-parallel plan puts its collectives here
-        self.enter_tp = nn.Identity()
-        self.leave_tp = nn.Identity()
+        # Nothing in one process; parallel.py's tensor-parallel plan puts its collectives here
+        self.enter_tp = NoCollective()
+        self.leave_tp = NoCollective()
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
         x = self.enter_tp(x)
@@ -259,8 +269,8 @@ class MLP(nn.Module):
         self.w3 = nn.Linear(h, I, bias=False)  # up
         self.w2 = nn.Linear(I, h, bias=False)  # down
         # Megatron's f and g, as Attention's
-        self.enter_tp = nn.Identity()
-        self.leave_tp = nn.Identity()
+        self.enter_tp = NoCollective()
+        self.leave_tp = NoCollective()
 
     def forward(self, x):
         x = self.enter_tp(x)
@@ -323,7 +333,7 @@ class Llama(nn.Module):
     """The model for `config`, its attention `core` and this rank's place in the layout `mesh`
     (parallel.Mesh; None: one process) chosen where it is built (train.py): the class says what it
     computes. parallel.py's plan then shards its weights and replaces the tensor-parallel
-    identities (enter_tp, leave_tp) with collectives; offload.py wraps its blocks."""
+    places (enter_tp, leave_tp) with collectives; offload.py wraps its blocks."""
 
     def __init__(self, config, core=attention, mesh=None):
         super().__init__()
@@ -335,8 +345,8 @@ class Llama(nn.Module):
                                      for i in range(config.n_layer)})
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         # f before the LM head: under tensor parallelism each rank's rows of the vocabulary need
-        # every token (an identity here: parallel.py's plan)
-        self.enter_tp = nn.Identity()
+        # every token (nothing here: parallel.py's plan)
+        self.enter_tp = NoCollective()
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -34,7 +34,7 @@ The model is built for its mesh (Llama(config, core, mesh): each Attention compu
 the LM head's loss is vocabulary parallel over the tp group, a pipeline stage returns its
 activations) around the attention core attention_core chooses for c (Ulysses around model.attention,
 or the ring). Then parallelize(model, mesh), torchtitan's way, is the plan applied from outside: it
-shards the weights in place and puts Megatron's f and g (EnterTP, LeaveTP) in the identities the
+shards the weights in place and puts Megatron's f and g (EnterTP, LeaveTP) in the places the
 model keeps for them (Attention's and the MLP's enter_tp / leave_tp, the LM head's input). A fork
 that changes model.attention runs under t and Ulysses as is. On one process (Mesh(): every group
 None) no collective runs: shard_batch returns the batch, parallelize and sync_grads change nothing,
@@ -525,7 +525,7 @@ def parallelize(model, mesh):
     if t > 1:
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
-        # Megatron's f and g where the model has its identities for them (an MoE gathers and
+        # Megatron's f and g in the model's places for them (an MoE gathers and
         # reduces itself: its router runs on the rank's own tokens)
         for block in model.layers.values():
             hooked = [block.attention]
