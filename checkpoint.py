@@ -192,7 +192,7 @@ def latest(out_dir):
 
 def resume(out_dir, cfg):
     """The newest committed checkpoint's meta.json and 'path', refused where cfg gives another
-    architecture."""
+    architecture or optimizer (another's state is not in it)."""
     path = latest(out_dir)
     if path is None:
         raise Error(f"--init_from=resume but there is no checkpoint in {out_dir}")
@@ -206,7 +206,7 @@ def resume(out_dir, cfg):
                 raise Error(f"{file} is {lost}: that rank's shard of the checkpoint is lost; "
                             "resume an earlier checkpoint (move this one away) or start over")
     was = m['config']
-    differ = [k for k in m['model_args']
+    differ = [k for k in [*m['model_args'], 'optimizer']
               if cfg.get(k) is not None and k in was and cfg[k] != was[k]]
     if differ:
         ours = ', '.join(f'{k}={cfg[k]!r}' for k in differ)

@@ -89,7 +89,7 @@ class LlamaConfig:
                         n_experts=0, experts_per_token=1)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
-                automatic = " (0: automatic)" if least == 0 else ""
+                automatic = " (0: automatic)" if key.endswith('chunks') else ""
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}{automatic}")
         theta = self.rope_theta
         rules = [

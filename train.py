@@ -682,8 +682,10 @@ def dry_run_last_stage(mesh):
     """The last pipeline stage holds what rank 0's does not (the final norm, the LM head and the
     loss) and the fewest micro-batches in flight: the user's command again as the last rank, in a
     process of its own (its table, verdict and memory.rank<r>.json)."""
-    subprocess.run([sys.executable, *sys.argv], env={**os.environ, 'RANK': str(mesh.world - 1)},
-                   check=True)
+    env = {**os.environ, 'RANK': str(mesh.world - 1)}
+    last = subprocess.run([sys.executable, *sys.argv], env=env)
+    if last.returncode:  # (its error on our stderr)
+        die(f"the dry run of the last pipeline stage (rank {mesh.world - 1}) failed")
 
 
 def catch_signals():

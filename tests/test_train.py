@@ -80,6 +80,9 @@ def test_a_muon_run_resumes_bit_for_bit(tmp_path):
     a, b = read_log(straight), read_log(split)
     assert [r['iter'] for r in b] == list(range(6))
     assert [r['loss'] for r in a] == [r['loss'] for r in b] and a[0]['loss'] > a[-1]['loss']
+    # its checkpoint holds Muon's state, not AdamW's: resuming it with AdamW is one line
+    p = run_train(*SMALL, '--max_iters=8', f'--out_dir={split}', '--init_from=resume', check=False)
+    assert p.returncode != 0 and "optimizer='adamw', but" in p.stderr and 'Traceback' not in p.stderr
 
 
 def test_resume_of_a_bf16_run_keeps_fp32_master_weights(tmp_path):
