@@ -74,6 +74,11 @@ class LlamaConfig:
     n_experts: int = 0
     experts_per_token: int = 2
     router_aux_loss_coef: float = 0.02  # the load-balancing loss's weight (Mixtral-8x7B's)
+    # sliding-window attention (Mistral, Gemma 3, gpt-oss), as HF's config.json writes it: a query
+    # sees the last sliding_window keys, itself included (0: every key before it); layer_types
+    # None windows every layer, else one 'sliding_attention' or 'full_attention' a layer
+    sliding_window: int = 0
+    layer_types: list | None = None
     # memory knobs: how forward runs, not what it computes
     mlp_chunks: int = 1     # mini-sequences of the MLP; 1 = off, 0 = automatic (chunked.py)
     loss_chunks: int = 1    # chunks of the LM head + loss; 1 = off, 0 = automatic (chunked.py)
@@ -86,7 +91,7 @@ class LlamaConfig:
         # allocated
         at_least = dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1,
                         vocab_size=1, mlp_chunks=0, loss_chunks=0, attention_chunks=0,
-                        n_experts=0, experts_per_token=1)
+                        n_experts=0, experts_per_token=1, sliding_window=0)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
                 automatic = " (0: automatic)" if key.endswith('chunks') else ""
@@ -109,7 +114,13 @@ class LlamaConfig:
              f"must be <= n_experts={self.n_experts}"),
             ('router_aux_loss_coef', self.router_aux_loss_coef >= 0, 'must be >= 0'),
             ('attention_chunks', self.n_kv_head % max(1, self.attention_chunks) == 0,
-             f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)")]
+             f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)"),
+            ('layer_types', self.layer_types is None or (
+                len(self.layer_types) == self.n_layer
+                and set(self.layer_types) <= {'sliding_attention', 'full_attention'}),
+             f"must be None or n_layer={self.n_layer} of 'sliding_attention', 'full_attention'"),
+            ('sliding_window', self.sliding_window or 'sliding_attention' not in (
+                self.layer_types or []), "must be > 0 where layer_types has 'sliding_attention'")]
         for key, ok, allowed in rules:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
@@ -118,27 +129,46 @@ class LlamaConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
+    def window(self, layer):
+        """Layer `layer`'s sliding window: the keys a query sees, itself included (0: all)."""
+        if self.layer_types is None or self.layer_types[layer] == 'sliding_attention':
+            return self.sliding_window
+        return 0
+
 
 # ----------------------------------------------------------------------------- attention
-def attention(q, k, v, docs=None, varlen=False):
+def attention(q, k, v, docs=None, window=0, varlen=False):
     """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd] and k, v
     [B, K, S, hd], K | H. With `docs` (doc_mask: the start of every document in the flattened B·S
     tokens, a host array, flash-attn's cu_seqlens) each document attends only to itself: one
-    varlen kernel for them all (train.py sets varlen on CUDA), else one call per document. A
-    fork that adds a variant (a sliding window) changes this function; parallel.py's Ulysses calls
-    it unchanged on the whole sequence for a share of the heads."""
-    if docs is None or len(docs) == len(q):
+    varlen kernel for them all (train.py sets varlen on CUDA), else one call per document. With a
+    sliding `window` (> 0) a query sees the last `window` keys of its document, itself included:
+    every row is then a document of the same two paths, varlen's window_size on CUDA, SDPA with
+    the window's mask on a CPU. parallel.py's Ulysses calls this unchanged on the whole sequence
+    for a share of the heads; ring.py has its own steps."""
+    B, S = q.shape[0], q.shape[2]
+    if window and docs is None:
+        docs = np.arange(B) * S
+    if docs is None or (len(docs) == B and not window):
         # no documents, or one a row (each row begins one): the whole rows' causal attention, SDPA's
         # dense kernel (on one long document faster than varlen's: bench/RESULTS.md)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if varlen:
-        return one_kernel(q, k, v, docs)
-    return per_document(q, k, v, docs)
+        return one_kernel(q, k, v, docs, window)
+    return per_document(q, k, v, docs, window)
+
+
+def window_mask(n_q, n_k, window, device):
+    """[n_q, n_k]: which keys each query sees, the queries the last n_q of n_k places: query i sees
+    key j when 0 <= i - j < window (Hugging Face's rule for a sliding window)."""
+    i = torch.arange(n_k - n_q, n_k, device=device)[:, None]
+    j = torch.arange(n_k, device=device)
+    return (j <= i) & (j > i - window)
 
 
 # a loop whose length changes with every batch: eager inside a compiled model
 @torch.compiler.disable
-def per_document(q, k, v, docs):
+def per_document(q, k, v, docs, window=0):
     """One causal SDPA call per document: exact on every device and kernel, and no S x S mask; each
     call saves for backward what one whole-window call would save of its tokens. The reference,
     and the CPU's way. (FlexAttention's document mask is one fused kernel on CUDA but has no CPU
@@ -152,28 +182,33 @@ def per_document(q, k, v, docs):
                               for t in (q, k, v))
     y = []
     for q_doc, k_doc, v_doc in zip(q_docs, k_docs, v_docs):
-        y.append(F.scaled_dot_product_attention(q_doc[None], k_doc[None], v_doc[None],
-                                                is_causal=True, enable_gqa=True))
+        T = q_doc.shape[1]
+        mask = None
+        if T > window > 0:  # (a document within its window is plain causal)
+            mask = window_mask(T, T, window, q.device)
+        y.append(F.scaled_dot_product_attention(q_doc[None], k_doc[None], v_doc[None], mask,
+                                                is_causal=mask is None, enable_gqa=True))
     # [1, H, B·S, hd], the documents one after the other -> [B, H, S, hd]
     return torch.cat(y, dim=2).unflatten(2, (B, S)).squeeze(0).transpose(0, 1)
 
 
 # the documents' lengths change with every batch: eager inside a compiled model
 @torch.compiler.disable
-def one_kernel(q, k, v, docs):
+def one_kernel(q, k, v, docs, window=0):
     """Every document of the batch in one call of torch's variable-length flash attention
     (varlen_attn, CUDA only): one kernel launch per layer where per_document makes one per
     document, kv heads not expanded, saving what SDPA's flash saves (q, k, v, out, an fp32
     log-sum-exp). Documents are packed one after the other, tokens first: [B·S, heads, hd] (a
-    view: q, k, v come from [B, S, heads, hd] projections)."""
+    view: q, k, v come from [B, S, heads, hd] projections). A window of W keys is flash's
+    window_size (W - 1 keys before the query, none after)."""
     from torch.nn.attention.varlen import varlen_attn
     B, S = q.shape[0], q.shape[2]
     cuts = np.append(docs, B * S)
     cu_seqlens = torch.as_tensor(cuts, dtype=torch.int32, device=q.device)
     longest = int(np.diff(cuts).max())
     q, k, v = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
-    y = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, window_size=(-1, 0),
-                    enable_gqa=True)
+    y = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest,
+                    window_size=(window - 1, 0), enable_gqa=True)
     return y.unflatten(0, (B, S)).transpose(1, 2)
 
 
@@ -191,10 +226,12 @@ class Attention(nn.Module):
     """Grouped-query attention: q, k, v -> core -> output. `core` is the attention core the layout
     chose where the model was built (attention() above; parallel.attention_core: varlen on CUDA,
     Ulysses' or the ring's under context parallelism); `mesh` (parallel.Mesh, None: one process)
-    says how many heads this rank computes: n_head / tp of them under tensor parallelism."""
+    says how many heads this rank computes: n_head / tp of them under tensor parallelism; `window`
+    is this layer's sliding window (0: none), which the core is handed with q, k, v."""
 
-    def __init__(self, config, core=attention, mesh=None):
+    def __init__(self, config, core=attention, mesh=None, window=0):
         super().__init__()
+        self.window = window
         h, H, K, hd = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
         self.head_dim = hd
         self.core = core
@@ -223,7 +260,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             y = self.out(self.cached(x, cos, sin, kv_cache))
         elif self.groups == 1:
-            y = self.out(self.core(*self.qkv(x, cos, sin), docs))
+            y = self.out(self.core(*self.qkv(x, cos, sin), docs, self.window))
         else:
             # chunked.py: group g's q, k, v, core and its share of wo, one group at a time
             y = chunked.head_groups(self.group, self.groups, x, cos, sin, docs)
@@ -247,14 +284,17 @@ class Attention(nn.Module):
 
     def group(self, x, cos, sin, docs, g, groups):
         """Head group g of `groups`: its q, k, v, the core and its share of wo (chunked.py)."""
-        return self.out(self.core(*self.qkv(x, cos, sin, g, groups), docs), g, groups)
+        q, k, v = self.qkv(x, cos, sin, g, groups)
+        return self.out(self.core(q, k, v, docs, self.window), g, groups)
 
     def cached(self, x, cos, sin, kv_cache):
-        """Sampling: the new tokens' keys and values appended to the cache; a new token sees every
-        key before it (the prompt's tokens causally)."""
+        """Sampling: the new tokens' keys and values appended to the cache; a new token sees the
+        keys before it (the prompt's tokens causally), the last `window` of them with a window."""
         q, k, v = self.qkv(x, cos, sin)
         k, v = kv_cache.update(k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
+        n_q, n_k = q.shape[2], k.shape[2]
+        mask = window_mask(n_q, n_k, self.window or n_k, q.device)
+        return F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -303,10 +343,10 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, core=attention, mesh=None):
+    def __init__(self, config, core=attention, mesh=None, window=0):
         super().__init__()
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.attention = Attention(config, core, mesh)
+        self.attention = Attention(config, core, mesh, window)
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
         # Mixtral's block: the same, its MLP a mixture of experts
         self.feed_forward = MoE(config, mesh) if config.n_experts else MLP(config)
@@ -341,7 +381,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
         # by index, not a list: a pipeline stage (parallel.py) drops the blocks it doesn't own, the
         # names stay
-        self.layers = nn.ModuleDict({str(i): Block(config, core, mesh)
+        self.layers = nn.ModuleDict({str(i): Block(config, core, mesh, config.window(i))
                                      for i in range(config.n_layer)})
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         # f before the LM head: under tensor parallelism each rank's rows of the vocabulary need

@@ -338,7 +338,7 @@ class _Split:
             # range's tokens, then the second's
             q, k, v = self.join(q, q2), self.join(k, k2), self.join(v, v2)
         # 3.
-        a = self.block.attention.core(q, k, v, self.docs)
+        a = self.block.attention.core(q, k, v, self.docs, self.block.attention.window)
         self.replay = self.saved.pack(a)
         self.requires_grad = a.requires_grad
         y2 = None

@@ -436,11 +436,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 # ----------------------------------------------------------------------------- attention over c
-def ulysses(attend, group, q, k, v, docs=None):
+def ulysses(attend, group, q, k, v, docs=None, window=0):
     """The attention core under Ulysses: q [B, H, S/c, hd], k, v [B, K, S/c, hd] on contiguous
     sequence shards -> y like q. One all-to-all turns sequence shards of every head into the whole
     sequence of H/c heads (and K/c kv heads, the groups SDPA's enable_gqa forms), `attend` runs
-    there as in one process, one all-to-all turns back."""
+    there as in one process (its window too), one all-to-all turns back."""
     c = dist.get_world_size(group)
     if k.shape[1] < c:  # fewer kv heads than ranks: each rank needs the kv head of its q heads
         k, v = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (k, v))
@@ -452,7 +452,8 @@ def ulysses(attend, group, q, k, v, docs=None):
     qkv = _Pair.apply(qkv, swap, swap)
     # from rank j came sequence shard j of our heads: in rank order, the whole sequence
     qkv = qkv.movedim(0, 2).flatten(2, 3)
-    y = attend(*qkv.split([H // c, K // c, K // c], dim=1), docs)  # docs: the whole sequence's
+    # (docs: the whole sequence's)
+    y = attend(*qkv.split([H // c, K // c, K // c], dim=1), docs, window)
     # back: sequence shard j of our heads to rank j
     y = _Pair.apply(y.unflatten(2, (c, -1)).movedim(2, 0), swap, swap)
     return y.movedim(0, 1).flatten(1, 2)

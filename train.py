@@ -599,9 +599,9 @@ def build_model(config, mesh, dev):
     attention core the layout takes (parallel.attention_core): a Hugging Face directory's weights
     read into it, else initialised from the seed (a checkpoint's weights load after sharding:
     main). A dry run's is shapes only, on the meta device: no weights read, nothing allocated."""
-    # packed documents on CUDA: a window's documents in one varlen kernel, not one call each (a dry
-    # run stands in for CUDA devices)
-    varlen = doc_mask and (dev.type == 'cuda' or dry_run)
+    # packed documents or sliding windows on CUDA: varlen's kernel (not one call per document, nor
+    # SDPA with an S x S mask); a dry run stands in for CUDA devices
+    varlen = (doc_mask or config.sliding_window > 0) and (dev.type == 'cuda' or dry_run)
     core = parallel.attention_core(mesh, varlen)
     with torch.device('meta') if dry_run else nullcontext():
         if init_from in ('scratch', 'resume') or dry_run:
