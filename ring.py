@@ -28,7 +28,7 @@ call per step, on a CPU one call per document. Documents of any length, cut anyw
 chunks, need no padding (Megatron's packed format pads each to a multiple of 2·c; torchtitan's
 balancer asks as much): a document absent from either side simply drops out of that step.
 """
-from itertools import pairwise
+from itertools import pairwise, product
 
 import numpy as np
 import torch
@@ -36,17 +36,26 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 
-def ring_shift(x, group):
-    """Send x to the next rank, get the previous one's; the returned function waits for it (NCCL: on
-    the stream, not the host)."""
+def ring_shift(x, group, hop, size):
+    """Send x [2, tokens, ...] to the rank `hop` places ahead in the group and receive `size` tokens
+    from the rank `hop` places behind; the returned function waits for them (NCCL: on the stream,
+    not the host). An empty side posts nothing (its peer computes the same sizes and expects
+    nothing); hop 0 is our own x."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    received = torch.empty_like(x)
-    # one batch, so NCCL posts the send and the receive together (two separate calls deadlock a
-    # ring)
-    works = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, x, group=group, group_peer=(r + 1) % n),
-        dist.P2POp(dist.irecv, received, group=group, group_peer=(r - 1) % n)])
+    received = x
+    ops = []
+    if hop % n:
+        x = x.contiguous()
+        received = x.new_empty(x.shape[0], size, *x.shape[2:])
+        if x.shape[1]:
+            ops.append(dist.P2POp(dist.isend, x, group=group, group_peer=(r + hop) % n))
+        if size:
+            ops.append(dist.P2POp(dist.irecv, received, group=group, group_peer=(r - hop) % n))
+    works = []
+    if ops:
+        # one batch, so NCCL posts the send and the receive together (two separate calls deadlock
+        # a ring)
+        works = dist.batch_isend_irecv(ops)
 
     def wait():
         for work in works:
@@ -76,123 +85,166 @@ def _one(t, first, last):
     return t[first:last].transpose(0, 1)[None]
 
 
-def flash(q, k, v, cu_q, cu_k, causal):
+def _mask(n_q, n_k, window, dtype):
+    """flash's window (left, right) over n_q queries and n_k keys as SDPA's additive mask, for the
+    CPU's kernel. Flash lines the last query up with the last key: query i is gap = i + n_k - n_q - j
+    keys past key j, and sees it when -right <= gap <= left (-1: no bound)."""
+    left, right = window
+    gap = torch.arange(n_k - n_q, n_k)[:, None] - torch.arange(n_k)
+    seen = (gap <= left) | (left < 0)
+    seen &= (gap >= -right) | (right < 0)
+    return torch.zeros(gap.shape, dtype=dtype).masked_fill(~seen, -torch.inf)
+
+
+def _cpu_documents(cu_q, cu_k, window, dtype):
+    """Each document's (its q rows, its k rows, the CPU kernel's keywords: causal, the window's
+    mask where the window is more than causal or nothing)."""
+    for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
+        mask = None
+        if window not in ((-1, 0), (-1, -1)):
+            mask = _mask(b - a, d - c, window, dtype)
+        # the kernel's causal (which skips the blocks past the diagonal) lines the first query up
+        # with the first key: flash's where both sides are as long
+        causal = window[1] == 0 and b - a == d - c
+        if window == (-1, 0) and not causal:
+            mask = _mask(b - a, d - c, window, dtype)
+        yield a, b, c, d, dict(is_causal=causal, attn_mask=mask)
+
+
+def flash(q, k, v, cu_q, cu_k, window):
     """(out [Tq, H, hd], lse [H, Tq] fp32, saved: what its backward needs besides) of the fused
     flash kernel over documents packed one after the other: document i is rows cu_q[i]:cu_q[i+1]
     of q [Tq, H, hd] and cu_k[i]:cu_k[i+1] of k, v [Tk, H, hd] (flash-attn's cu_seqlens; k, v have
-    q's heads). On CUDA one variable-length call for them all; on a CPU one call per document.
-    SDPA hides the log-sum-exp the ring merges with: torch's private aten kernels (varlen_attn
-    returns it, but has no backward we could call with the merged output and lse)."""
+    q's heads), each under flash's `window` (left, right): the keys a query sees before and after
+    the one lined up with it, -1 for all ((-1, 0): causal). On CUDA one variable-length call for
+    them all; on a CPU one call per document. SDPA hides the log-sum-exp the ring merges with:
+    torch's private aten kernels (varlen_attn returns it, but has no backward we could call with
+    the merged output and lse)."""
     if why := flash_error(q.device.type, q.dtype, q.shape[-1]):
         raise ValueError(why)
     if q.is_cuda:
         cu = [torch.as_tensor(c, dtype=torch.int32, device=q.device) for c in (cu_q, cu_k)]
         longest = [int(np.diff(c).max()) for c in (cu_q, cu_k)]
+        saved = dict(cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0], max_k=longest[1],
+                     is_causal=window[1] == 0, window_size_left=window[0],
+                     window_size_right=window[1])
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            query=q, key=k, value=v, cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0],
-            max_k=longest[1], dropout_p=0.0, is_causal=causal, return_debug_mask=False)
-        return out, lse, dict(cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0],
-                              max_k=longest[1], rng_state=rng_state, unused=unused)
+            query=q, key=k, value=v, dropout_p=0.0, return_debug_mask=False, **saved)
+        return out, lse, dict(saved, rng_state=rng_state, unused=unused)
     outs, lses = [], []
-    for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
+    for a, b, c, d, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
         # document [a, b) of q, [c, d) of k, v
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query=_one(q, a, b), key=_one(k, c, d), value=_one(v, c, d), dropout_p=0.0,
-            is_causal=causal)
+            query=_one(q, a, b), key=_one(k, c, d), value=_one(v, c, d), dropout_p=0.0, **how)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1), {}
 
 
-def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, saved):
-    """(dq, dk, dv) of flash(q, k, v, cu_q, cu_k, causal) -> out, lse, saved."""
+def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, window, saved):
+    """(dq, dk, dv) of flash(q, k, v, cu_q, cu_k, window) -> out, lse, saved."""
     if q.is_cuda:
-        # saved: cu_seqlens, the longest documents, the forward's rng state (no dropout: unused)
+        # saved: cu_seqlens, the longest documents, the window, the forward's rng state (no
+        # dropout: unused)
         return torch.ops.aten._flash_attention_backward(
             grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
-            is_causal=causal, **saved)
+            **saved)
     grads = []
-    for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
+    for a, b, c, d, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
         # as flash's loop: one document at a time
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out=_one(dout, a, b), query=_one(q, a, b), key=_one(k, c, d),
             value=_one(v, c, d), out=_one(out, a, b), logsumexp=lse[None, :, a:b], dropout_p=0.0,
-            is_causal=causal)
+            **how)
         grads.append([g[0].transpose(0, 1) for g in (dq, dk, dv)])
     dq, dk, dv = zip(*grads)
     return torch.cat(dq), torch.cat(dk), torch.cat(dv)
 
 
-def ring_step_blocks(step, rank, world, n):
-    """At ring step `step`, which of our query rows attend which rows of the visiting k, v, and
-    whether causally. Zigzag: rank r holds chunks r and 2P-1-r of 2P, n tokens each."""
-    everything, first, second = slice(None), slice(0, n), slice(n, None)
-    source = (rank - step) % world  # whose k, v we hold at this step
-    if step == 0:
-        # our own two chunks: causal within them (chunk r precedes chunk 2P-1-r)
-        return everything, everything, True
-    if source < rank:
-        # an earlier rank: its first chunk precedes all our tokens, its second follows them all
-        return everything, first, False
-    # a later rank: both its chunks follow our first chunk and precede our second
-    return second, everything, False
-
-
-def ring_documents(docs, B, n, step, rank, world):
-    """Step `step`'s attention as documents (flash's packing): (our query tokens that attend,
-    the visiting tokens they attend, cu_q, cu_k, causal), tokens as indices into B·2n (each
-    rank's rows one after the other, its two chunks in each). A query attends the keys of its own
-    document only: a document absent from either side drops out of the step, so documents of any
-    length, cut anywhere, need no padding. docs: the starts of documents in the B whole
-    sequences of 2·n·world tokens (None: one per sequence)."""
-    rows, cols, causal = ring_step_blocks(step, rank, world, n)
+def ring_step(docs, B, n, window, step, rank, world):
+    """Step `step` of rank `rank` as flash's packed documents: (parts, needed). A part is (our query
+    tokens, the visiting tokens they attend, cu_q, cu_k, flash's window), one per pair of a query
+    chunk and a key chunk (and per window where documents make them differ); `needed`: the visiting
+    tokens some part attends, which their rank sends. Tokens are indices into B·2n: each rank's
+    rows one after the other, its two chunks in each. Zigzag: rank r holds chunks r and 2P-1-r of
+    2P, n tokens each. docs: the starts of documents in the B whole sequences of 2·n·P tokens
+    (None: one per sequence); window: the layer's sliding window (0: none)."""
     S = 2 * n * world
+    W = window or S  # (no window: the whole past)
     if docs is None:
         docs = np.arange(B) * S
+    ends = np.append(docs[1:], B * S)
+    source = (rank - step) % world
+    parts = []
+    for a, b in product([rank, 2 * world - 1 - rank], [source, 2 * world - 1 - source]):
+        # our chunk a's queries, the visiting chunk b's keys
+        if b > a:
+            continue  # every key after every query
+        row = np.repeat(np.arange(B), n)
+        q_places = row * S + a * n + np.tile(np.arange(n), B)
+        k_places = row * S + b * n + np.tile(np.arange(n), B)
+        q_doc, k_doc = (np.searchsorted(docs, p, 'right') - 1 for p in (q_places, k_places))
+        # a key is attended when a query of its document lies in [key, key + W), within chunk a;
+        # a query attends when a key of its document lies in (query - W, query], within chunk b
+        a_row, b_row = row * S + a * n, row * S + b * n
+        k_kept = np.maximum(a_row, k_places) < np.minimum.reduce([ends[k_doc], a_row + n,
+                                                                  k_places + W])
+        q_kept = np.maximum.reduce([docs[q_doc], b_row, q_places - W + 1]) < np.minimum(
+            b_row + n, q_places + 1)
+        # each document's kept tokens are a run on both sides (a chunk cut by a document, then by
+        # the window): flash's lining up of the last query with the last key is the places' when
+        # right = (last query's place - last key's place) and left = W - 1 - right
+        _, q_counts = np.unique(q_doc[q_kept], return_counts=True)
+        _, k_counts = np.unique(k_doc[k_kept], return_counts=True)
+        q_last = q_places[q_kept][np.cumsum(q_counts) - 1]
+        right = q_last - k_places[k_kept][np.cumsum(k_counts) - 1]
+        windows = np.stack([W - 1 - right, right], axis=1)
+        if not window:
+            # all of the past: causal in our own chunk (right 0), else every key
+            windows[:] = (-1, 0 if a == b else -1)
+        q_tokens = (q_places - row * S - a * n) + row * 2 * n + n * (a != rank)
+        k_tokens = (k_places - row * S - b * n) + row * 2 * n + n * (b != source)
+        for w in np.unique(windows, axis=0):
+            chosen = (windows == w).all(axis=1)
+            q_chosen = np.repeat(chosen, q_counts)
+            k_chosen = np.repeat(chosen, k_counts)
+            parts.append((q_tokens[q_kept][q_chosen], k_tokens[k_kept][k_chosen],
+                          [0, *np.cumsum(q_counts[chosen])], [0, *np.cumsum(k_counts[chosen])],
+                          tuple(w.tolist())))
+    needed = np.unique(np.concatenate([[], *(part[1] for part in parts)])).astype(int)
+    return parts, needed
 
-    def tokens(r, part):
-        # rank r's tokens `part` of each of its rows: (index in B·2n, place in the B·S tokens)
-        place = np.concatenate([np.arange(r * n, r * n + n), np.arange(S - r * n - n, S - r * n)])
-        row = np.arange(B)[:, None]
-        return (row * 2 * n + np.arange(2 * n)[part]).ravel(), (row * S + place[part]).ravel()
 
-    q_tokens, q_places = tokens(rank, rows)
-    k_tokens, k_places = tokens((rank - step) % world, cols)
-    # each token's document (both sides' places ascend: a document is a run of tokens)
-    q_docs, k_docs = (np.searchsorted(docs, p, 'right') for p in (q_places, k_places))
-    q_kept, k_kept = np.isin(q_docs, k_docs), np.isin(k_docs, q_docs)
-    cu_q, cu_k = ([0, *np.cumsum(np.unique(d, return_counts=True)[1])]
-                  for d in (q_docs[q_kept], k_docs[k_kept]))
-    return q_tokens[q_kept], k_tokens[k_kept], cu_q, cu_k, causal
-
-
-def ring_plan(docs, B, n, group, device):
-    """Every step's ring_documents, the token indices on the device: made once in forward, read
-    again in backward (the documents don't change between them)."""
+def ring_plan(docs, B, n, window, group, device):
+    """Every step's (parts, the number of visiting tokens that arrive, the tokens of ours we send):
+    the parts' token indices on the device, their visiting tokens as places in what arrives; made
+    once in forward, read again in backward (the documents don't change between them)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = []
     for step in range(world):
-        q_tokens, k_tokens, cu_q, cu_k, causal = ring_documents(docs, B, n, step, rank, world)
-        rows = torch.as_tensor(q_tokens, device=device)
-        cols = torch.as_tensor(k_tokens, device=device)
-        plan.append((rows, cols, cu_q, cu_k, causal))
+        parts, needed = ring_step(docs, B, n, window, step, rank, world)
+        # what the rank `step` ahead attends of our tokens: what we send it
+        _, sent = ring_step(docs, B, n, window, step, (rank + step) % world, world)
+        on_device = []
+        for rows, cols, cu_q, cu_k, w in parts:
+            rows = torch.as_tensor(rows, device=device)
+            cols = torch.as_tensor(np.searchsorted(needed, cols), device=device)
+            on_device.append((rows, cols, cu_q, cu_k, w))
+        plan.append((on_device, len(needed), torch.as_tensor(sent, device=device)))
     return plan
 
 
-def _ring_steps(q, kv, plan, group):
-    """Around the ring, one step per rank: (our query tokens, the visiting tokens they attend,
-    cu_q, cu_k, causal: the step's plan; the visiting k, v's tokens with q's heads). q [B·2n, H,
-    hd], kv [2, B·2n, K, hd]: tokens first. At step s we hold rank r - s's k, v; the next rank's
-    move meanwhile, as kv heads (never repeats)."""
-    world = len(plan)
-    repeats = q.shape[1] // kv.shape[2]  # q heads per kv head: flash wants as many kv heads as q
-    for step, (rows, cols, cu_q, cu_k, causal) in enumerate(plan):
-        if step < world - 1:  # the next k, v move while we compute on these
-            arriving = ring_shift(kv, group)
-        k_step, v_step = kv[:, cols].repeat_interleave(repeats, dim=2)
-        yield rows, cols, cu_q, cu_k, causal, k_step, v_step
-        if step < world - 1:
-            kv = arriving()
+def _visiting(kv, plan, group):
+    """Each step's visiting k, v [2, tokens, K, hd]: the tokens of rank r - step that our queries
+    attend, sent by it as kv heads (never repeated); the next step's arrive while we compute on
+    these."""
+    arriving = ring_shift(kv[:, plan[0][2]], group, 0, plan[0][1])
+    for step in range(len(plan)):
+        visiting = arriving()
+        if step + 1 < len(plan):
+            _, size, sent = plan[step + 1]
+            arriving = ring_shift(kv[:, sent], group, step + 1, size)
+        yield visiting
 
 
 def _tokens_first(t):
@@ -204,33 +256,34 @@ def _tokens_first(t):
 class RingAttention(Function):
     """The attention core under ring attention (partial(RingAttention.apply, group)):
     q [B, H, 2n, hd], k, v [B, K, 2n, hd] zigzag shards -> y like q, causal, within documents
-    (docs: doc_mask's starts in our rows' whole sequences). Forward: online softmax merges each
-    step's flash (out, lse) over the visiting keys of our documents. Backward: given the final out
-    and lse, each step's flash backward is its exact share; dk, dv ride the ring home."""
+    (docs: doc_mask's starts in our rows' whole sequences) and the layer's sliding window.
+    Forward: online softmax merges each part's flash (out, lse) over the visiting keys it attends.
+    Backward: given the final out and lse, each part's flash backward is its exact share; the
+    visiting tokens' dk, dv go home."""
 
     @staticmethod
-    def forward(ctx, group, q, k, v, docs=None):
+    def forward(ctx, group, q, k, v, docs=None, window=0):
         B = len(q)
         q, kv = _tokens_first(q), torch.stack([_tokens_first(k), _tokens_first(v)])
         # the output so far and its log-sum-exp per query token and head, fp32
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:2], -torch.inf, dtype=torch.float32)
         ctx.saved, ctx.group = [], group
-        ctx.plan = ring_plan(docs, B, len(q) // B // 2, group, q.device)
-        for rows, _, cu_q, cu_k, causal, k_step, v_step in _ring_steps(q, kv, ctx.plan, group):
-            if len(rows) == 0:  # none of our documents is among the visiting tokens
-                ctx.saved.append(None)
-                continue
-            block_out, block_lse, saved = flash(q[rows], k_step, v_step, cu_q, cu_k, causal)
-            block_lse = block_lse.T  # [tokens, H], as lse
-            # online softmax: the output over the keys so far and this block's is their mean
-            # weighted by each one's sum of exponentials; this block's share, e^l / (e^lse + e^l),
-            # is sigmoid(l - lse) (1 at the first block: lse = -inf; every token attends itself
-            # at step 0)
-            share = torch.sigmoid(block_lse - lse[rows]).unsqueeze(-1)
-            out[rows] = torch.lerp(out[rows], block_out.float(), share)
-            lse[rows] = torch.logaddexp(lse[rows], block_lse)
-            ctx.saved.append(saved)
+        ctx.plan = ring_plan(docs, B, len(q) // B // 2, window, group, q.device)
+        repeats = q.shape[1] // kv.shape[2]  # q heads per kv head: flash wants as many kv heads
+        for (parts, _, _), visiting in zip(ctx.plan, _visiting(kv, ctx.plan, group)):
+            for rows, cols, cu_q, cu_k, w in parts:
+                k_part, v_part = visiting[:, cols].repeat_interleave(repeats, dim=2)
+                part_out, part_lse, saved = flash(q[rows], k_part, v_part, cu_q, cu_k, w)
+                part_lse = part_lse.T  # [tokens, H], as lse
+                # online softmax: the output over the keys so far and this part's is their mean
+                # weighted by each one's sum of exponentials; this part's share, e^l / (e^lse +
+                # e^l), is sigmoid(l - lse) (1 at a token's first part: lse = -inf; every token
+                # attends itself in step 0's first part of its chunk)
+                share = torch.sigmoid(part_lse - lse[rows]).unsqueeze(-1)
+                out[rows] = torch.lerp(out[rows], part_out.float(), share)
+                lse[rows] = torch.logaddexp(lse[rows], part_lse)
+                ctx.saved.append(saved)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kv, out, lse)
         return out.unflatten(0, (B, -1)).transpose(1, 2)
@@ -241,18 +294,23 @@ class RingAttention(Function):
         B = len(dout)
         dout = _tokens_first(dout)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        # the visiting k, v's gradients travel with them: P shifts bring each dk, dv home
         dkv = torch.zeros_like(kv, dtype=torch.float32)
-        steps = zip(_ring_steps(q, kv, ctx.plan, ctx.group), ctx.saved)
-        for (rows, cols, cu_q, cu_k, causal, k_step, v_step), saved in steps:
-            if saved is not None:
-                dq_rows, dk, dv = flash_backward(dout[rows], q[rows], k_step, v_step, out[rows],
-                                                 lse[rows].T.contiguous(), cu_q, cu_k, causal,
-                                                 saved)
+        repeats = q.shape[1] // kv.shape[2]
+        saved = iter(ctx.saved)
+        steps = zip(ctx.plan, _visiting(kv, ctx.plan, ctx.group))
+        for step, ((parts, _, sent), visiting) in enumerate(steps):
+            d_visiting = torch.zeros_like(visiting, dtype=torch.float32)
+            for rows, cols, cu_q, cu_k, w in parts:
+                k_part, v_part = visiting[:, cols].repeat_interleave(repeats, dim=2)
+                dq_rows, dk, dv = flash_backward(dout[rows], q[rows], k_part, v_part, out[rows],
+                                                 lse[rows].T.contiguous(), cu_q, cu_k, w,
+                                                 next(saved))
                 dq.index_add_(0, rows, dq_rows.float())
                 # dk, dv are per q head: sum each kv head's repeats
                 per_kv_head = torch.stack([dk, dv]).float().unflatten(2, (kv.shape[2], -1)).sum(3)
-                dkv.index_add_(1, cols, per_kv_head)
-            dkv = ring_shift(dkv, ctx.group)()
+                d_visiting.index_add_(1, cols, per_kv_head)
+            # the visiting tokens' gradients go home to the rank `step` behind; the rank `step`
+            # ahead sends those of the tokens we sent it
+            dkv.index_add_(1, sent, ring_shift(d_visiting, ctx.group, -step, len(sent))())
         dq, dk, dv = (t.unflatten(0, (B, -1)).transpose(1, 2) for t in (dq, *dkv))
-        return None, dq, dk, dv, None  # fp32: autograd casts each to its input's dtype
+        return None, dq, dk, dv, None, None  # fp32: autograd casts each to its input's dtype

@@ -7,7 +7,6 @@ and a rank that raises takes every rank down.
 
 Ranks are spawned processes on gloo (CPU). One spawn of 2 ranks and one of 4 run every layout of that
 size (process start-up is most of the cost), each writing what rank 0 gathered; the tests compare."""
-import functools
 import json
 import os
 import shutil
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,7 +31,6 @@ import parallel  # noqa: E402
 import pipeline  # noqa: E402
 import ring  # noqa: E402
 import train  # noqa: E402
-import model as model_py  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 from conftest import cuda  # noqa: E402
 from test_chunked import CountMatmuls  # noqa: E402
@@ -62,9 +59,15 @@ LAYOUTS = {
     'dp_tp_zero3':   (4, 2, 1, 'ulysses', True, 3, {}),
     # V = 5 on tp 4: 2 rows per rank, rank 3's are all padding (it gave a NaN loss: -inf · 0)
     'tp4_vocab5':    (4, 4, 1, 'ulysses', True, 0, dict(vocab_size=5)),
-    # a fork's attention variant (model.attention swapped for a sliding window) under tp and Ulysses as it is
-    'tp_window':     (2, 2, 1, 'ulysses', True, 0, dict(window=5)),
-    'cp_window':     (2, 1, 2, 'ulysses', True, 0, dict(window=5, recompute='selective')),
+    # sliding windows (sliding_window, layer_types): under tp + sp by head groups, Ulysses with documents, the ring
+    # with a window longer than its chunks (S / 2c = 4 tokens) and, on cp 4, shorter (2 chunks of 2: steps skipped)
+    # with documents and a full layer among the windowed
+    'tp_window':     (2, 2, 1, 'ulysses', True, 0, dict(sliding_window=5, n_head=8, n_kv_head=4,
+                                                        attention_chunks=2)),
+    'cp_window':     (2, 1, 2, 'ulysses', True, 0, dict(sliding_window=3, docs=True, recompute='selective')),
+    'ring_window':   (2, 1, 2, 'ring', True, 0, dict(sliding_window=5, recompute='full')),
+    'ring4_window':  (4, 1, 4, 'ring', True, 0, dict(sliding_window=2, docs=[[1] * 16, [16], [2, 13, 1], [1, 1, 14]],
+                                                     layer_types=['sliding_attention', 'full_attention'])),
     # packed documents (doc_mask): attention within each, as in one process (which equals each alone: test_model)
     'tp_docs':       (2, 2, 1, 'ulysses', True, 0, dict(docs=True, recompute='selective')),
     'cp_docs':       (2, 1, 2, 'ulysses', True, 0, dict(docs=True, recompute='full')),
@@ -85,7 +88,7 @@ LAYOUTS = {
     'ring4_docs':    (4, 1, 4, 'ring', True, 0, dict(docs=[[1] * 16, [16], [2, 13, 1], [1, 1, 14]], recompute='full')),
 }
 # the head groups attention runs per block in the layouts above (attention_chunks; 0 resolved by chunked.py)
-GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2}
+GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2, 'tp_window': 2}
 DOC_LENS = [[5, 11], [16], [3, 3, 10], [9, 7]]  # the documents of global_batch's rows, for 'docs' layouts
 
 
@@ -97,28 +100,14 @@ LR = 0.1
 
 
 def model_config(overrides):
-    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('window', 'docs', 'host')}})
-
-
-def sliding_window(q, k, v, is_causal=True, window=None):
-    """model.attention as a fork would change it: each query sees the last `window` keys only."""
-    i = torch.arange(q.shape[2], device=q.device)
-    mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('docs', 'host')}})
 
 
 def new_model(overrides, mesh=None):
-    """Llama from seed 0 for mesh (None: one process) around its attention core; with 'window' in overrides,
-    built while model.attention is the sliding window (a fork's change: attention_core wraps it)."""
+    """Llama from seed 0 for mesh (None: one process) around its attention core."""
     torch.manual_seed(0)
     mesh = mesh or parallel.Mesh()
-    window, saved = overrides.get('window'), model_py.attention
-    if window:
-        model_py.attention = functools.partial(sliding_window, window=window)
-    try:
-        return Llama(model_config(overrides), parallel.attention_core(mesh), mesh)
-    finally:
-        model_py.attention = saved
+    return Llama(model_config(overrides), parallel.attention_core(mesh), mesh)
 
 
 def global_batch(vocab_size=MODEL['vocab_size']):
@@ -216,7 +205,10 @@ def count_collectives(fn):
 def per_block_counts(mesh, overrides):
     """Collectives of one forward + backward with 2 layers minus with 1: what one block costs."""
     def run(n_layer):
-        model = offload.apply(parallel.parallelize(new_model({**overrides, 'n_layer': n_layer}, mesh), mesh))
+        layers = {'n_layer': n_layer}
+        if overrides.get('layer_types'):
+            layers['layer_types'] = overrides['layer_types'][:n_layer]
+        model = offload.apply(parallel.parallelize(new_model({**overrides, **layers}, mesh), mesh))
         x, y = global_batch(model.config.vocab_size)
         x, y, *pos = parallel.shard_batch(mesh, x, y)
         return count_collectives(lambda: model(x, y, *pos)[1].backward())
@@ -327,41 +319,44 @@ def test_eval_does_no_gradient_work(results, name):
     assert results[name]['eval'] == eval_matmuls(new_model(overrides), parallel.Mesh())
 
 
-# per block, forward + backward (parallel.py's header); the ring with cp = 2: 1 shift forward, 1 + 2 back
+# per block, forward + backward (parallel.py's header); the ring calls ring_shift once a step (step 0's hop is its own
+# k, v: no message), twice a step backward (k, v again, then dk, dv home): 3·cp
 EXPECTED_PER_BLOCK = {
     'tp': {'all_reduce': 4},
     'sp': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_ulysses': {'all_to_all': 4},
-    'cp_ring': {'ring_shift': 4},
+    'cp_ring': {'ring_shift': 6},
     'dp': {},
     'dp_zero2': {},
     'dp_zero3': {},
     'dp_zero3_host': {},
     'tp4_gqa': {'all_gather': 4, 'reduce_scatter': 4},
     'tp_cp_ulysses': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 4},
-    'tp_cp_ring': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
+    'tp_cp_ring': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 6},
     'dp_tp': {'all_gather': 4, 'reduce_scatter': 4},
     'dp_cp_zero2': {'all_to_all': 4},
     'dp_tp_zero3': {'all_gather': 4, 'reduce_scatter': 4},
     'tp4_vocab5': {'all_gather': 4, 'reduce_scatter': 4},
     'tp_window': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_window': {'all_to_all': 4},
+    'ring_window': {'ring_shift': 6},
+    'ring4_window': {'ring_shift': 12},  # (a step whose sides are both empty posts no message: ring.py)
     'tp_docs': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_docs': {'all_to_all': 4},
     # per group: its all-to-alls (or ring shifts) forward, again in its checkpoint's recompute, and backward
     'tp_groups': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_groups': {'all_to_all': 4 * 6},
-    'ring_groups': {'ring_shift': 2 * 5},
+    'ring_groups': {'ring_shift': 2 * 8},
     'docs_groups': {'all_to_all': 2 * 6},
     'zero3_groups': {},
     'tp_cp_groups': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 2 * 6},
-    'ring_docs': {'ring_shift': 4},
-    'tp_ring_docs': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
-    'ring4_docs': {'ring_shift': 3 + 3 + 4},  # cp 4: 3 shifts forward, 3 + 4 back
+    'ring_docs': {'ring_shift': 6},
+    'tp_ring_docs': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 6},
+    'ring4_docs': {'ring_shift': 12},
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
 # every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped.
-# The ring shifts cp - 1 times
+# The ring calls ring_shift cp times
 FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all_to_all': 2, 'ring_shift': 1}
 
 
@@ -369,7 +364,7 @@ FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all
 def test_collectives_per_block(results, name):
     assert results[name]['block'] == EXPECTED_PER_BLOCK[name]
     groups = GROUPS.get(name, 1)  # cp's collectives run per head group
-    shifts = LAYOUTS[name][2] - 1  # the ring's, per forward
+    shifts = LAYOUTS[name][2]  # the ring's, per forward
     again = {k: v + FORWARD_PER_BLOCK[k] * (groups if k in ('all_to_all', 'ring_shift') else 1)
              * (shifts if k == 'ring_shift' else 1) for k, v in EXPECTED_PER_BLOCK[name].items()}
     assert results[name]['block_recompute'] == again
