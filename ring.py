@@ -1,32 +1,55 @@
 """
-Ring attention: context parallelism that keeps each rank's S/c tokens of q, k and v and passes k, v
-around the c ranks of the cp group, one step per rank (Liu et al. 2023, "Ring Attention with
-Blockwise Transformers"), each step's attention overlapped with the next k, v's transfer.
+Ring attention: context parallelism that keeps each rank's S/c tokens of q, k and v and brings
+each other rank's k, v to them, one step per rank (Liu et al. 2023, "Ring Attention with Blockwise
+Transformers"), each step's attention overlapped with the next step's transfer.
 
 What it saves: attention's q, k, v, output and flash's workspace hold S/c tokens on every rank,
 all heads kept (Ulysses needs the heads divisible by c; the ring doesn't). Its price in memory:
-the k, v in flight, 2·2·B·(S/c)·K·hd·b bytes (the ones it computes on, the next ones arriving),
-and one step's k, v repeated to q's H heads for the kernel. In time: c - 1 shifts of k, v
-forward, c - 1 of k, v and c of dk, dv backward, B·(S/c)·K·hd elements each (parallel.py's
-table), and c kernel calls per attention where one would do.
+the k, v in flight, at most 3·2·B·(S/c)·K·hd·b bytes (the ones it computes on, the next ones
+arriving, and the copy of ours it sends), and one part's k, v repeated to q's H heads for the
+kernel. In time: c - 1 transfers of k, v forward, c - 1 of k, v and c - 1 of dk, dv backward, of
+at most B·(S/c)·K·hd elements each (parallel.py's table), and a few kernel calls per step.
 
 The cases of a step. Causal attention over S/c-token slabs would leave rank 0 idle once its
 slab's keys have passed; the zigzag split (the Llama 3 paper's context parallelism, its 2·c
-chunks) gives rank r chunks r and 2c-1-r, so every rank does the same work at every step
-(ring_step_blocks): step 0 its own two chunks, causally; from an earlier rank, that rank's first
-chunk (it precedes all of ours); from a later rank, its two chunks against our second chunk only.
+chunks of n = S/2c tokens) gives rank r chunks r and 2c-1-r, so every rank does the same work at
+every step. At step s rank r attends rank r - s's keys, a part per pair of our query chunk a and
+its key chunk b (ring_step):
+- b = a (step 0, each of our chunks with itself): causal;
+- b < a (every key before every query): all of them; from an earlier rank that is its first
+  chunk against both of ours, from a later rank its two chunks against our second;
+- b > a (every key after every query): nothing, so an earlier rank's second chunk is never sent.
+Each step's keys come straight from their rank (one hop of s, not s hops around a ring: inside a
+node NVLink joins every pair), and only the tokens some part attends.
 
-Each step's (out, lse) merge by online softmax (Milakov & Gimelshein 2018: the running output is a
+A sliding window of W keys (model.py: a query sees the last W, itself included) cuts each part to
+the queries and keys within W of each other, and where nothing is left the part is gone. With
+W <= n (a chunk is at least a window), of the c steps these remain:
+- step 0, both our chunks causally within the window;
+- step 1, the last W - 1 keys of chunk r - 1 (rank r - 1's first) for our first chunk's first
+  W - 1 queries (rank 0 has no chunk before its first: nothing);
+- step c - 1, the last W - 1 keys of chunk 2c-2-r (rank r + 1's second) for our second chunk's
+  first W - 1 queries (rank c - 1's second chunk follows its first: its step 0 has them);
+- steps 2 to c - 2: nothing computed and nothing sent (their chunks are at least n tokens away).
+So a windowed layer's ring moves at most 2·(W - 1) tokens of k, v a rank where the full one moves
+(c - 1)·1.5·n on average (n from an earlier rank, 2n from a later), and computes about 2·n·W
+query-key pairs where the full one computes S²/2c.
+Flash takes a window as (left, right), the keys a query sees before and after the one lined up
+with it (the last query with the last key); a part's is (W - 1 - d, d), d the distance from its
+last key to its last query: the CUDA kernel's window_size, an additive mask on the CPU's.
+
+Each part's (out, lse) merge by online softmax (Milakov & Gimelshein 2018: the running output is a
 mean weighted by each part's sum of exponentials, sigmoid of their log-sum-exps' difference), in
-fp32. Backward needs no merge: given the final output and log-sum-exp, every step's flash backward
-is its exact share of dq and of the visiting dk, dv, which travel on with k, v until they are home.
+fp32. Backward needs no merge: given the final output and log-sum-exp, every part's flash backward
+is its exact share of dq and of the visiting dk, dv, which go back to the rank they came from.
 
-Packed documents (doc_mask): a query attends its own document's keys only. Each step turns into
-flash's variable-length problem (ring_documents): the step's query tokens and visiting key tokens
-of each document present on both sides, packed one after the other; on CUDA one varlen kernel
-call per step, on a CPU one call per document. Documents of any length, cut anywhere by the
-chunks, need no padding (Megatron's packed format pads each to a multiple of 2·c; torchtitan's
-balancer asks as much): a document absent from either side simply drops out of that step.
+Packed documents (doc_mask): a query attends its own document's keys only. Each part turns into
+flash's variable-length problem: the query tokens and visiting key tokens of each document
+present on both sides, packed one after the other; on CUDA one varlen kernel call per part (per
+window where documents make them differ), on a CPU one call per document. Documents of any
+length, cut anywhere by the chunks, need no padding (Megatron's packed format pads each to a
+multiple of 2·c; torchtitan's balancer asks as much): a document absent from either side simply
+drops out of that part.
 """
 from itertools import pairwise, product
 
@@ -87,8 +110,9 @@ def _one(t, first, last):
 
 def _mask(n_q, n_k, window, dtype):
     """flash's window (left, right) over n_q queries and n_k keys as SDPA's additive mask, for the
-    CPU's kernel. Flash lines the last query up with the last key: query i is gap = i + n_k - n_q - j
-    keys past key j, and sees it when -right <= gap <= left (-1: no bound)."""
+    CPU's kernel. Flash lines the last query up with the last key: query i is
+    gap = i + n_k - n_q - j keys past key j, and sees it when -right <= gap <= left (-1: no
+    bound)."""
     left, right = window
     gap = torch.arange(n_k - n_q, n_k)[:, None] - torch.arange(n_k)
     seen = (gap <= left) | (left < 0)

@@ -103,6 +103,11 @@ tie_embeddings = False
 n_experts = 0
 experts_per_token = 2
 router_aux_loss_coef = 0.02
+# sliding-window attention (Mistral's): a query sees the last sliding_window keys, itself included
+# (0: all); layer_types: None windows every layer, else one 'sliding_attention' or
+# 'full_attention' a layer (None for either: from scratch 0 and None, a Hugging Face model's own)
+sliding_window = None
+layer_types = None
 # memory knobs (chunked.py; offload.py)
 mlp_chunks = 1
 loss_chunks = 1
