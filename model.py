@@ -30,8 +30,9 @@ knobs of LlamaConfig (mlp_chunks, loss_chunks, attention_chunks, recompute, offl
 forward runs, never what it computes: the MLP, the LM head and attention's heads chunk (chunked.py)
 when theirs is not 1; with all of them off forward runs this file and rope.py only. With
 config.n_experts > 0 each block's MLP is moe.py's mixture of experts (Mixtral's block).
-`Llama.from_pretrained()` reads a local HF Llama or Mixtral directory; `save_pretrained()` writes
-one that transformers loads back to the same logits.
+`Llama.from_pretrained()` reads a local HF Llama, Mistral, Ministral or Mixtral directory;
+`save_pretrained()` writes one that transformers loads back to the same logits (a Mistral when every
+layer is windowed, a Ministral when some are).
 """
 
 import json
@@ -451,9 +452,10 @@ class Llama(nn.Module):
     # ------------------------------------------------------------------------- Hugging Face
     @classmethod
     def from_pretrained(cls, hf_dir, core=attention, mesh=None, **overrides):
-        """Load a local HF Llama or Mixtral directory: config.json + model.safetensors, or shards
-        with an index, into Llama(config, core, mesh). `overrides` set LlamaConfig fields: the
-        memory knobs; a new rope_theta or rope_scaling extends its context."""
+        """Load a local HF Llama, Mistral, Ministral or Mixtral directory: config.json +
+        model.safetensors, or shards with an index, into Llama(config, core, mesh), its sliding
+        window the one transformers computes (_config_from_hf). `overrides` set LlamaConfig
+        fields: the memory knobs; a new rope_theta or rope_scaling extends its context."""
         from safetensors.torch import load_file
 
         config = read_config(hf_dir, **overrides)
@@ -488,9 +490,39 @@ class Llama(nn.Module):
 
     def save_pretrained(self, out_dir):
         """HF's Llama config.json (rope_scaling's older form, read by every transformers), or
-        Mixtral's when n_experts > 0, + model.safetensors."""
+        Mixtral's when n_experts > 0, + model.safetensors. A sliding window on every layer is
+        Mistral's config (Mixtral's with experts), on some layers Ministral's: transformers' Llama
+        reads no window."""
         from safetensors.torch import save_file
-        c, s = self.config, self.config.rope_scaling or {}
+        c = self.config
+        s = c.rope_scaling or {}
+        # config.json's dict first: a config HF can't say is refused before anything is written
+        hf = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG.items()}
+        hf.update(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
+                  head_dim=c.head_dim, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                  attention_bias=False, mlp_bias=False,
+                  # the context scaled to: transformers checks that YaRN's factor is this over the
+                  # original's
+                  max_position_embeddings=int(s.get('factor', 1)
+                                              * s.get('original_max_position_embeddings', 8192)),
+                  torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
+        # some layers windowed, the others not (LlamaConfig: a 'sliding_attention' has a window)
+        mixed = len(set(c.layer_types or [])) > 1
+        # (not mixed: every layer's window is layer 0's)
+        if mixed or c.window(0):
+            # Mistral: a Llama whose every layer sees the last sliding_window keys
+            hf.update(architectures=['MistralForCausalLM'], model_type='mistral',
+                      sliding_window=c.sliding_window)
+        if mixed:
+            # Ministral: a Llama whose layer_types say which layers are windowed
+            hf.update(architectures=['MinistralForCausalLM'], model_type='ministral',
+                      layer_types=c.layer_types)
+        if c.n_experts:
+            if mixed:
+                raise ValueError("layer_types: Mixtral windows every layer or none")
+            # (sliding_window stays: Mixtral windows every layer with it)
+            hf.update({theirs: getattr(c, ours) for ours, theirs in HF_MOE_CONFIG.items()},
+                      architectures=['MixtralForCausalLM'], model_type='mixtral')
         os.makedirs(out_dir, exist_ok=True)
         state = {}
         for ours, theirs in _hf_names(c).items():
@@ -501,18 +533,6 @@ class Llama(nn.Module):
             else:
                 state[theirs] = p.contiguous()
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-        hf = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG.items()}
-        hf.update(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
-                  head_dim=c.head_dim, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                  attention_bias=False, mlp_bias=False,
-                  # the context scaled to: transformers checks that YaRN's factor is this over the
-                  # original's
-                  max_position_embeddings=int(s.get('factor', 1)
-                                              * s.get('original_max_position_embeddings', 8192)),
-                  torch_dtype=str(next(self.parameters()).dtype).removeprefix('torch.'))
-        if c.n_experts:
-            hf.update({theirs: getattr(c, ours) for ours, theirs in HF_MOE_CONFIG.items()},
-                      architectures=['MixtralForCausalLM'], model_type='mixtral')
         with open(os.path.join(out_dir, 'config.json'), 'w') as f:
             json.dump(hf, f, indent=2)
 
@@ -522,6 +542,9 @@ HF_CONFIG = {'n_layer': 'num_hidden_layers', 'n_head': 'num_attention_heads',
              'n_kv_head': 'num_key_value_heads', 'n_embd': 'hidden_size',
              'intermediate_size': 'intermediate_size', 'vocab_size': 'vocab_size',
              'norm_eps': 'rms_norm_eps', 'tie_embeddings': 'tie_word_embeddings'}
+# the families nanolong reads (model_type), each with the sliding_window transformers gives it when
+# config.json leaves the key out (None: no window)
+HF_WINDOW = {'llama': None, 'mistral': 4096, 'ministral': 4096, 'mixtral': None}
 # and Mixtral's, which a 'mixtral' config.json always has
 HF_MOE_CONFIG = {'n_experts': 'num_local_experts', 'experts_per_token': 'num_experts_per_tok',
                  'router_aux_loss_coef': 'router_aux_loss_coef'}
@@ -552,9 +575,9 @@ def _config_from_hf(hf):
     # other families differ in what the names can't say (Qwen2's attention biases, Gemma's
     # (1 + w) norms): refused, not loaded to wrong logits. No model_type: a hand-made Llama's
     model_type = hf.get('model_type', 'llama')
-    if model_type not in ('llama', 'mixtral'):
-        raise ValueError(f"model_type {model_type!r} is not a Llama or Mixtral (nanolong reads "
-                         "'llama' and 'mixtral')")
+    if model_type not in HF_WINDOW:
+        raise ValueError(f"model_type {model_type!r} is not a Llama (nanolong reads "
+                         "'llama', 'mistral', 'ministral' and 'mixtral')")
     # transformers 5's form, or the older one (with 'type' for 'rope_type')
     rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
     theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
@@ -563,9 +586,16 @@ def _config_from_hf(hf):
     # (Mixtral writes head_dim null: hidden_size / num_attention_heads)
     if (hf.get('head_dim') or h // n_head) * n_head != h:
         raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
-    # (Mixtral's attention is windowed when this is set; ours sees the whole causal past)
-    if hf.get('sliding_window'):
-        raise ValueError(f"sliding_window={hf['sliding_window']} is not supported")
+    # The sliding window as transformers computes it, for the same logits. Mistral and Mixtral
+    # window every layer by sliding_window (null: none); Ministral the layers its layer_types say
+    # (None: every layer). Mixtral reads no layer_types; MistralForCausalLM neither (it warns),
+    # but AutoModel reads a 'mistral' config.json that has the key as Ministral's, so we do.
+    # LlamaForCausalLM reads neither key: a Llama config.json that carries them is full attention
+    # there, so here.
+    window = hf.get('sliding_window', HF_WINDOW[model_type]) or 0
+    if model_type == 'llama':
+        window = 0
+    layer_types = hf.get('layer_types') if model_type in ('mistral', 'ministral') else None
     # HF's defaults for the keys it may leave out
     hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, **hf}
     hf['num_key_value_heads'] = hf.get('num_key_value_heads') or n_head
@@ -573,7 +603,8 @@ def _config_from_hf(hf):
     if model_type == 'mixtral':
         fields.update({ours: hf[theirs] for ours, theirs in HF_MOE_CONFIG.items()})
     rope_scaling = None if rope['rope_type'] == 'default' else rope
-    return LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling)
+    return LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling,
+                       sliding_window=window, layer_types=layer_types)
 
 
 def _hf_names(config):

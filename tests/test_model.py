@@ -112,12 +112,14 @@ def test_save_pretrained_round_trip_through_transformers(tmp_path, tie, rope):
     assert torch.equal(again(idx), ours(idx))
 
 
-def hf_mixtral(seed=0):
-    """A tiny MixtralForCausalLM as transformers makes it (config.json's head_dim null)."""
+def hf_mixtral(seed=0, **windows):
+    """A tiny MixtralForCausalLM as transformers makes it (config.json's head_dim null); `windows`: its
+    sliding_window (default None: none)."""
     torch.manual_seed(seed)
     cfg = transformers.MixtralConfig(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-        vocab_size=128, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, attn_implementation='eager')
+        vocab_size=128, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, attn_implementation='eager',
+        **windows)
     m = transformers.MixtralForCausalLM(cfg).float().eval()
     with torch.no_grad():  # as hf_model: norms off one
         for name, p in m.named_parameters():
@@ -145,14 +147,16 @@ def test_mixtral_loads_from_shards_and_exports_to_the_same_logits(tmp_path):
         assert rel_err(theirs.float()(idx).logits, ref) < 1e-5
 
 
-NOT_OURS = "is not a Llama or Mixtral (nanolong reads 'llama' and 'mixtral')"
+NOT_OURS = "is not a Llama (nanolong reads 'llama', 'mistral', 'ministral' and 'mixtral')"
 
 
 @pytest.mark.parametrize('model_type,edit,message', [
     ('qwen2', {}, f"model_type 'qwen2' {NOT_OURS}"),  # attention biases
     ('gemma', {}, f"model_type 'gemma' {NOT_OURS}"),  # (1 + w) norms
-    ('mixtral', {'sliding_window': 4096}, "sliding_window=4096 is not supported")],
-    ids=['qwen2', 'gemma', 'mixtral windowed'])
+    ('mistral', {'sliding_window': -1}, "sliding_window=-1: must be >= 0"),
+    ('ministral', {'layer_types': ['sliding_attention'] * 3}, "layer_types=['sliding_attention', "
+     "'sliding_attention', 'sliding_attention']: must be None or n_layer=32 of 'sliding_attention', 'full_attention'")],
+    ids=['qwen2', 'gemma', 'mistral window -1', 'ministral layer_types too short'])
 def test_other_families_are_refused_in_one_line_naming_them(tmp_path, model_type, edit, message):
     transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)  # config.json is enough
     config = json.loads((tmp_path / 'config.json').read_text())
@@ -160,6 +164,139 @@ def test_other_families_are_refused_in_one_line_naming_them(tmp_path, model_type
     with pytest.raises(ValueError) as e:
         Llama.from_pretrained(tmp_path)
     assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+# ----------------------------------------------------------------------------- sliding windows: Mistral, Ministral, Mixtral
+# transformers' rule (masking_utils.sliding_window_overlay on the causal mask): query i sees key j when
+# 0 <= i - j < sliding_window. A window of 5 at 16 tokens: most queries see 5 keys, not all of theirs.
+WINDOW, SEQ = 5, 16
+
+
+def hf_windowed(family, seed=0, **windows):
+    """A tiny MistralForCausalLM or MinistralForCausalLM (GQA, fp32, eager attention), norms off one, with
+    `windows`: sliding_window and (Ministral) layer_types."""
+    torch.manual_seed(seed)
+    config_class = {'mistral': transformers.MistralConfig, 'ministral': transformers.MinistralConfig}[family]
+    cfg = config_class(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_hidden_layers=2, vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       attn_implementation='eager', **windows)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if 'norm' in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def both_ways(tmp_path, hf, architecture):
+    """hf saved and loaded by Llama.from_pretrained, ours saved and loaded by transformers' AutoModel: each
+    one's logits the transformers model's within 1e-5 (and the window really changes them); ours reads back
+    its own export to the bit. Returns ours."""
+    hf.save_pretrained(tmp_path / 'hf')
+    ours = Llama.from_pretrained(tmp_path / 'hf').eval()
+    idx = torch.randint(0, 128, (2, SEQ))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert rel_err(ours(idx), ref) < 1e-5
+        unwindowed = Llama.from_pretrained(tmp_path / 'hf', sliding_window=0, layer_types=None)
+        assert rel_err(unwindowed(idx), ref) > 1e-2  # the window matters at this length
+        ours.save_pretrained(tmp_path / 'export')
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'export', attn_implementation='eager')
+        assert type(theirs) is architecture
+        assert rel_err(theirs.float()(idx).logits, ref) < 1e-5
+        again = Llama.from_pretrained(tmp_path / 'export')
+        assert again.config == ours.config and torch.equal(again(idx), ours(idx))
+    return ours
+
+
+def test_mistral_with_a_window_loads_and_exports_to_the_same_logits(tmp_path):
+    ours = both_ways(tmp_path, hf_windowed('mistral', sliding_window=WINDOW), transformers.MistralForCausalLM)
+    assert (ours.config.sliding_window, ours.config.layer_types, ours.config.n_kv_head) == (WINDOW, None, 2)
+    config = json.loads((tmp_path / 'export' / 'config.json').read_text())
+    assert (config['model_type'], config['architectures'], config['sliding_window']) == (
+        'mistral', ['MistralForCausalLM'], WINDOW)
+    assert 'layer_types' not in config
+
+
+def test_mixtral_with_a_window_loads_and_exports_to_the_same_logits(tmp_path):
+    ours = both_ways(tmp_path, hf_mixtral(sliding_window=WINDOW), transformers.MixtralForCausalLM)
+    assert (ours.config.sliding_window, ours.config.n_experts) == (WINDOW, 4)
+    assert json.loads((tmp_path / 'export' / 'config.json').read_text())['sliding_window'] == WINDOW
+
+
+def test_a_mix_of_windowed_and_full_layers_is_ministral_both_ways(tmp_path):
+    """transformers' Llama, Mistral and Mixtral read no layer_types; Ministral (a Llama with layer_types, its
+    modeling file otherwise Mistral's) does: a mix is read from and written as Ministral."""
+    mix = ['full_attention', 'sliding_attention']
+    hf = hf_windowed('ministral', sliding_window=WINDOW, layer_types=mix)
+    ours = both_ways(tmp_path, hf, transformers.MinistralForCausalLM)
+    assert (ours.config.sliding_window, ours.config.layer_types) == (WINDOW, mix)
+    assert [block.attention.window for block in ours.layers.values()] == [0, WINDOW]
+    config = json.loads((tmp_path / 'export' / 'config.json').read_text())
+    assert (config['model_type'], config['layer_types']) == ('ministral', mix)
+
+
+def test_window_keys_are_read_as_transformers_auto_model_reads_them(tmp_path):
+    """LlamaForCausalLM reads neither sliding_window nor layer_types (full attention); MixtralForCausalLM reads
+    no layer_types (every layer windowed); AutoConfig reads a 'mistral' config.json with layer_types as Ministral's
+    (MistralForCausalLM itself would ignore them); a Mistral config.json that leaves sliding_window out has
+    transformers' default, 4096; a null one is no window."""
+    mix = ['full_attention', 'sliding_attention']
+    cases = {'llama': (hf_model(vocab=128), {'sliding_window': WINDOW, 'layer_types': mix}, 0, None),
+             'mixtral': (hf_mixtral(sliding_window=WINDOW), {'layer_types': mix}, WINDOW, None),
+             'mistral': (hf_windowed('mistral', sliding_window=WINDOW), {'layer_types': mix}, WINDOW, mix),
+             'mistral without the key': (hf_windowed('mistral'), {'sliding_window': 'left out'}, 4096, None),
+             'mistral null': (hf_windowed('mistral'), {'sliding_window': None}, 0, None)}
+    idx = torch.randint(0, 128, (2, SEQ))
+    for name, (hf, edit, window, layer_types) in cases.items():
+        d = tmp_path / name
+        hf.save_pretrained(d)
+        config = {**json.loads((d / 'config.json').read_text()), **edit}
+        if edit.get('sliding_window') == 'left out':
+            del config['sliding_window']
+        (d / 'config.json').write_text(json.dumps(config))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation='eager').float()
+        ours = Llama.from_pretrained(d)
+        assert (ours.config.sliding_window, ours.config.layer_types) == (window, layer_types), name
+        if name == 'mistral without the key':  # (16 tokens can't tell 4096 from no window: the config can)
+            assert theirs.config.sliding_window == 4096
+        with torch.no_grad():
+            assert rel_err(ours(idx), theirs(idx).logits) < 1e-5, name
+
+
+def test_a_mix_under_mixtral_is_refused_in_one_line_before_anything_is_written(tmp_path):
+    """Mixtral windows every layer or none, and transformers has no Mixtral that reads layer_types."""
+    config = LlamaConfig(n_layer=2, n_experts=4, sliding_window=WINDOW, layer_types=['sliding_attention',
+                                                                                       'full_attention'])
+    with pytest.raises(ValueError, match=r'^layer_types: Mixtral windows every layer or none$'):
+        Llama(config).save_pretrained(tmp_path / 'export')
+    assert not (tmp_path / 'export').exists()
+
+
+def test_no_window_anywhere_exports_a_plain_llama(tmp_path):
+    """A window no layer uses (every layer 'full_attention') is a Llama's config.json, as with no window."""
+    config = LlamaConfig(n_layer=2, sliding_window=WINDOW, layer_types=['full_attention'] * 2)
+    Llama(config).save_pretrained(tmp_path / 'windowless')
+    Llama(replace(config, sliding_window=0, layer_types=None)).save_pretrained(tmp_path / 'plain')
+    assert (tmp_path / 'windowless' / 'config.json').read_text() == (tmp_path / 'plain' / 'config.json').read_text()
+    assert json.loads((tmp_path / 'plain' / 'config.json').read_text())['model_type'] == 'llama'
+
+
+@pytest.mark.parametrize('fields,message', [
+    ({'sliding_window': -1}, "sliding_window=-1: must be >= 0"),
+    ({'sliding_window': 4, 'layer_types': ['sliding_attention'] * 3},
+     "layer_types=['sliding_attention', 'sliding_attention', 'sliding_attention']: must be None or n_layer=2 of "
+     "'sliding_attention', 'full_attention'"),
+    ({'sliding_window': 4, 'layer_types': ['sliding_attention', 'chunked_attention']},
+     "layer_types=['sliding_attention', 'chunked_attention']: must be None or n_layer=2 of 'sliding_attention', "
+     "'full_attention'"),
+    ({'layer_types': ['sliding_attention', 'full_attention']},
+     "sliding_window=0: must be > 0 where layer_types has 'sliding_attention'")],
+    ids=['negative window', 'layer_types too long', 'unknown layer type', 'sliding layer without a window'])
+def test_a_bad_window_is_one_line_naming_it(fields, message):
+    with pytest.raises(ValueError) as e:
+        LlamaConfig(n_layer=2, **fields)
+    assert str(e.value) == message
 
 
 # a checkpoint's context extended: S = 100 tokens, past the original 32 of every scaling
