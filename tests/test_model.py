@@ -4,6 +4,7 @@ import os
 import weakref
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -387,10 +388,14 @@ def test_init_residual_projections_scaled():
     assert abs(std(m.layers['0'].feed_forward.w2.weight) - 0.02 / 4) < 5e-4  # 1/sqrt(2*8)
 
 
-def test_kv_cache_decoding_matches_full_forward():
+@pytest.mark.parametrize('window', [{}, dict(sliding_window=3), dict(sliding_window=4, layer_types=[
+    'full_attention', 'sliding_attention'])], ids=['full', 'windowed', 'mixed'])
+def test_kv_cache_decoding_matches_full_forward(window):
+    """Prefill then one token at a time: the logits of the whole sequence at once; under a sliding window each new
+    token sees only the cache's last W keys (the prefill's 5 tokens are more than the window)."""
     from model import KVCache
     torch.manual_seed(0)
-    c = LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=40)
+    c = LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=40, **window)
     m = Llama(c).eval()
     idx = torch.randint(0, 40, (2, 12))
     full = m(idx)
@@ -638,3 +643,43 @@ def test_documents_in_one_varlen_kernel_on_cuda_are_the_per_document_loop():
     assert abs(varlen_loss - loop_loss) < 1e-2 * loop_loss
     assert all(rel_err(varlen_grads[n], loop_grads[n]) < 3e-2 for n in loop_grads), max(
         rel_err(varlen_grads[n], loop_grads[n]) for n in loop_grads)
+
+
+def masked_attention(q, k, v, allowed):
+    """Attention by its definition: softmax over the keys `allowed` [S, S] (or [B, S, S]) lets each query see."""
+    scores = (q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if allowed.dim() == 3:
+        allowed = allowed[:, None]
+    weights = scores.masked_fill(~allowed, -torch.inf).softmax(-1)
+    return weights @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+
+
+@pytest.mark.parametrize('window', [1, 3, 7, 16, 40])
+def test_the_window_is_hf_rule_with_and_without_documents(window):
+    """attention() with a sliding window W: query i sees key j when 0 <= i - j < W (Hugging Face's rule), within
+    its document when doc_mask packs several; fp64 against the definition, and the window changes the output
+    where it is shorter than the sequence (or a document)."""
+    from model import attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 16, 8, generator=g, dtype=torch.float64)
+    i = torch.arange(16)
+    gap = i[:, None] - i[None, :]
+    allowed = (gap >= 0) & (gap < window)
+    torch.testing.assert_close(attention(q, k, v, None, window), masked_attention(q, k, v, allowed))
+    docs = np.array([0, 7, 16, 17, 20])  # row 0: 7 + 9 tokens; row 1: 1 + 3 + 12
+    doc = torch.as_tensor(np.searchsorted(docs, np.arange(32), 'right')).view(2, 16)
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    want = masked_attention(q, k, v, allowed & same_doc)
+    torch.testing.assert_close(attention(q, k, v, docs, window), want)
+    if window < 12:  # the longest document: a window shorter than it changes something
+        assert not torch.allclose(want, masked_attention(q, k, v, (gap >= 0) & same_doc))
+
+
+def test_each_layer_gets_its_window():
+    """layer_types picks the windowed layers; None windows every layer when sliding_window > 0."""
+    mixed = LlamaConfig(n_layer=3, sliding_window=8, layer_types=['sliding_attention', 'full_attention',
+                                                                  'sliding_attention'])
+    assert [block.attention.window for block in Llama(mixed).layers.values()] == [8, 0, 8]
+    assert [LlamaConfig(n_layer=2, sliding_window=8).window(i) for i in range(2)] == [8, 8]
+    assert [LlamaConfig(n_layer=2).window(i) for i in range(2)] == [0, 0]

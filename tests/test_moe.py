@@ -121,7 +121,7 @@ EP_LAYOUTS = {
     'cp_ep2':       (2, 1, 2, 'ulysses', True, 0, 2, dict(recompute='full')),
     'tp_ep2':       (4, 2, 1, 'ulysses', True, 0, 2, dict(recompute='selective')),
     'dp_cp_zero3_ep2': (4, 1, 2, 'ulysses', True, 3, 2, {}),  # the experts' rows over the 2 ranks holding them
-    'ring_ep4':     (4, 1, 2, 'ring', True, 0, 4, dict(recompute='full')),
+    'ring_ep4':     (4, 1, 2, 'ring', True, 0, 4, dict(recompute='full', sliding_window=5)),  # Mixtral's window
     'tp_cp_ep2':    (4, 2, 2, 'ulysses', True, 2, 2, {}),
 }
 

@@ -462,14 +462,15 @@ def test_compile_with_offload_runs(tmp_path):
                                    dict(recompute='full', offload=0.5)],
                          ids=['chunked', 'full', 'selective+offload', 'offload 0.5',
                               'full+offload'])
-def test_doc_mask_under_every_knob(knobs):
-    """Packed documents (doc_mask) give the plain path's loss and gradients under chunking,
-    recompute and offload: the documents' starts reach attention in the recompute and in the
-    token-wise split too."""
+@pytest.mark.parametrize('window', [0, 3], ids=['no window', 'window 3'])
+def test_doc_mask_under_every_knob(knobs, window):
+    """Packed documents (doc_mask), with or without a sliding window, give the plain path's loss
+    and gradients under chunking, recompute and offload: the documents' starts and the layer's
+    window reach attention in the recompute and in the token-wise split too."""
     from conftest import packed_batch
     x, y, pos, docs = packed_batch([[5, 11], [16]], vocab=V)
     runs = []
-    for cfg in (config(), config(**knobs)):
+    for cfg in (config(sliding_window=window), config(sliding_window=window, **knobs)):
         model = same_model(cfg)
         loss = model(x, y, pos, docs)[1]
         loss.backward()

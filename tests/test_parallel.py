@@ -538,8 +538,11 @@ def test_train_tiny_losses_do_not_depend_on_the_layout(tmp_path, single_run, npr
 def single_f16(tmp_path_factory):
     """One process in fp16 (CPU autocast, fp32 masters, loss scaling): 4 steps."""
     out = tmp_path_factory.mktemp('single_f16')
-    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', '--dtype=float16', f'--out_dir={out}')
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', '--dtype=float16', F16_WINDOW, f'--out_dir={out}')
     return read_log(out)
+
+
+F16_WINDOW = '--sliding_window=40'  # fp16's runs are windowed (seq_len 64): the window under fp16 in every layout
 
 
 @pytest.mark.parametrize('nproc,layout', [
@@ -556,7 +559,8 @@ def test_float16_layouts_train_as_one_process(tmp_path, single_f16, nproc, layou
     states on the host, and pp (the schedule's loss scaled once): the losses of one process in fp16, to fp16's
     rounding of sums in another order, and the same loss scale."""
     out = str(tmp_path / 'run')
-    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--dtype=float16', f'--out_dir={out}')
+    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--dtype=float16', F16_WINDOW,
+             f'--out_dir={out}')
     got = read_log(out)
     assert [r['iter'] for r in got] == [r['iter'] for r in single_f16]
     for a, b in zip(got, single_f16):
@@ -903,6 +907,10 @@ PP_LAYOUTS = {
     'pp2_tp2_docs':  (4, 2, 2, 1, 'ulysses', 0, 'gpipe', dict(docs=True, recompute='selective')),
     'pp2_cp2_docs':  (4, 2, 1, 2, 'ulysses', 0, '1f1b', dict(docs=True)),
     'pp2_ring2_docs': (4, 2, 1, 2, 'ring', 0, 'gpipe', dict(docs=True, recompute='full')),
+    # sliding windows: every layer's, and a full layer on stage 0 with a windowed one on stage 1 under the ring
+    'pp2_window':    (2, 2, 1, 1, 'ulysses', 0, 'gpipe', dict(sliding_window=5)),
+    'pp2_ring2_window': (4, 2, 1, 2, 'ring', 0, '1f1b', dict(docs=True, sliding_window=3,
+                                                             layer_types=['full_attention', 'sliding_attention'])),
 }
 PP_M = 4
 PP_DOCS = [[[5, 11], [16]], [[3, 3, 10], [1] * 16], [[16], [2, 13, 1]], [[9, 7], [4, 4, 4, 4]]]  # per micro-batch
