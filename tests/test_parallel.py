@@ -542,7 +542,10 @@ def single_f16(tmp_path_factory):
     return read_log(out)
 
 
-F16_WINDOW = '--sliding_window=40'  # fp16's runs are windowed (seq_len 64): the window under fp16 in every layout
+# fp16's runs are windowed (seq_len 64): the window under fp16 in every layout. (Shorter windows overflow the
+# embedding's fp16 gradient, a sum over a whole rank's tokens, at the first scale in one process but not on 2 cp
+# ranks: the scales would differ for a reason that isn't the window's)
+F16_WINDOW = '--sliding_window=48'
 
 
 @pytest.mark.parametrize('nproc,layout', [
