@@ -16,25 +16,33 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                chunks), torch F.linear_cross_entropy with LinearCrossEntropyOptions (batch_chunk_size
                256 and 384, and the defaults), plain F.cross_entropy(h @ W.T), and the three unavoidable
                matmuls alone (logits, input grad, weight grad, full size, no_grad).
-  --mode=docs  packed documents (doc_mask, issue 29): the attention core alone, forward + backward,
-               of a window of S tokens (batch 1, fp32, --q_heads query heads sharing --kv_heads kv
-               heads of --head_dim: by default one of Llama-3-8B's 8 kv-head groups, 4 q heads on 1
-               kv head of 128) at each of --seq_lens, cut into each of --documents documents (0: no
-               mask, plain causal SDPA): n - 1 distinct cut points drawn at random (--seed), so the
-               lengths are roughly exponential with mean S/n, as packing real documents gives. Each
-               run twice: in one process (model.attention: one SDPA call a document, per_document's)
-               and as ring attention over --cp gloo processes (ring.RingAttention on each rank's
-               zigzag shard), every process with --rank_threads threads. Default 1: the ring has cp
-               times the cores, its ideal cp times the tokens/s; one thread a process because on a
-               2-core machine a 2-thread process is many times slower once anything else runs, its
-               OpenMP threads waiting on each other (--cp=0 --rank_threads=2: one process on 2
-               threads). tokens/s = S / the median of --reps timed runs after one warm-up run (a
-               ring run's time: its slowest rank's, the ranks started together by a barrier). Beside
-               it the CPU time a run took (time.process_time, the ring's summed over its ranks):
-               what the work costs whatever else shares the machine, where the wall time of a ring
-               that needs every core is spoilt by any other process. The checksum, the sum of the
-               output's squares (the ring's: over its ranks), is the same for a window's every run
-               and, no mask and 1 document being the same attention, for those two.
+  --mode=docs  packed documents (doc_mask, issue 29) and sliding windows (issue 39): the attention
+               core alone, forward + backward, of one sequence of S tokens (batch 1, fp32, --q_heads
+               query heads sharing --kv_heads kv heads of --head_dim: by default one of Llama-3-8B's
+               8 kv-head groups, 4 q heads on 1 kv head of 128) at each of --seq_lens, cut into each
+               of --documents documents (0: no mask, plain causal SDPA): n - 1 distinct cut points
+               drawn at random (--seed), so the lengths are roughly exponential with mean S/n, as
+               packing real documents gives; under each of --windows sliding windows W (a query
+               sees the last W keys of its document, itself included; 0: none, full causal). Each
+               run twice: in one process (model.attention: one SDPA call a document, per_document's;
+               --one_process=False skips it, --cp=0 skips the ring) and as ring attention over --cp
+               gloo processes (ring.RingAttention on each rank's zigzag shard), every process with
+               --rank_threads threads. Default 1: the ring has cp times the cores, its ideal cp
+               times the tokens/s; one thread a process because on a 2-core machine a 2-thread
+               process is many times slower once anything else runs, its OpenMP threads waiting on
+               each other (--cp=0 --rank_threads=2: one process on 2 threads). tokens/s = S / the
+               median of --reps timed runs after one warm-up run (a ring run's time: its slowest
+               rank's, the ranks started together by a barrier); "vs full causal" divides it by the
+               same run's tokens/s with no mask and no window at that S. Bytes sent (the ring's):
+               what the busiest rank's ring.ring_shift calls sent in one forward + backward (the
+               max over ranks, as the time is the slowest rank's), each call that goes to another
+               rank and has tokens counting its x's bytes: k, v forward, k, v again and dk, dv
+               backward. Beside it the CPU time a run took (time.process_time, the ring's summed
+               over its ranks): what the work costs whatever else shares the machine, where the wall
+               time of a ring that needs every core is spoilt by any other process. The checksum,
+               the sum of the output's squares (the ring's: over its ranks), is the same for every
+               run of one S and window and, no mask and 1 document being the same attention, for
+               those two.
 
 How: every (variant, seq_len) runs in a fresh subprocess, so its peak resident set is its own.
   memory   peak RSS rise = VmHWM - VmRSS, with VmHWM reset (echo 5 > /proc/self/clear_refs) and freed
@@ -56,6 +64,9 @@ memory figures do not depend on the load.
     python bench.py --mode=step --seq_lens=2048,8192
     python bench.py --mode=loss
     python bench.py --mode=docs --seq_lens=4096,16384
+
+Issue 39's figure, the ring alone, full causal against a sliding window of 4,096: --mode=docs
+--seq_lens=65536 --documents=0 --windows=0,4096 --cp=4 --one_process=False.
 """
 import ctypes
 import datetime
@@ -90,9 +101,11 @@ slow_reps = 1                 # loss mode: timed runs for the slow variants (pla
 warmup = 'cheap'              # step mode: 'cheap' (see above) | 'full' (one whole step first)
 mem_limit_gb = 20.0           # estimated logits above this: reported OOM, not run (box: 23 GiB RAM)
 threads = 0                   # torch.set_num_threads; 0 = torch's default
-documents = '0,1,16,1000'     # docs mode: documents per window, comma-separated; 0 = no mask
+documents = '0,1,16,1000'     # docs mode: documents per sequence, comma-separated; 0 = no mask
+windows = '0'                 # docs mode: sliding windows W, comma-separated; 0 = none (causal)
 q_heads, kv_heads, head_dim = 4, 1, 128  # docs mode: one of Llama-3-8B's 8 kv-head groups
 cp = 2                        # docs mode: ring attention's ranks (0: one process only)
+one_process = True            # docs mode: time model.attention in one process too (False: ring only)
 rank_threads = 1              # docs mode: threads of each process, the one and each ring rank
 results = 'bench/RESULTS.md'  # '' = print only
 worker = ''                   # internal: run one variant in this process and print JSON
@@ -224,8 +237,8 @@ def loss_worker(name):
     return dict(peak=peak_rise(base), base=base, times=ts, time=statistics.median(ts))
 
 
-def window_docs(S, n):
-    """The starts of n documents in a window of S tokens (None: no mask): n - 1 distinct cut
+def sequence_docs(S, n):
+    """The starts of n documents in a sequence of S tokens (None: no mask): n - 1 distinct cut
     points at random, the same ones in every process (seeded)."""
     if n == 0:
         return None
@@ -233,19 +246,38 @@ def window_docs(S, n):
     return np.concatenate([[0], np.sort(cuts)])
 
 
-def docs_worker(S, n, rank, world, init):
-    """Forward + backward of the attention core: model.attention in one process (world 0), or
-    this rank's share of ring attention over `world` gloo processes."""
+class CountingShift:
+    """ring.ring_shift, counting the bytes this rank sends: a call's x where it goes to another
+    rank (hop not 0 mod the world) and has tokens (ring_shift posts nothing for an empty side)."""
+
+    def __init__(self, shift):
+        self.shift = shift
+        self.sent = 0
+
+    def __call__(self, x, group, hop, size):
+        import torch.distributed as dist
+        if hop % dist.get_world_size(group) and x.shape[1]:
+            self.sent += x.nelement() * x.element_size()
+        return self.shift(x, group, hop, size)
+
+
+def docs_worker(S, n, window, rank, world, init):
+    """Forward + backward of the attention core under sliding window `window` (0: none):
+    model.attention in one process (world 0), or this rank's share of ring attention over `world`
+    gloo processes, with the bytes its ring_shift calls sent in one run."""
     from model import attention
-    from ring import RingAttention
+    import ring
     import torch.distributed as dist
+    # ring.py looks ring_shift up in its module at each call: ours counts, then shifts
+    shift = CountingShift(ring.ring_shift)
+    ring.ring_shift = shift
     g = torch.Generator().manual_seed(seed)
-    # [B, S, heads, hd] as the projections make them, every rank the whole window (seeded alike)
+    # [B, S, heads, hd] as the projections make them, every rank the whole sequence (seeded alike)
     q = torch.randn(1, S, q_heads, head_dim, generator=g)
     k = torch.randn(1, S, kv_heads, head_dim, generator=g)
     v = torch.randn(1, S, kv_heads, head_dim, generator=g)
     dy = torch.randn(1, S, q_heads, head_dim, generator=g)
-    docs = window_docs(S, n)
+    docs = sequence_docs(S, n)
     if world:
         dist.init_process_group('gloo', init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=1800))
@@ -260,10 +292,11 @@ def docs_worker(S, n, rank, world, init):
     def run():
         for t in (q, k, v):
             t.grad = None
+        shift.sent = 0
         if world:
-            y = RingAttention.apply(dist.group.WORLD, q, k, v, docs)
+            y = ring.RingAttention.apply(dist.group.WORLD, q, k, v, docs, window)
         else:
-            y = attention(q, k, v, docs)
+            y = attention(q, k, v, docs, window)
         y.backward(dy)
         return y
 
@@ -278,7 +311,9 @@ def docs_worker(S, n, rank, world, init):
         cpu.append(time.process_time() - c0)
     if world:
         dist.destroy_process_group()
-    return dict(times=ts, cpu=cpu, checksum=y.detach().double().square().sum().item())
+    # every run sends the same: the last one's bytes
+    return dict(times=ts, cpu=cpu, sent=shift.sent,
+                checksum=y.detach().double().square().sum().item())
 
 
 if worker:
@@ -286,7 +321,7 @@ if worker:
         torch.set_num_threads(threads)
     w = json.loads(worker)
     if mode == 'docs':
-        r = docs_worker(w['S'], w['n'], w['rank'], w['world'], w['init'])
+        r = docs_worker(w['S'], w['n'], w['window'], w['rank'], w['world'], w['init'])
     else:
         r = step_worker(w['name'], w['S']) if mode == 'step' else loss_worker(w['name'])
     print('RESULT ' + json.dumps(r), flush=True)
@@ -358,17 +393,21 @@ def wait_all(started):
     return [finish(s) for s in started]
 
 
-def docs_cell(S, n, world):
-    """A window of S tokens, n documents (0: no mask) in one process (world 0) or on `world` ring
-    ranks: dict(times, cpu, checksum), a ring's times its slowest rank's in each run, its CPU
-    times the sum of its ranks'; or dict(error)."""
+def docs_cell(S, n, window, world):
+    """A sequence of S tokens, n documents (0: no mask) under sliding window `window` (0: none) in
+    one process (world 0) or on `world` ring ranks: dict(times, cpu, sent, checksum), a ring's
+    times its slowest rank's in each run, its CPU times the sum of its ranks', its bytes sent
+    its busiest rank's (one process: None); or dict(error)."""
+    spec = dict(S=S, n=n, window=window, rank=0, world=world, init='')
     if not world:
-        return spawn(dict(S=S, n=n, rank=0, world=0, init=''), rank_threads)
+        r = spawn(spec, rank_threads)
+        if 'error' not in r:
+            r['sent'] = None
+        return r
     # gloo's ranks meet at a file of their own: no port to pick, none to collide with another's
     folder = tempfile.mkdtemp()
-    init = 'file://' + os.path.join(folder, 'store')
-    started = [start(dict(S=S, n=n, rank=r, world=world, init=init), rank_threads)
-               for r in range(world)]
+    spec['init'] = 'file://' + os.path.join(folder, 'store')
+    started = [start(dict(spec, rank=r), rank_threads) for r in range(world)]
     ranks = wait_all(started)
     shutil.rmtree(folder, ignore_errors=True)
     failed = [r for r in ranks if 'error' in r]
@@ -376,42 +415,58 @@ def docs_cell(S, n, world):
         return failed[0]
     times = [max(run) for run in zip(*(r['times'] for r in ranks))]
     cpu = [sum(run) for run in zip(*(r['cpu'] for r in ranks))]
-    return dict(times=times, cpu=cpu, checksum=sum(r['checksum'] for r in ranks))
+    return dict(times=times, cpu=cpu, sent=max(r['sent'] for r in ranks),
+                checksum=sum(r['checksum'] for r in ranks))
 
 
 def plural(n, word):
     return f'{n} {word}' if n == 1 else f'{n} {word}s'
 
 
+def docs_row(S, cells, r, base, load):
+    """One docs row: its first cells (seq_len, documents, window, run), then docs_cell's result r
+    for S tokens, its tokens/s against `base` (None: no ratio), and the load average before it."""
+    first = '| ' + ' | '.join(cells)
+    if 'error' in r:
+        return f'{first} | error: {r["error"]} | - | - | - | - | - | - | {load} |'
+    t = statistics.median(r['times'])
+    ratio = '-'
+    if base:
+        ratio = f'{S / t / base:.2f}'
+    runs = ', '.join('%.2f' % x for x in r['times'])
+    sent = '-'
+    if r['sent'] is not None:
+        sent = f'{r["sent"]:,}'
+    cpu = statistics.median(r['cpu'])
+    return (f'{first} | {t:.2f} s | {runs} | {S / t:,.0f} | {ratio} | {sent} '
+            f'| {cpu:.2f} s | {r["checksum"]:.6g} | {load} |')
+
+
 def docs_table():
-    """docs mode's rows, printed as they come: each window length, each run (one process, then
-    the ring), each document count."""
+    """docs mode's rows, printed as they come: each sequence length, each run (one process, then
+    the ring), each sliding window, each document count."""
     counts = [int(d) for d in str(documents).split(',') if d.strip()]
-    labels = {0: f'1 process, {plural(rank_threads, "thread")}'}
+    widths = [int(w) for w in str(windows).split(',') if w.strip()]
+    labels = {}
+    if one_process:
+        labels[0] = f'1 process, {plural(rank_threads, "thread")}'
     if cp:
         labels[cp] = f'ring cp {cp}, {plural(rank_threads, "thread")} a rank'
     table = []
     for S in [int(s) for s in str(seq_lens).split(',') if s.strip()]:
         for world in labels:
-            no_mask = None  # this run's tokens/s without a mask, the ratio's base
-            for n in counts:
-                la = loadavg()
-                r = docs_cell(S, n, world)
-                name = f'{n:,}' if n else 'no mask'
-                if 'error' in r:
-                    row = (f'| {S:,} | {name} | {labels[world]} | error: {r["error"]} '
-                           f'| - | - | - | - | - | {la} |')
-                else:
-                    t = statistics.median(r['times'])
-                    if n == 0:
-                        no_mask = S / t
-                    ratio = f'{S / t / no_mask:.2f}' if no_mask else '-'
-                    runs = ', '.join('%.2f' % x for x in r['times'])
-                    cpu = statistics.median(r['cpu'])
-                    row = (f'| {S:,} | {name} | {labels[world]} | {t:.2f} s | {runs} | {S / t:,.0f} '
-                           f'| {ratio} | {cpu:.2f} s | {r["checksum"]:.6g} | {la} |')
-                print(row, flush=True)
-                table.append(row)
+            full = None  # this run's tokens/s with no mask and no window, the ratio's base
+            for window in widths:
+                for n in counts:
+                    load = loadavg()
+                    r = docs_cell(S, n, window, world)
+                    if n == 0 and window == 0 and 'error' not in r:
+                        full = S / statistics.median(r['times'])
+                    cells = [f'{S:,}', f'{n:,}' if n else 'no mask',
+                             f'{window:,}' if window else 'none', labels[world]]
+                    row = docs_row(S, cells, r, full, load)
+                    print(row, flush=True)
+                    table.append(row)
     return table
 
 
@@ -463,9 +518,10 @@ elif mode == 'loss':
 elif mode == 'docs':
     heads = f'{plural(q_heads, "q head")}, {plural(kv_heads, "kv head")}'
     header = (f'| seq_len (batch 1; {heads}, head_dim {head_dim}, '
-              'fp32) | documents | run | fwd+bwd (median) | runs | tokens/s | vs no mask '
+              'fp32) | documents | window | run | fwd+bwd (median) | runs | tokens/s '
+              '| vs full causal, no mask | bytes sent (fwd+bwd, busiest rank) '
               '| CPU time (median, all processes) | checksum (Σ y²) | load avg before |\n'
-              '|---:|---:|---|---:|---|---:|---:|---:|---:|---|')
+              '|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---|')
     rows = docs_table()
 else:
     print(f"error: mode must be 'step', 'loss' or 'docs', got {mode!r}", file=sys.stderr)
@@ -483,7 +539,8 @@ if results:
     note = 'timings are indicative; peak RSS rises do not depend on the load'
     n_threads = f'{torch.get_num_threads()} threads'
     if mode == 'docs':  # no memory column; each run's threads are in its row
-        title = "Packed documents (issue 29): attention's throughput on a CPU"
+        title = ("Packed documents (issue 29), sliding windows (issue 39): attention's "
+                 'throughput on a CPU')
         note = 'timings are indicative'
         n_threads = 'threads: the run column'
     text = (f'\n## {title} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n'

@@ -60,15 +60,33 @@ def test_vs_nanogpt_times_both_trainers(tmp_path):
 
 
 def test_docs_mode_times_one_process_and_the_ring_on_the_same_attention():
-    rows = table_rows(run('bench.py', '--mode=docs', '--seq_lens=256', '--documents=0,16', '--q_heads=4',
-                          '--kv_heads=2', '--head_dim=16', '--reps=2', '--results='))
+    rows = table_rows(run('bench.py', '--mode=docs', '--seq_lens=256', '--documents=0,4', '--windows=0,16',
+                          '--q_heads=4', '--kv_heads=2', '--head_dim=16', '--reps=2', '--results='))
     runs = ('1 process, 1 thread', 'ring cp 2, 1 thread a rank')
-    assert [(r[0], r[1], r[2]) for r in rows] == [('256', n, how) for how in runs for n in ('no mask', '16')]
+    cells = [('256', n, w, how) for how in runs for w in ('none', '16') for n in ('no mask', '4')]
+    assert [tuple(r[:4]) for r in rows] == cells
     for r in rows:
-        times = r[4].split(', ')
+        times = r[5].split(', ')
         assert len(times) == 2 and all(float(t) >= 0 for t in times), r  # --reps runs, each timed
-        assert float(r[5].replace(',', '')) > 0 and r[7].endswith(' s') and float(r[7][:-2]) >= 0
+        assert float(r[6].replace(',', '')) > 0 and r[9].endswith(' s') and float(r[9][:-2]) >= 0
+    # the ratio's base: each run's row with no mask and no window
+    assert rows[0][7] == rows[4][7] == '1.00'
     # both runs compute the same attention (Σ y² of the ring's shards adds up to the one process's),
-    # and the mask changes it
-    one, ring = [[float(r[8]) for r in rows[i:i + 2]] for i in (0, 2)]
-    assert ring == pytest.approx(one, rel=1e-4) and one[0] != pytest.approx(one[1], rel=1e-4), rows
+    # and the mask and the window change it
+    one, ring = [[float(r[10]) for r in rows[i:i + 4]] for i in (0, 4)]
+    assert ring == pytest.approx(one, rel=1e-4) and len(set(one)) == 4, rows
+    # bytes sent: none in one process; the ring's busiest rank, under a window at most 2·(W - 1)
+    # tokens of k, v a rank (ring.py's header) forward, as many again backward, and their dk, dv
+    assert {r[8] for r in rows[:4]} == {'-'}
+    sent = [int(r[8].replace(',', '')) for r in rows[4:]]
+    token_bytes = 2 * 2 * 16 * 4  # k and v, 2 kv heads of 16, fp32
+    assert 0 < sent[2] <= 3 * 2 * 15 * token_bytes < sent[0], sent
+
+
+def test_docs_mode_runs_the_ring_alone():
+    rows = table_rows(run('bench.py', '--mode=docs', '--seq_lens=256', '--documents=0', '--windows=64',
+                          '--q_heads=2', '--kv_heads=1', '--head_dim=16', '--reps=1', '--one_process=False',
+                          '--results='))
+    assert [tuple(r[:4]) for r in rows] == [('256', 'no mask', '64', 'ring cp 2, 1 thread a rank')]
+    # no run without a window: no ratio
+    assert rows[0][7] == '-' and int(rows[0][8].replace(',', '')) > 0
