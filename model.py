@@ -657,33 +657,25 @@ def num_params(config, non_embedding=True, active=False):
 def flops_per_token(config, seq_len):
     """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
     parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or not).
+    A windowed layer counts its own pairs the same way, twice the keys its queries see on average
+    (causal: (S + 1)/2, counted as S): W - W(W-1)/2S, so its S is 2W - W(W-1)/S (S once W >= S).
     Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections
     for 'selective', the attention kernel not); attention by head groups its forward again: the
     projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·L·h·S."""
     c, N = config, num_params(config, active=True)
-    attn = 12 * c.n_layer * c.n_embd * seq_len
+    keys = 0
+    for w in map(c.window, range(c.n_layer)):
+        if w:
+            keys += min(seq_len, 2 * w - w * (w - 1) / seq_len)
+        else:
+            keys += seq_len
+    attn = 12 * c.n_embd * keys
     recompute = {'none': 0, 'full': 2 * N + attn // 3,
                  'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]
     if c.attention_chunks != 1:
         kv = c.n_kv_head * c.head_dim
         recompute += 2 * c.n_layer * c.n_embd * (2 * c.n_embd + 2 * kv) + attn // 3
     return 6 * N + attn, 6 * N + attn + recompute
-
-
-# ----------------------------------------------------------------------------- sampling
-class KVCache:
-    """Keys and values of one layer for sampling, preallocated to max_len."""
-
-    def __init__(self, batch, n_kv_head, head_dim, max_len, device, dtype):
-        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.len = 0
-
-    def update(self, k, v):
-        end = self.len + k.shape[2]
-        self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
-        self.len = end
-        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 # ----------------------------------------------------------------------------- RMSNorm in fp32

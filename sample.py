@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from data.tokenizer import get_tokenizer
-from model import KVCache, Llama
+from model import Llama
 import checkpoint
 
 # -----------------------------------------------------------------------------
@@ -32,6 +32,23 @@ top_k = 50  # sample among the k most likely tokens only; 0 = all
 seed = 1337
 device = 'auto'  # 'auto' (the first of cuda, mps, cpu this machine has) | 'cpu' | 'cuda' | 'mps'
 # -----------------------------------------------------------------------------
+
+class KVCache:
+    """Keys and values of one layer for sampling, preallocated to max_len: model.Attention.cached
+    appends the new tokens' and attends over all of them (the last sliding_window of them in a
+    windowed layer)."""
+
+    def __init__(self, batch, n_kv_head, head_dim, max_len, device, dtype):
+        self.k = torch.zeros(batch, n_kv_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.len = 0
+
+    def update(self, k, v):
+        end = self.len + k.shape[2]
+        self.k[:, :, self.len:end], self.v[:, :, self.len:end] = k, v
+        self.len = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):

@@ -393,7 +393,7 @@ def test_init_residual_projections_scaled():
 def test_kv_cache_decoding_matches_full_forward(window):
     """Prefill then one token at a time: the logits of the whole sequence at once; under a sliding window each new
     token sees only the cache's last W keys (the prefill's 5 tokens are more than the window)."""
-    from model import KVCache
+    from sample import KVCache
     torch.manual_seed(0)
     c = LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=40, **window)
     m = Llama(c).eval()
@@ -683,3 +683,17 @@ def test_each_layer_gets_its_window():
     assert [block.attention.window for block in Llama(mixed).layers.values()] == [8, 0, 8]
     assert [LlamaConfig(n_layer=2, sliding_window=8).window(i) for i in range(2)] == [8, 8]
     assert [LlamaConfig(n_layer=2).window(i) for i in range(2)] == [0, 0]
+
+
+def test_a_windowed_layer_counts_its_own_pairs():
+    """MFU's attention term for a window: twice the pairs its queries see, per token (as causal layers count S),
+    summed over the layers layer_types windows; a window as long as the sequence is a causal layer."""
+    from model import flops_per_token
+    S, W = 16, 5
+    pairs = sum(min(i + 1, W) for i in range(S))  # query i sees keys max(0, i - W + 1)..i
+    full = LlamaConfig(n_layer=2)
+    mixed = LlamaConfig(n_layer=2, sliding_window=W, layer_types=['sliding_attention', 'full_attention'])
+    attention = flops_per_token(full, S)[0] - flops_per_token(full, 0)[0]  # both layers at S
+    windowed = flops_per_token(mixed, S)[0] - flops_per_token(full, S)[0]
+    assert windowed == pytest.approx(attention / 2 * (2 * pairs / S / S - 1))
+    assert flops_per_token(replace(mixed, sliding_window=S), S) == flops_per_token(full, S)
