@@ -262,7 +262,8 @@ def _visiting(kv, plan, group):
     """Each step's visiting k, v [2, tokens, K, hd]: the tokens of rank r - step that our queries
     attend, sent by it as kv heads (never repeated); the next step's arrive while we compute on
     these."""
-    arriving = ring_shift(kv[:, plan[0][2]], group, 0, plan[0][1])
+    # step 0: our own tokens, each of which attends itself: all of kv, as it is
+    arriving = ring_shift(kv, group, 0, kv.shape[1])
     for step in range(len(plan)):
         visiting = arriving()
         if step + 1 < len(plan):
