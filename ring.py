@@ -56,6 +56,7 @@ from itertools import pairwise, product
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._guards import active_fake_mode
 from torch.autograd import Function
 
 
@@ -108,6 +109,13 @@ def _one(t, first, last):
     return t[first:last].transpose(0, 1)[None]
 
 
+def _cuda_kernel(q):
+    """Whether flash runs CUDA's kernel: on CUDA, and in a dry run, whose fake tensors stand in for
+    CUDA's (the kernel's shapes; the CPU's per-document calls and window masks are not what a GPU
+    allocates)."""
+    return q.is_cuda or active_fake_mode() is not None
+
+
 def _mask(n_q, n_k, window, dtype):
     """flash's window (left, right) over n_q queries and n_k keys as SDPA's additive mask, for the
     CPU's kernel. Flash lines the last query up with the last key: query i is
@@ -146,7 +154,7 @@ def flash(q, k, v, cu_q, cu_k, window):
     the merged output and lse)."""
     if why := flash_error(q.device.type, q.dtype, q.shape[-1]):
         raise ValueError(why)
-    if q.is_cuda:
+    if _cuda_kernel(q):
         cu = [torch.as_tensor(c, dtype=torch.int32, device=q.device) for c in (cu_q, cu_k)]
         longest = [int(np.diff(c).max()) for c in (cu_q, cu_k)]
         saved = dict(cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0], max_k=longest[1],
@@ -167,7 +175,7 @@ def flash(q, k, v, cu_q, cu_k, window):
 
 def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, window, saved):
     """(dq, dk, dv) of flash(q, k, v, cu_q, cu_k, window) -> out, lse, saved."""
-    if q.is_cuda:
+    if _cuda_kernel(q):
         # saved: cu_seqlens, the longest documents, the window, the forward's rng state (no
         # dropout: unused)
         return torch.ops.aten._flash_attention_backward(
@@ -250,11 +258,13 @@ def ring_plan(docs, B, n, window, group, device):
         # what the rank `step` ahead attends of our tokens: what we send it
         _, sent = ring_step(docs, B, n, window, step, (rank + step) % world, world)
         on_device = []
+        # (int32: kept from forward to backward, a layer's indices are the size of its tokens)
         for rows, cols, cu_q, cu_k, w in parts:
-            rows = torch.as_tensor(rows, device=device)
-            cols = torch.as_tensor(np.searchsorted(needed, cols), device=device)
+            rows = torch.as_tensor(rows, dtype=torch.int32, device=device)
+            cols = torch.as_tensor(np.searchsorted(needed, cols), dtype=torch.int32, device=device)
             on_device.append((rows, cols, cu_q, cu_k, w))
-        plan.append((on_device, len(needed), torch.as_tensor(sent, device=device)))
+        sent = torch.as_tensor(sent, dtype=torch.int32, device=device)
+        plan.append((on_device, len(needed), sent))
     return plan
 
 

@@ -367,14 +367,17 @@ def test_dry_run_of_a_mixture_of_experts_is_its_estimate(tmp_path, monkeypatch, 
     (1, []),
     (2, ['--cp_size=2']),
     (2, ['--tp_size=2']),
-    (1, ["--layer_types=['sliding_attention', 'full_attention', 'sliding_attention']"])],
-    ids=['one', 'ulysses', 'tp', 'mixed'])
+    (1, ["--layer_types=['sliding_attention', 'full_attention', 'sliding_attention']"]),
+    (2, ['--cp_size=2', '--cp_impl=ring']),
+    (4, ['--cp_size=4', '--cp_impl=ring'])],
+    ids=['one', 'ulysses', 'tp', 'mixed', 'ring2', 'ring4'])
 def test_a_windowed_dry_run_is_its_estimate(tmp_path, monkeypatch, world, flags):
     """sliding_window: varlen's kernel with a window on every row (one GPU, tp, Ulysses' whole sequence of its heads;
     a layer of full attention among them) keeps and works with what it does without one: rank 0's dry run within 10%
-    of the estimate (2026-11-28: +2.9% one and mixed, +0.3% Ulysses, +6.1% tp, as without a window). Not the ring:
-    its dry run runs the CPU's kernel, which takes the window as a mask of every query-key pair of a part (ring._mask,
-    14 bytes a pair), and CUDA's kernel makes no such tensor."""
+    of the estimate (2026-11-28: +2.9% one and mixed, +0.3% Ulysses, +6.1% tp, as without a window). The ring's dry
+    run runs CUDA's flash kernel on its fake tensors (ring._cuda_kernel: the CPU's would take the window as a mask of
+    every query-key pair of a part, 14 bytes a pair, which no GPU allocates); its window's parts move and keep fewer
+    tokens than the full ring's, within the estimate's 10% still."""
     monkeypatch.setenv('WORLD_SIZE', str(world))
     dry_run(tmp_path, '--n_layer=3', '--sliding_window=256', *flags)
     rank = json.loads((tmp_path / 'memory.json').read_text())['ranks'][0]
