@@ -37,9 +37,13 @@
 # 64.24 GiB; the estimate 60.84).
 # Host memory: 202.86 GiB per rank (the dry run, equal to the estimate), 1.58 TiB for the node's 8 ranks (pinned
 # memory can be rounded up per tensor: keep headroom).
-# The ring (cp_impl = 'ring') would skip the far steps under a window (ring.py), but it is not the layout here: its
-# dry run runs the CPU's kernel, which takes the window as a mask of every query-key pair of a part, a tensor CUDA's
-# kernel never makes; and each layer keeps its plan's int64 token indices from forward to backward, on the GPU.
+# The ring instead (--cp_impl=ring: every head on S/8 tokens, of its 8 steps only 3 computing, the neighbours'
+# last 4,095 keys moving, where Ulysses' all-to-alls move q, k, v and the output) fits one step more by its dry run
+# (2026-11-28, after ring.py ran CUDA's kernel on the dry run's fake tensors): at 6,619,136 tokens 60.79 + 2.10 =
+# 62.89 GiB (estimate 57.10, -6.1%); at 6,684,672 61.38 + 2.10 = 63.48 GiB, fits (estimate 57.64, -6.1%); at
+# 6,750,208 61.97 + 2.10 = 64.07 GiB, does not. Its dry run's peak holds 61.14 GiB as activations where the
+# estimate counts 13.55 + 40.00 GiB of activations and transient: the budget above is Ulysses', the layout kept here.
+#   torchrun --nproc_per_node=8 train.py config/mistral_7b_long.py --cp_impl=ring --seq_len=6684672
 out_dir = 'out-mistral-7b-long'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Mistral's 32,000-token vocabulary)
 eval_interval = 50
