@@ -664,11 +664,9 @@ def flops_per_token(config, seq_len):
     projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·L·h·S."""
     c, N = config, num_params(config, active=True)
     keys = 0
-    for w in map(c.window, range(c.n_layer)):
-        if w:
-            keys += min(seq_len, 2 * w - w * (w - 1) / seq_len)
-        else:
-            keys += seq_len
+    for i in range(c.n_layer):
+        w = c.window(i) or seq_len  # (no window: the whole sequence's)
+        keys += min(seq_len, 2 * w - w * (w - 1) / seq_len)
     attn = 12 * c.n_embd * keys
     recompute = {'none': 0, 'full': 2 * N + attn // 3,
                  'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]

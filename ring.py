@@ -132,13 +132,11 @@ def _cpu_documents(cu_q, cu_k, window, dtype):
     """Each document's (its q rows, its k rows, the CPU kernel's keywords: causal, the window's
     mask where the window is more than causal or nothing)."""
     for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
-        mask = None
-        if window not in ((-1, 0), (-1, -1)):
-            mask = _mask(b - a, d - c, window, dtype)
         # the kernel's causal (which skips the blocks past the diagonal) lines the first query up
-        # with the first key: flash's where both sides are as long
+        # with the first key: flash's where both sides are as long. Any other window is a mask
         causal = window[1] == 0 and b - a == d - c
-        if window == (-1, 0) and not causal:
+        mask = None
+        if window != (-1, -1) and not (causal and window[0] < 0):
             mask = _mask(b - a, d - c, window, dtype)
         yield a, b, c, d, dict(is_causal=causal, attn_mask=mask)
 
@@ -208,13 +206,14 @@ def ring_step(docs, B, n, window, step, rank, world):
     ends = np.append(docs[1:], B * S)
     source = (rank - step) % world
     parts = []
+    # a chunk's tokens: their row, their place in the chunk
+    row, offset = np.repeat(np.arange(B), n), np.tile(np.arange(n), B)
     for a, b in product([rank, 2 * world - 1 - rank], [source, 2 * world - 1 - source]):
         # our chunk a's queries, the visiting chunk b's keys
         if b > a:
             continue  # every key after every query
-        row = np.repeat(np.arange(B), n)
-        q_places = row * S + a * n + np.tile(np.arange(n), B)
-        k_places = row * S + b * n + np.tile(np.arange(n), B)
+        q_places = row * S + a * n + offset
+        k_places = row * S + b * n + offset
         q_doc, k_doc = (np.searchsorted(docs, p, 'right') - 1 for p in (q_places, k_places))
         # a key is attended when a query of its document lies in [key, key + W), within chunk a;
         # a query attends when a key of its document lies in (query - W, query], within chunk b
@@ -234,8 +233,8 @@ def ring_step(docs, B, n, window, step, rank, world):
         if not window:
             # all of the past: causal in our own chunk (right 0), else every key
             windows[:] = (-1, 0 if a == b else -1)
-        q_tokens = (q_places - row * S - a * n) + row * 2 * n + n * (a != rank)
-        k_tokens = (k_places - row * S - b * n) + row * 2 * n + n * (b != source)
+        q_tokens = row * 2 * n + n * (a != rank) + offset
+        k_tokens = row * 2 * n + n * (b != source) + offset
         for w in np.unique(windows, axis=0):
             chosen = (windows == w).all(axis=1)
             q_chosen = np.repeat(chosen, q_counts)

@@ -693,7 +693,7 @@ def test_a_windowed_layer_counts_its_own_pairs():
     pairs = sum(min(i + 1, W) for i in range(S))  # query i sees keys max(0, i - W + 1)..i
     full = LlamaConfig(n_layer=2)
     mixed = LlamaConfig(n_layer=2, sliding_window=W, layer_types=['sliding_attention', 'full_attention'])
-    attention = flops_per_token(full, S)[0] - flops_per_token(full, 0)[0]  # both layers at S
+    attention = flops_per_token(full, 2 * S)[0] - flops_per_token(full, S)[0]  # both layers at S (linear in S)
     windowed = flops_per_token(mixed, S)[0] - flops_per_token(full, S)[0]
     assert windowed == pytest.approx(attention / 2 * (2 * pairs / S / S - 1))
     assert flops_per_token(replace(mixed, sliding_window=S), S) == flops_per_token(full, S)
