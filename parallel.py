@@ -45,7 +45,8 @@ of the four functions below or ring.py's ring_shift (chunked.py's loss makes its
   t               2 all-reduce (2)                          f before wq|w1, g after wo|w2
   t with sp       2 all-gather + 2 reduce-scatter (2 + 2)   the same volume
   c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other (H/c heads move)
-  c ring          c-1 shifts of k, v (c-1 of k, v + c of dk, dv); kv heads, never repeated ones
+  c ring          c-1 sends of k, v (c-1 of k, v + c-1 of dk, dv), each of the tokens the receiving
+                  rank attends (at most S/c; a window's far steps none); kv heads, never repeated
   recompute=full  the forward's again in backward but the last g (torch's checkpoint stops early)
   d, zero=2       1 all-gather of its rows in bf16 before its forward (2·N_block/t bytes), kept to
                   its backward, 1 reduce-scatter of its fp32 gradients after it (4·N_block/t);
