@@ -25,7 +25,8 @@ outside by replacing whole modules, as torchtitan's plans do: parallel.paralleli
 weights and puts Megatron's f and g in the places kept for them (NoCollective: enter_tp, leave_tp),
 offload.apply puts each block under its keep / recompute / offload policy (a module holding the
 block's own modules), FSDP2 wraps blocks. Nothing rebinds a method or a config field afterwards
-(tests/test_budget.py checks), so a new attention variant changes `attention()` alone. The memory
+(tests/test_budget.py checks), so a new attention variant changes `attention()` and, for the
+ring, its cases in ring.py (the sliding window did). The memory
 knobs of LlamaConfig (mlp_chunks, loss_chunks, attention_chunks, recompute, offload) change how
 forward runs, never what it computes: the MLP, the LM head and attention's heads chunk (chunked.py)
 when theirs is not 1; with all of them off forward runs this file and rope.py only. With
