@@ -41,8 +41,7 @@ current one's "held" beside every moment (pipeline.py):
                bytes per position (per token of B·S with doc_mask).
   transient    the largest of a few moments, each a working set per token × T plus weight-sized
                terms:
-                 LM head    plain: the fp32 log-softmax kept (4V) and its gradients (8V) per token;
-                            chunked.py's (loss_chunks > 1, or tp): dh (b·h·T) and the fp32 dW
+                 LM head    chunked.py's (loss_chunks = 1 too): dh (b·h·T) and the fp32 dW
                             (4·V·h) kept, one chunk's fp32 logits and gradient, (4 + b)·V/t per
                             token of its T / loss_chunks
                  a block's  backward, two moments (R what recompute rebuilt and offload brought
@@ -284,16 +283,11 @@ def moments(r, states, kept, activations, workspace):
     b, t, T = r.b, r.t, r.T
     h, V = r.config.n_embd, r.config.vocab_size
     # the final norm, LM head and loss. Kept: the norm's input and output, and chunked.py's dh and
-    # fp32 dW made in forward, or F.cross_entropy's fp32 log-softmax. Transient: one chunk's fp32
-    # logits and their gradient (+ sp's gathered input), or the log-softmax's 2 gradients
+    # fp32 dW made in forward (one chunk too: the plain path). Transient: one chunk's fp32 logits
+    # (which become their gradient), its copy in b < 4 bytes (+ sp's gathered input)
     loss_chunks = chunked.loss_chunks(r.config, T)
-    head_kept = 2 * b * h / t * T
-    if loss_chunks == 1 and t == 1:
-        head_kept += 4 * V * T
-        head_transient = 8 * V * T
-    else:
-        head_kept += b * h * T + 4 * V * h / t
-        head_transient = (4 + b) * V / t * math.ceil(T / loss_chunks) + b * h * T * (t > 1)
+    head_kept = 2 * b * h / t * T + b * h * T + 4 * V * h / t
+    head_transient = (4 + b * (b < 4)) * V / t * math.ceil(T / loss_chunks) + b * h * T * (t > 1)
     output = b * h / t * T * (not r.last)
     one = activations + output + head_kept * r.last
     held = (r.F - 1) * one

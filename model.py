@@ -429,24 +429,19 @@ class Llama(nn.Module):
         return self.head(x, targets)
 
     def head(self, x, targets=None):
-        """LM head: logits, or (logits or None, loss) with targets. Under tensor parallelism
-        (vocab_group set) output.weight holds this rank's rows of the vocabulary, and the loss is
-        chunked.py's, vocabulary parallel."""
+        """LM head: logits, or (None, loss) with targets: chunked.py's loss, which makes the
+        gradient in forward and never keeps the [B, S, V] logits, in loss_chunks chunks (1: one
+        chunk, which still keeps no log-softmax: faster than F.cross_entropy's path, with a third
+        of its memory). Under tensor parallelism (vocab_group set) output.weight holds this rank's
+        rows of the vocabulary, and the loss is vocabulary parallel."""
         if targets is None:
             if self.vocab_group is not None:
                 raise NotImplementedError("logits under tensor parallelism: sample in one process "
                                           "(sample.py)")
             return self.output(x)
-        chunks = self.config.loss_chunks
-        if chunks != 1:
-            # (0: chunked.py counts them from the micro-batch's tokens)
-            chunks = chunked.loss_chunks(self.config, targets.numel())
-        if chunks == 1 and self.vocab_group is None:
-            # the plain path keeps the [B, S, V] logits, hands them back
-            logits = self.output(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction='sum')
-            return logits, loss / (targets != -100).sum().clamp(min=1)
-        return None, chunked.chunked_cross_entropy(x, self.output.weight, targets, chunks,
+        # (0: chunked.py counts them from the micro-batch's tokens)
+        return None, chunked.chunked_cross_entropy(x, self.output.weight, targets,
+                                                   self.config.loss_chunks,
                                                    group=self.vocab_group,
                                                    vocab_size=self.config.vocab_size)
 

@@ -1,0 +1,391 @@
+"""
+nanolong side by side with what a user would train the same Llama with instead (issue 40): the same
+weights, length, batch and optimizer, one training step each, tokens/s and peak memory.
+
+  hf plain         transformers' LlamaForCausalLM (SDPA attention), its own loss (labels)
+  hf checkpointed  the same after model.gradient_checkpointing_enable(): each layer's forward
+                   again in backward, transformers' recipe for long sequences
+  ours plain       model.Llama with recompute='none', mlp_chunks=1, loss_chunks=1
+  ours chunked     recompute='full' and automatic chunks (mlp_chunks=0, loss_chunks=0): the
+                   laptop's long-context recipe (README)
+and on a CUDA GPU (--device=cuda) also
+  hf + liger       the checkpointed HF model with liger-kernel's Llama kernels (apply_liger_kernel_
+                   to_llama: RMSNorm, RoPE, SwiGLU, and the fused linear cross-entropy, which never
+                   holds the logits), the library long-context fine-tuning reaches for
+  torchtitan       torchtitan's Llama 3 Transformer (torchtitan.models.llama3), full activation
+                   checkpointing as its trainer applies it, its cross-entropy on the logits
+
+The model: --shape=tiny (a Llama of width 256, 2 layers, 4 heads, intermediate 768, vocabulary
+128,256 as Llama 3's: bench.py's step shape, where the LM head and the loss are most of the work,
+as in a long-context step of a small model), 1b (Llama-3.2-1B's: 16 layers of 2,048, 32 heads, 8 kv
+heads, intermediate 8,192) or 8b (Llama-3-8B's blocks: 32 layers of 4,096, 32/8 heads, intermediate
+14,336), fp32 on a CPU, bf16 on a GPU. Weights: ours, initialised with --seed, written once as a
+Hugging Face directory (model.save_pretrained) that every process loads, so the first step's losses
+agree (the loss column). Optimizer: torch's fused AdamW for every system (lr 1e-4, weight decay 0.1:
+train.py's).
+
+How each figure is taken. Every (system, length) runs in a process of its own, --rounds times, the
+systems in turn within a round (a shared machine's drift hits them all alike); a process loads the
+model, makes AdamW's state (a step on zero gradients) and warms up on a 256-token step, then times
+one step at the length (forward, backward, AdamW, zero_grad, loss.item()). tokens/s = tokens over
+the median step time of the rounds. Peak: on a CPU the rise of the resident set over the model and
+its states (VmHWM reset just before the step, freed heap handed back first: bench.py's way), the
+largest of the rounds; on a GPU torch.cuda.max_memory_allocated's rise over the same baseline. On a
+2-core machine time with nothing else running: a second job halves a figure.
+
+--mem_gb: after the table, for each system the longest length whose step's peak stays within it
+(lengths doubling from 1,024 up to --max_len; a length is skipped, and the search ends, when the
+last two measured peaks, extrapolated linearly, already exceed it by a fifth: this box's 24 GiB is
+not to be run into). --mem_gb=0 skips the search. The table is appended to bench/RESULTS.md with the
+command, machine, versions and load averages.
+
+Install the peers first (not in requirements.txt):
+    pip install transformers                    # the CPU comparison
+    pip install liger-kernel torchtitan         # on a CUDA machine, for --device=cuda
+
+    python bench/peers.py                                      # CPU: 2,048 / 8,192 / 16,384
+    python bench/peers.py --seq_lens=2048,8192 --rounds=5 --mem_gb=4
+    python bench/peers.py --device=cuda --shape=1b --seq_lens=32768,131072 --mem_gb=140
+"""
+import ctypes
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from configurator import configure  # noqa: E402
+
+# -----------------------------------------------------------------------------
+device = 'cpu'                   # 'cpu' | 'cuda'
+shape = 'tiny'                   # 'tiny' | '1b' | '8b'
+seq_lens = '2048,8192,16384'     # comma-separated; batch 1
+systems = ''                     # comma-separated subset of the device's systems; '' = all
+rounds = 3                       # processes per (system, length); the median time is reported
+mem_gb = 0.0                     # the longest length each fits in this much; 0 = no search
+max_len = 65536                  # the search's longest length
+threads = 0                      # torch.set_num_threads; 0 = torch's default
+results = 'bench/RESULTS.md'     # '' = print only
+model_dir = ''                   # internal: the HF directory the workers load
+worker = ''                      # internal: run one (system, length) here and print JSON
+seed = 1337
+# -----------------------------------------------------------------------------
+configure(globals())
+
+SHAPES = {  # n_layer, n_embd, n_head, n_kv_head, intermediate_size
+    'tiny': (2, 256, 4, 4, 768),
+    '1b': (16, 2048, 32, 8, 8192),
+    '8b': (32, 4096, 32, 8, 14336),
+}
+SYSTEMS = ['hf plain', 'hf checkpointed', 'ours plain', 'ours chunked']
+if device == 'cuda':
+    SYSTEMS += ['hf + liger', 'torchtitan']
+OURS = {'ours plain': dict(recompute='none', mlp_chunks=1, loss_chunks=1),
+        'ours chunked': dict(recompute='full', mlp_chunks=0, loss_chunks=0)}
+VOCAB = 128256
+if shape not in SHAPES:
+    sys.exit(f"error: --shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+if device not in ('cpu', 'cuda'):
+    sys.exit(f"error: --device must be cpu or cuda, got {device!r}")
+if threads:
+    torch.set_num_threads(threads)
+DTYPE = torch.float32
+if device == 'cuda':
+    DTYPE = torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- memory
+def status(key):
+    """A field of /proc/self/status, in bytes."""
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(key + ':'):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_peak():
+    """The baseline the step's peak rises from: freed heap handed back, the high-water mark reset."""
+    if device == 'cuda':
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+    with open('/proc/self/clear_refs', 'w') as f:
+        f.write('5')
+    return status('VmRSS')
+
+
+def peak_rise(base):
+    if device == 'cuda':
+        return torch.cuda.max_memory_allocated() - base
+    return status('VmHWM') - base
+
+
+# ----------------------------------------------------------------------------- the systems
+def hf_model(name):
+    """transformers' Llama on our weights; `name` says which of its recipes."""
+    from transformers import LlamaForCausalLM
+    if name == 'hf + liger':
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        # patches LlamaForCausalLM's class: the model made next takes the kernels
+        apply_liger_kernel_to_llama()
+    model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation='sdpa', dtype=DTYPE)
+    if name != 'hf plain':
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+
+    def loss(x, y):
+        # its own loss: labels given as already shifted (transformers' shift_labels)
+        return model(input_ids=x, labels=y, shift_labels=y).loss
+
+    return model, loss
+
+
+def ours_model(name):
+    import offload
+    from model import Llama
+    model = offload.apply(Llama.from_pretrained(model_dir, **OURS[name]))
+
+    def loss(x, y):
+        return model(x, y)[1]
+
+    return model, loss
+
+
+def titan_model():
+    """torchtitan's Llama 3 with our weights (its names: tok_embeddings, layers.i.attention.wq, ...,
+    our own names too), its full activation checkpointing."""
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from model import Llama
+    ours = Llama.from_pretrained(model_dir)
+    c = ours.config
+    args = TransformerModelArgs(dim=c.n_embd, n_layers=c.n_layer, n_heads=c.n_head,
+                                n_kv_heads=c.n_kv_head, vocab_size=c.vocab_size,
+                                rope_theta=c.rope_theta, norm_eps=c.norm_eps,
+                                max_seq_len=max(int(s) for s in seq_lens.split(',')))
+    # its MLP width comes from dim and these two: ask for ours
+    args.ffn_dim_multiplier = c.intermediate_size / (8 * c.n_embd / 3)
+    args.multiple_of = 1
+    with torch.device('meta'):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    # the same names as ours (strict: its RoPE buffer, freqs_cis, is not a weight of ours)
+    model.load_state_dict(ours.state_dict(), strict=False)
+    for i, block in model.layers.items():
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    model = model.to(DTYPE)
+
+    def loss(x, y):
+        logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    return model, loss
+
+
+def step_worker(name, S):
+    torch.manual_seed(seed)
+    if name.startswith('ours'):
+        model, loss_fn = ours_model(name)
+    elif name == 'torchtitan':
+        model, loss_fn = titan_model()
+    else:
+        model, loss_fn = hf_model(name)
+    model.to(device=device, dtype=DTYPE)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    idx = torch.randint(0, VOCAB, (1, S + 1), generator=torch.Generator().manual_seed(seed))
+    idx = idx.to(device)
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step(x, y):
+        loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    # AdamW's state without a full-size step (zero gradients: no update), then a short warm-up
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    step(x[:, :256], y[:, :256])
+    base = start_peak()
+    t0 = time.perf_counter()
+    loss = step(x, y)
+    if device == 'cuda':
+        torch.cuda.synchronize()
+    return dict(time=time.perf_counter() - t0, peak=peak_rise(base), loss=loss)
+
+
+# ----------------------------------------------------------------------------- the driver
+def spawn(name, S):
+    """One (system, length) in a fresh process: its dict, or {'error': the last line it printed}."""
+    args = [sys.executable, os.path.abspath(__file__), f'--device={device}', f'--shape={shape}',
+            f'--seq_lens={seq_lens}', f'--threads={threads}', f'--seed={seed}',
+            f'--model_dir={model_dir}', '--worker=' + json.dumps(dict(name=name, S=S))]
+    p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    lines = (p.stdout + p.stderr).strip().splitlines() or ['no output']
+    if p.returncode != 0:
+        return {'error': lines[-1][:120]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def gb(b):
+    return f'{b / 2**30:.2f} GiB' if b >= 2**30 else f'{b / 2**20:,.0f} MiB'
+
+
+def loadavg():
+    with open('/proc/loadavg') as f:
+        return ' '.join(f.read().split()[:3])
+
+
+def measure(names, S):
+    """{name: (median time, max peak, loss, runs)} over --rounds rounds, or {name: error}."""
+    runs = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names:
+            result = spawn(name, S)
+            print(f'  S={S:,} round {r + 1}/{rounds} {name}: {result}', flush=True)
+            runs[name].append(result)
+    out = {}
+    for name, rs in runs.items():
+        errors = [r['error'] for r in rs if 'error' in r]
+        if errors:
+            out[name] = errors[0]
+        else:
+            out[name] = (statistics.median(r['time'] for r in rs), max(r['peak'] for r in rs),
+                         rs[0]['loss'], [r['time'] for r in rs])
+    return out
+
+
+def table(names, lengths):
+    """The side-by-side rows: tokens/s and peak of each system, and ours against HF's."""
+    rows = []
+    for S in lengths:
+        load = loadavg()
+        m = measure(names, S)
+        for name in names:
+            if isinstance(m[name], str):
+                rows.append(f'| {S:,} | {name} | error: {m[name]} | | | | | {load} |')
+                continue
+            t, peak, loss, times = m[name]
+            # ours against HF's: plain against plain, chunked against checkpointed
+            against = {'ours plain': 'hf plain', 'ours chunked': 'hf checkpointed'}.get(name)
+            vs = ''
+            if against in m and not isinstance(m[against], str):
+                vs = f'{m[against][0] / t:.2f}x, peak {peak / m[against][1]:.2f}'
+            runs = ', '.join(f'{x:.2f}' for x in times)
+            rows.append(f'| {S:,} | {name} | {S / t:,.0f} | {gb(peak)} | {vs} | {loss:.4f} '
+                        f'| {runs} | {load} |')
+            print(rows[-1], flush=True)
+    return rows
+
+
+def longest(names):
+    """Each system's longest length (doubling from 1,024) whose peak stays within --mem_gb."""
+    rows = []
+    limit = mem_gb * 2**30
+    for name in names:
+        fits, peaks = None, []
+        S = 1024
+        while S <= max_len:
+            if len(peaks) >= 2:
+                # linear in S from the last two: stop before a length that cannot fit
+                (s1, p1), (s2, p2) = peaks[-2:]
+                if p2 + (p2 - p1) / (s2 - s1) * (S - s2) > 1.2 * limit:
+                    break
+            r = spawn(name, S)
+            print(f'  longest {name} S={S:,}: {r}', flush=True)
+            if 'error' in r or r['peak'] > limit:
+                break
+            fits = (S, r['peak'])
+            peaks.append(fits)
+            S *= 2
+        if fits is None:
+            rows.append(f'| {name} | < 1,024 | |')
+        else:
+            rows.append(f'| {name} | {fits[0]:,} | {gb(fits[1])} |')
+        print(rows[-1], flush=True)
+    return rows
+
+
+def versions():
+    out = [f'torch {torch.__version__}']
+    for package in ('transformers', 'liger-kernel', 'torchtitan'):
+        try:
+            out.append(f'{package} {importlib.metadata.version(package)}')
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return ', '.join(out)
+
+
+def main():
+    global model_dir
+    names = SYSTEMS
+    if systems:
+        names = [s.strip() for s in systems.split(',')]
+        unknown = [s for s in names if s not in SYSTEMS]
+        if unknown:
+            sys.exit(f"error: unknown systems {unknown}; on {device}: {', '.join(SYSTEMS)}")
+    lengths = [int(s) for s in str(seq_lens).split(',') if s.strip()]
+    from model import Llama, LlamaConfig
+    L, h, heads, kv, I = SHAPES[shape]
+    torch.manual_seed(seed)
+    config = LlamaConfig(n_layer=L, n_embd=h, n_head=heads, n_kv_head=kv, intermediate_size=I,
+                         vocab_size=VOCAB)
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = d
+        Llama(config).save_pretrained(d)
+        rows = table(names, lengths)
+        fit_rows = []
+        if mem_gb:
+            fit_rows = longest(names)
+    cmd = 'python ' + ' '.join(shlex.quote(a) for a in ['bench/peers.py'] + sys.argv[1:])
+    cpu = platform.processor() or platform.machine()
+    with open('/proc/cpuinfo') as f:
+        cpu = next((line.split(':', 1)[1].strip() for line in f
+                    if line.startswith('model name')), cpu)
+    where = f'{os.cpu_count()}-core CPU ({cpu}), {torch.get_num_threads()} threads, fp32'
+    if device == 'cuda':
+        where = f'{torch.cuda.get_device_name()}, bf16'
+    text = (f'\n## Side by side with the peers, {shape} Llama '
+            f'({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n'
+            f'`{cmd}`\n\n{where}; {versions()}; {shape}: {L} layers of {h}, {heads} heads '
+            f'({kv} kv), intermediate {I}, vocabulary {VOCAB:,}; batch 1; a process per run, '
+            f'{rounds} rounds, the median step; peak: the rise over the model and its AdamW '
+            f'states. "vs HF": HF\'s step time over ours (ours plain against HF plain, ours '
+            f'chunked against HF checkpointed) and our peak over its.\n\n'
+            '| tokens | system | tokens/s | peak | vs HF | loss (first step) | step times (s) '
+            '| load avg before |\n|---:|---|---:|---:|---|---:|---|---|\n' + '\n'.join(rows) + '\n')
+    if fit_rows:
+        text += (f'\nThe longest length (doubling from 1,024, at most {max_len:,}) whose step '
+                 f'peaks within {mem_gb:g} GiB:\n\n| system | longest | its peak |\n|---|---:|---:|\n'
+                 + '\n'.join(fit_rows) + '\n')
+    print(text)
+    if results:
+        with open(os.path.join(ROOT, results), 'a') as f:
+            f.write(text)
+        print(f'appended to {results}')
+
+
+if worker:
+    w = json.loads(worker)
+    print(json.dumps(step_worker(w['name'], w['S'])))
+else:
+    main()
