@@ -650,25 +650,36 @@ def num_params(config, non_embedding=True, active=False):
     return config.n_layer * per_layer + h + V * h + embedding
 
 
-def flops_per_token(config, seq_len):
-    """(model FLOPs, hardware FLOPs) per trained token: 6·N + 12·L·h·S, N the non-embedding
-    parameters plus the LM head (Megatron, PaLM and Memo count attention this way, causal or not).
-    A windowed layer counts its own pairs the same way, twice the keys its queries see on average
-    (causal: (S + 1)/2, counted as S): W - W(W-1)/2S, so its S is 2W - W(W-1)/S (S once W >= S).
-    Recompute re-runs forward: +2·N + 4·L·h·S per token for 'full' (the MLP and the projections
+def attention_pairs(lengths, window=0):
+    """The (query, key) pairs causal attention computes in documents of these lengths: in one of
+    n tokens query i (1..n) sees min(i, W) keys, itself included, W the window (0: none, every key
+    up to the query's, n(n + 1)/2 pairs)."""
+    n = np.asarray(lengths)
+    # queries 1..m see 1..m keys; past a window (m = W) each of the other n - m sees W
+    m = np.minimum(n, window or n)
+    return np.sum(m * (m + 1) // 2 + (n - m) * window)
+
+
+def flops_per_token(config, *lengths):
+    """(model FLOPs, hardware FLOPs) per trained token, the work the kernels do: 6·N + 12·h·P/T a
+    token, N the non-embedding parameters plus the LM head, P the (query, key) pairs of the L
+    layers (attention_pairs) in T tokens. Attention trains 12·h FLOPs a pair (q·k and p·v, 2·h each
+    forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·h·(S + 1), half of
+    the 12·L·h·S that PaLM's appendix, Megatron's paper and torchtitan count (every query seeing
+    every key), as FlashAttention's benchmarks (causal: half) and Megatron-LM's code (seq_len / 2)
+    count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)
+    of the batch's sequences, each counting its own pairs; flops_per_token(config, S): one of S.
+    Recompute re-runs forward: +2·N + 4·h·P/T per token for 'full' (the MLP and the projections
     for 'selective', the attention kernel not); attention by head groups its forward again: the
-    projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·L·h·S."""
+    projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·h·P/T."""
     c, N = config, num_params(config, active=True)
-    keys = 0
-    for i in range(c.n_layer):
-        w = c.window(i) or seq_len  # (no window: the whole sequence's)
-        keys += min(seq_len, 2 * w - w * (w - 1) / seq_len)
-    attn = 12 * c.n_embd * keys
-    recompute = {'none': 0, 'full': 2 * N + attn // 3,
+    pairs = sum(attention_pairs(lengths, c.window(i)) for i in range(c.n_layer))
+    attn = 12 * c.n_embd * pairs / sum(lengths)
+    recompute = {'none': 0, 'full': 2 * N + attn / 3,
                  'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]
     if c.attention_chunks != 1:
         kv = c.n_kv_head * c.head_dim
-        recompute += 2 * c.n_layer * c.n_embd * (2 * c.n_embd + 2 * kv) + attn // 3
+        recompute += 2 * c.n_layer * c.n_embd * (2 * c.n_embd + 2 * kv) + attn / 3
     return 6 * N + attn, 6 * N + attn + recompute
 
 

@@ -265,6 +265,19 @@ def get_batch(meta, split, n, generator, device):
     return Batch(x, y, positions[:, :-1], docs)
 
 
+def train_batches(meta, mesh, generator, device):
+    """A step's micro-batches, this rank's share of each, and the lengths of the global batch's
+    documents (doc_mask), else of its rows: MFU counts the attention pairs within them."""
+    batches = [get_batch(meta, 'train', batch_size * mesh.dp, generator, device)
+               for _ in range(gradient_accumulation_steps)]
+    lengths = []
+    for x, _, _, docs in batches:
+        lengths.extend([seq_len] * len(x) if docs is None else np.diff(docs, append=x.numel()))
+    # every rank samples the same global batch: shard_batch keeps our dp rank's rows and our
+    # cp rank's tokens (one process: all of it)
+    return [parallel.shard_batch(mesh, *batch) for batch in batches], lengths
+
+
 # ---------------------------------------------------------------------------- one optimisation step
 def dpcp_sum(t, mesh):
     """t summed over the ranks that split the step's tokens (dp x cp); t itself on one of them."""
@@ -746,7 +759,6 @@ def main():
         return dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
 
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # global batch
-    mfu_flops, hfu_flops = flops_per_token(config, seq_len)
     device_flops = peak_flops(dev, ptdtype, world)  # MFU is per device: against all of them
     if rank == 0:  # (the device, dtype and layout: in the memory report's title)
         print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
@@ -755,7 +767,8 @@ def main():
     stop = False  # what every rank agreed on
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True,
                disable=None if rank == 0 else True)
-    t0, it0 = time.perf_counter(), iter_num  # tokens/s: the steps since it0, over the time since t0
+    # tokens/s: the steps since it0, over the time since t0; MFU: their documents' lengths
+    t0, it0, lengths = time.perf_counter(), iter_num, []
     peak_memory(dev)  # (starts the peak the first row reports)
     while iter_num < max_iters and not stop:
         val_loss = None
@@ -771,11 +784,8 @@ def main():
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        # every rank samples the same global batch: shard_batch keeps our dp rank's rows and our
-        # cp rank's tokens (one process: all of it)
-        batches = [parallel.shard_batch(mesh, *get_batch(meta, 'train', batch_size * mesh.dp,
-                                                         data_gen, dev))
-                   for _ in range(gradient_accumulation_steps)]
+        batches, step_lengths = train_batches(meta, mesh, data_gen, dev)
+        lengths += step_lengths
         sent = offload_policy.stats()['bytes_to_host']
         with mem.measure(pipe or raw_model, masters, optimizer, compiled=compile):  # the first step
             loss = train_step(model, batches, autocast, mesh, optimizer, pipe, scaler)
@@ -786,8 +796,11 @@ def main():
         if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not stop:
             continue
         tokens_per_s = (iter_num - it0) * tokens_per_iter / (time.perf_counter() - t0)
-        # loss.item(): the step's only host sync; mfu None: no trusted peak
+        mfu_flops, hfu_flops = flops_per_token(config, *lengths)
+        # loss.item(): the step's only host sync; mfu None: no trusted peak; flops_per_token: the
+        # model's, mfu's count (model.flops_per_token: causal attention's pairs, S(S + 1)/2)
         row = {'iter': iter_num - 1, 'loss': loss.item(), 'lr': lr, 'tokens_per_s': tokens_per_s,
+               'flops_per_token': mfu_flops,
                'mfu': device_flops and tokens_per_s * mfu_flops / device_flops,
                'hfu': device_flops and tokens_per_s * hfu_flops / device_flops,
                'peak_mem_bytes': peak_memory(dev),
@@ -796,7 +809,7 @@ def main():
                'aux_loss': aux_loss(raw_model, mesh)}
         write_log(rank, bar, row, val_loss, mem)
         check_finite(scaler, iter_num, lr)
-        t0, it0 = time.perf_counter(), iter_num
+        t0, it0, lengths = time.perf_counter(), iter_num, []
         if world > 1:  # ranks may see a signal in different steps: they agree on log steps only
             stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item())
     bar.close()

@@ -588,19 +588,37 @@ def test_rmsnorm_and_rope_hold_no_full_size_fp32_copy(monkeypatch):
         assert saved[0] == (inp.nbytes if ours is norm else 0) and saved[1] >= 3 * inp.nbytes * (ours is norm)
 
 
-def test_flops_per_token_counts_what_recompute_runs_again():
-    """6·N + 12·L·h·S for the model (MFU); the hardware's (HFU) adds what backward runs again: 'full' the
-    forward, 2·N + 4·L·h·S; attention by head groups each group's projections and kernel once more."""
-    from model import flops_per_token, num_params
-    c = LlamaConfig(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=96, vocab_size=97)
-    N, L, h, kv, S = num_params(c), 2, 64, 4 * 8, 1000
-    attention = 12 * L * h * S
-    assert flops_per_token(c, S) == (6 * N + attention, 6 * N + attention)
+def test_flops_per_token_counts_the_pairs_attention_computes():
+    """A hand count: 6·N + 12·h·P/T a token, P the (query, key) pairs the mask allows in T tokens, summed over
+    the layers: causal attention half of every query seeing every key, a window and documents their own pairs.
+    The hardware's (HFU) adds what backward runs again: 'full' the forward, 2·N + 4·h·P/T; attention by head
+    groups each group's projections and kernel once more."""
+    from model import attention_pairs, flops_per_token, num_params
+    c = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, intermediate_size=24, vocab_size=10)
+    L, h, kv, I, V = 2, 16, 8, 24, 10
+    # per layer two norms, wq wo, wk wv, w1 w2 w3; then the final norm and the LM head
+    N = L * (2 * h + 2 * h * h + 2 * h * kv + 3 * h * I) + h + V * h
+    assert N == num_params(c) == 4080
+    # S = 6, causal: query i sees i keys, 1 + 2 + ... + 6 = 21 pairs a layer (every key: 36)
+    assert attention_pairs([6]) == 21
+    assert flops_per_token(c, 6) == (6 * N + 12 * h * (2 * 21) / 6,) * 2 == (24480 + 1344,) * 2
+    # a window of 2 keys in layer 0: 1 + 2 + 2 + 2 + 2 + 2 = 11 pairs there, 21 in layer 1
+    window = replace(c, sliding_window=2, layer_types=['sliding_attention', 'full_attention'])
+    assert attention_pairs([6], 2) == 11
+    assert flops_per_token(window, 6)[0] == 6 * N + 12 * h * (11 + 21) / 6 == 24480 + 1024
+    # documents of 2 and 4 tokens in the row: causal 3 + 10 = 13 pairs a layer; the window's 3 + 7 = 10
+    assert attention_pairs([2, 4]) == 13 and attention_pairs([2, 4], 2) == 10
+    assert flops_per_token(c, 2, 4)[0] == 6 * N + 12 * h * (2 * 13) / 6 == 24480 + 832
+    assert flops_per_token(window, 2, 4)[0] == 6 * N + 12 * h * (10 + 13) / 6 == 24480 + 736
+    # two rows, one a document of 6, the other documents of 2 and 4: 21 + 13 = 34 pairs a layer in 12 tokens
+    assert flops_per_token(c, 6, 2, 4)[0] == 6 * N + 12 * h * (2 * 34) / 12 == 24480 + 1088
+    # a window as long as the sequence is a causal layer
+    assert flops_per_token(replace(window, sliding_window=6), 6) == flops_per_token(c, 6)
+    # recompute 'full' runs forward again: 2·N and a third of attention's 1344; head groups their
+    # projections (2·L·h·(2h + 2kv) = 3072) and attention's forward once more
     full = replace(c, recompute='full')
-    assert flops_per_token(full, S) == (6 * N + attention, 8 * N + attention + attention // 3)
-    groups = 2 * L * h * (2 * h + 2 * kv) + attention // 3  # wq, wk, wv, wo and the kernel's forward
-    assert flops_per_token(replace(full, attention_chunks=0), S) == (6 * N + attention,
-                                                                    8 * N + attention + attention // 3 + groups)
+    assert flops_per_token(full, 6) == (24480 + 1344, 24480 + 1344 + 2 * N + 448)
+    assert flops_per_token(replace(full, attention_chunks=0), 6)[1] == 24480 + 1344 + 2 * N + 448 + 3072 + 448
 
 
 @cuda
@@ -685,17 +703,3 @@ def test_each_layer_gets_its_window():
     assert [block.attention.window for block in Llama(mixed).layers.values()] == [8, 0, 8]
     assert [LlamaConfig(n_layer=2, sliding_window=8).window(i) for i in range(2)] == [8, 8]
     assert [LlamaConfig(n_layer=2).window(i) for i in range(2)] == [0, 0]
-
-
-def test_a_windowed_layer_counts_its_own_pairs():
-    """MFU's attention term for a window: twice the pairs its queries see, per token (as causal layers count S),
-    summed over the layers layer_types windows; a window as long as the sequence is a causal layer."""
-    from model import flops_per_token
-    S, W = 16, 5
-    pairs = sum(min(i + 1, W) for i in range(S))  # query i sees keys max(0, i - W + 1)..i
-    full = LlamaConfig(n_layer=2)
-    mixed = LlamaConfig(n_layer=2, sliding_window=W, layer_types=['sliding_attention', 'full_attention'])
-    attention = flops_per_token(full, 2 * S)[0] - flops_per_token(full, S)[0]  # both layers at S (linear in S)
-    windowed = flops_per_token(mixed, S)[0] - flops_per_token(full, S)[0]
-    assert windowed == pytest.approx(attention / 2 * (2 * pairs / S / S - 1))
-    assert flops_per_token(replace(mixed, sliding_window=S), S) == flops_per_token(full, S)

@@ -16,7 +16,7 @@ import checkpoint
 import optim
 import parallel
 import train
-from model import Llama, LlamaConfig
+from model import Llama, LlamaConfig, flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ['--n_layer=2', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64',
@@ -47,7 +47,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     assert [r['loss'] for r in a] == [r['loss'] for r in b]  # bit for bit
     assert [r['lr'] for r in a] == [r['lr'] for r in b]
     assert a[0]['loss'] > a[-1]['loss']
-    for key in ('tokens_per_s', 'mfu', 'peak_mem_bytes', 'offload_bytes'):
+    for key in ('tokens_per_s', 'flops_per_token', 'mfu', 'peak_mem_bytes', 'offload_bytes'):
         assert key in a[-1]
     # a CPU has no datasheet peak: no MFU rather than one against a matmul timed once on a shared
     # machine (it read 61-488%)
@@ -561,7 +561,12 @@ def test_doc_mask_trains_and_refuses_what_it_cannot_do(tmp_path):
     p = run_train(*SMALL, '--doc_mask=True', f'--dataset={data}', '--max_iters=3', '--eval_interval=2',
                   f'--out_dir={tmp_path / "out"}')
     assert 'note: 4 training documents are longer than seq_len=32' in p.stdout
-    assert all(np.isfinite(r['loss']) for r in read_log(tmp_path / 'out'))
+    rows = read_log(tmp_path / 'out')
+    assert all(np.isfinite(r['loss']) for r in rows)
+    # MFU's count is the step's documents' pairs: no more than one document a row's, less where a row holds two
+    whole = flops_per_token(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                                        vocab_size=50), 32)[0]
+    assert all(r['flops_per_token'] <= whole for r in rows) and min(r['flops_per_token'] for r in rows) < whole
     os.remove(os.path.join(data, 'train.docs.npy'))
     with open(os.path.join(data, 'meta.json')) as f:
         meta = json.load(f)
