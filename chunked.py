@@ -78,6 +78,11 @@ from torch.utils.checkpoint import checkpoint
 # (2026-11-23, a 2-core CPU), and 256·V·4 bytes = 131 MB for Llama 3's vocabulary is no more than
 # the fp32 weight gradient whenever h >= 256.
 MIN_CHUNK_TOKENS = 256
+# fp16: the loss's g = softmax - onehot is made in forward, before any loss scale, so it is cast
+# times LIFT: 2^4, what the starting loss scale 2^16 over a micro-batch of 4,096 tokens makes of
+# plain autograd's g, so dx's and dW's fp16 sums stay as far below 65,504 as that path's. (2^12
+# overflowed them in train_tiny's fp16 run; 1 let 50 steps drift 3.4% from fp32's losses, 2026-11-28)
+LIFT = 16.0
 
 
 def _auto_chunks(n_tokens, m):
@@ -289,6 +294,11 @@ def _ce_chunks(x, weight, targets, n, ignore_index, grad_x, grad_w, group, vocab
             continue
         # g = softmax - onehot
         logits.scatter_add_(1, target_rows[chunk], -ours[chunk, None].float())
+        if weight.dtype == torch.float16:
+            # fp16 flushes what is below 2^-24 and rounds what is below 2^-14: the unlikely tokens'
+            # probabilities, which plain autograd's g carries times the loss scale. LIFT does that
+            # here (dx, dW come out LIFT times too: backward divides)
+            logits.mul_(LIFT)
         # ignored rows still hold a softmax in g; we zero their contribution on the small [n, h]
         # side (dx rows, x rows) instead of another pass over the [n, V] buffer
         g = logits.to(weight.dtype)
@@ -314,6 +324,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
         ctx.count, ctx.dx, ctx.dW = count, dx, dW
+        ctx.lift = 1.0
+        if weight.dtype == torch.float16:
+            ctx.lift = LIFT
         return loss_sum / count.clamp(min=1)
 
     @staticmethod
@@ -322,8 +335,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if ctx.count is None:
             raise RuntimeError("chunked_cross_entropy: backward ran twice; "
                                "retain_graph is not supported")
-        # mean over non-ignored targets; 0 targets -> 0 grads
-        scale = grad_loss / ctx.count.clamp(min=1)
+        # mean over non-ignored targets; 0 targets -> 0 grads; fp16's LIFT undone
+        scale = grad_loss / ctx.count.clamp(min=1) / ctx.lift
         dx, dW = ctx.dx, ctx.dW
         # drop our references so the buffers are scaled in place and handed to autograd (which can
         # then adopt dW as W.grad without a copy, or cast the fp32 dW to W's dtype), and nothing

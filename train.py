@@ -17,8 +17,8 @@ real target tokens across all of them, sync the gradients (several ranks), clip,
 step (AdamW, or Muon), log.
 
 The default path is short: on one process with every memory knob off, a step (train_step) runs
-code in train.py, model.py, rope.py and optim.py only (tests/test_train.py traces one); a chunk
-knob adds chunked.py, the layouts parallel.py, a mixture of experts moe.py.
+code in train.py, model.py, rope.py, optim.py and chunked.py's loss only (tests/test_train.py
+traces one); the layouts add parallel.py, a mixture of experts moe.py.
 
 Checkpoints (checkpoint.py) hold everything needed to continue exactly (weights, fp32 master
 weights, optimizer, step, data sampler and RNG states), so `--init_from=resume` reproduces an

@@ -12,8 +12,11 @@
 #    model.attention's one varlen_attn call against the per-document SDPA loop (ms a step); the ~1B model at 32K
 #    with doc_mask on the corpus's own documents beside it without.
 # 5. fp16 with loss scaling beside bf16 (train_tiny, three steps each).
-# Writes to OUT_DIR: gpu.txt, tests.txt, results.md, docs.md (the runs' logs stay in /tmp/gpu_check).
-# GPU_CHECK=docs runs the tests, parts 4 and 5 only.
+# 6. (GPU_CHECK=peers only, issue 40) offload's overlap on the ~1B at 128K: offload=1.0 against none under the same
+#    full recompute (Memo: no loss; the goal <= 5%); then bench/peers.py on the GPU: HF plain, checkpointed and with
+#    liger-kernel (pip-installed here) against ours, the ~1B at 32K and 128K, and the longest each fits.
+# Writes to OUT_DIR: gpu.txt, tests.txt, results.md, docs.md, peers.md (the runs' logs stay in /tmp/gpu_check).
+# GPU_CHECK=docs runs the tests, parts 4 and 5 only; GPU_CHECK=peers part 6 only.
 set -u
 out=${1:-${OUT:-bench/gpu_check}}
 parts=${GPU_CHECK:-all}
@@ -37,9 +40,11 @@ PY
 export PYTHONPATH=/tmp/gpu_check/shim${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import inspect, torch.nn.attention.varlen as v; print('varlen_attn', inspect.signature(v.varlen_attn))" \
     | tee -a "$out/gpu.txt"
-timeout 240 python3 -m pytest -q -rs -k "on_cuda or cuda_rank" tests/test_chunked.py tests/test_model.py \
-    tests/test_offload.py tests/test_optim.py tests/test_parallel.py tests/test_ring.py -p no:cacheprovider 2>&1 \
-    | tail -25 | tee "$out/tests.txt"
+if [ "$parts" != peers ]; then
+  timeout 240 python3 -m pytest -q -rs -k "on_cuda or cuda_rank" tests/test_chunked.py tests/test_model.py \
+      tests/test_offload.py tests/test_optim.py tests/test_parallel.py tests/test_ring.py -p no:cacheprovider 2>&1 \
+      | tail -25 | tee "$out/tests.txt"
+fi
 
 # one run: its stdout in /tmp/gpu_check/NAME.log, stopped once three steps are logged
 run() {
@@ -63,9 +68,17 @@ if [ "$parts" = all ]; then
     run "b1_${S}_chunks" $ONE_B --seq_len=$S
     run "b1_${S}_heads" $ONE_B --seq_len=$S --attention_chunks=0
   done
+elif [ "$parts" = peers ]; then
+  # the same blocks and recompute, activations kept on the GPU or sent to the host while compute runs
+  run b1_131072_kept $ONE_B --seq_len=131072
+  run b1_131072_offload $ONE_B --seq_len=131072 --offload=1.0
+  pip install -q liger-kernel 2>&1 | tail -1
+  timeout 400 python3 bench/peers.py --device=cuda --shape=1b --seq_lens=32768,131072 --rounds=1 --steps=2 \
+      --mem_gb=100 --max_len=524288 --results="$out/peers.md" 2>&1 | tail -30
 else
   run b1_32768_chunks $ONE_B --seq_len=32768
 fi
+if [ "$parts" != peers ]; then
 run b1_32768_docs $ONE_B --seq_len=32768 --doc_mask=True
 # 5. fp16 with dynamic loss scaling (GPUs without bf16) beside bf16: train_tiny's losses, the loss scale
 run tiny_bf16 config/train_tiny.py --device=cuda --dtype=bfloat16
@@ -97,6 +110,7 @@ for n_docs in (0, 1, 16, 1000):
 open(sys.argv[1] + '/docs.md', 'w').write('\n'.join(rows) + '\n')
 print('\n'.join(rows))
 PY
+fi
 
 python3 - "$out" <<'PY'
 import json, os, sys

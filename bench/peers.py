@@ -12,8 +12,9 @@ and on a CUDA GPU (--device=cuda) also
   hf + liger       the checkpointed HF model with liger-kernel's Llama kernels (apply_liger_kernel_
                    to_llama: RMSNorm, RoPE, SwiGLU, and the fused linear cross-entropy, which never
                    holds the logits), the library long-context fine-tuning reaches for
-  torchtitan       torchtitan's Llama 3 Transformer (torchtitan.models.llama3), full activation
-                   checkpointing as its trainer applies it, its cross-entropy on the logits
+(torchtitan, the issue's other GPU peer, is not here: its 0.3 builds a model from its own config
+registry and trainer, with imports of its distributed stack that a lone process can't satisfy;
+its own `torchrun ... -m torchtitan.train` at the same shape is the comparison to make.)
 
 The model: --shape=tiny (a Llama of width 256, 2 layers, 4 heads, intermediate 768, vocabulary
 128,256 as Llama 3's: bench.py's step shape, where the LM head and the loss are most of the work,
@@ -27,10 +28,11 @@ train.py's).
 How each figure is taken. Every (system, length) runs in a process of its own, --rounds times, the
 systems in turn within a round (a shared machine's drift hits them all alike); a process loads the
 model, makes AdamW's state (a step on zero gradients) and warms up on a 256-token step, then times
-one step at the length (forward, backward, AdamW, zero_grad, loss.item()). tokens/s = tokens over
-the median step time of the rounds. Peak: on a CPU the rise of the resident set over the model and
-its states (VmHWM reset just before the step, freed heap handed back first: bench.py's way), the
-largest of the rounds; on a GPU torch.cuda.max_memory_allocated's rise over the same baseline. On a
+--steps steps at the length (forward, backward, AdamW, zero_grad, loss.item()). tokens/s = tokens
+over the median of the rounds' steps (a first full-size step pays for its kernels' first use, as
+a training run does once). Peak: on a CPU the rise of the resident set over the model and
+its states (VmHWM reset just before the timed steps, freed heap handed back first: bench.py's
+way), the largest of the rounds; on a GPU torch.cuda.max_memory_allocated's rise over the same baseline. On a
 2-core machine time with nothing else running: a second job halves a figure.
 
 --mem_gb: after the table, for each system the longest length whose step's peak stays within it
@@ -41,7 +43,7 @@ command, machine, versions and load averages.
 
 Install the peers first (not in requirements.txt):
     pip install transformers                    # the CPU comparison
-    pip install liger-kernel torchtitan         # on a CUDA machine, for --device=cuda
+    pip install liger-kernel                    # on a CUDA machine, for --device=cuda
 
     python bench/peers.py                                      # CPU: 2,048 / 8,192 / 16,384
     python bench/peers.py --seq_lens=2048,8192 --rounds=5 --mem_gb=4
@@ -72,7 +74,8 @@ device = 'cpu'                   # 'cpu' | 'cuda'
 shape = 'tiny'                   # 'tiny' | '1b' | '8b'
 seq_lens = '2048,8192,16384'     # comma-separated; batch 1
 systems = ''                     # comma-separated subset of the device's systems; '' = all
-rounds = 3                       # processes per (system, length); the median time is reported
+rounds = 3                       # processes per (system, length)
+steps = 2                        # timed steps in each process; the median of all is reported
 mem_gb = 0.0                     # the longest length each fits in this much; 0 = no search
 max_len = 65536                  # the search's longest length
 threads = 0                      # torch.set_num_threads; 0 = torch's default
@@ -90,7 +93,7 @@ SHAPES = {  # n_layer, n_embd, n_head, n_kv_head, intermediate_size
 }
 SYSTEMS = ['hf plain', 'hf checkpointed', 'ours plain', 'ours chunked']
 if device == 'cuda':
-    SYSTEMS += ['hf + liger', 'torchtitan']
+    SYSTEMS += ['hf + liger']
 OURS = {'ours plain': dict(recompute='none', mlp_chunks=1, loss_chunks=1),
         'ours chunked': dict(recompute='full', mlp_chunks=0, loss_chunks=0)}
 VOCAB = 128256
@@ -148,7 +151,7 @@ def hf_model(name):
 
     def loss(x, y):
         # its own loss: labels given as already shifted (transformers' shift_labels)
-        return model(input_ids=x, labels=y, shift_labels=y).loss
+        return model(input_ids=x, labels=y, shift_labels=y.contiguous()).loss
 
     return model, loss
 
@@ -164,45 +167,10 @@ def ours_model(name):
     return model, loss
 
 
-def titan_model():
-    """torchtitan's Llama 3 with our weights (its names: tok_embeddings, layers.i.attention.wq, ...,
-    our own names too), its full activation checkpointing."""
-    from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.llama3.model.model import Transformer
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from model import Llama
-    ours = Llama.from_pretrained(model_dir)
-    c = ours.config
-    args = TransformerModelArgs(dim=c.n_embd, n_layers=c.n_layer, n_heads=c.n_head,
-                                n_kv_heads=c.n_kv_head, vocab_size=c.vocab_size,
-                                rope_theta=c.rope_theta, norm_eps=c.norm_eps,
-                                max_seq_len=max(int(s) for s in seq_lens.split(',')))
-    # its MLP width comes from dim and these two: ask for ours
-    args.ffn_dim_multiplier = c.intermediate_size / (8 * c.n_embd / 3)
-    args.multiple_of = 1
-    with torch.device('meta'):
-        model = Transformer(args)
-    model.to_empty(device=device)
-    model.init_weights()
-    # the same names as ours (strict: its RoPE buffer, freqs_cis, is not a weight of ours)
-    model.load_state_dict(ours.state_dict(), strict=False)
-    for i, block in model.layers.items():
-        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-    model = model.to(DTYPE)
-
-    def loss(x, y):
-        logits = model(x)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-    return model, loss
-
-
 def step_worker(name, S):
     torch.manual_seed(seed)
     if name.startswith('ours'):
         model, loss_fn = ours_model(name)
-    elif name == 'torchtitan':
-        model, loss_fn = titan_model()
     else:
         model, loss_fn = hf_model(name)
     model.to(device=device, dtype=DTYPE)
@@ -226,23 +194,28 @@ def step_worker(name, S):
     opt.zero_grad(set_to_none=True)
     step(x[:, :256], y[:, :256])
     base = start_peak()
-    t0 = time.perf_counter()
-    loss = step(x, y)
-    if device == 'cuda':
-        torch.cuda.synchronize()
-    return dict(time=time.perf_counter() - t0, peak=peak_rise(base), loss=loss)
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
+        if device == 'cuda':
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return dict(times=times, peak=peak_rise(base), loss=losses[0])
 
 
 # ----------------------------------------------------------------------------- the driver
-def spawn(name, S):
-    """One (system, length) in a fresh process: its dict, or {'error': the last line it printed}."""
+def spawn(name, S, n_steps=None):
+    """One (system, length) in a fresh process, n_steps timed steps (--steps): its dict, or
+    {'error': the last line it printed}."""
     args = [sys.executable, os.path.abspath(__file__), f'--device={device}', f'--shape={shape}',
             f'--seq_lens={seq_lens}', f'--threads={threads}', f'--seed={seed}',
+            f'--steps={n_steps or steps}',
             f'--model_dir={model_dir}', '--worker=' + json.dumps(dict(name=name, S=S))]
     p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     lines = (p.stdout + p.stderr).strip().splitlines() or ['no output']
     if p.returncode != 0:
-        return {'error': lines[-1][:120]}
+        return {'error': 'error: ' + lines[-1][:120]}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -255,12 +228,39 @@ def loadavg():
         return ' '.join(f.read().split()[:3])
 
 
+def logits_bytes(name, S):
+    """What a step at S holds of the [S, V] logits at once: HF's loss keeps the fp32 logits, their
+    log-softmax and makes their gradient; ours plain one fp32 buffer that becomes the gradient;
+    chunked and liger a chunk."""
+    if name in ('hf plain', 'hf checkpointed'):
+        return 3 * S * VOCAB * 4
+    if name == 'ours plain':
+        return S * VOCAB * 4
+    return 0
+
+
+def too_big(name, S):
+    """A reason not to run (system, S) on this CPU: its logits alone past 80% of the memory
+    available (the box would swap or be killed), else ''."""
+    if device == 'cuda':
+        return ''
+    with open('/proc/meminfo') as f:
+        available = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith('MemAvailable:'))
+    need = logits_bytes(name, S)
+    if need > 0.8 * available:
+        return f'not run: its logits alone {gb(need)} > 80% of the {gb(available)} available'
+    return ''
+
+
 def measure(names, S):
     """{name: (median time, max peak, loss, runs)} over --rounds rounds, or {name: error}."""
     runs = {name: [] for name in names}
     for r in range(rounds):
         for name in names:
-            result = spawn(name, S)
+            result = {'error': too_big(name, S)}
+            if not result['error']:
+                result = spawn(name, S)
             print(f'  S={S:,} round {r + 1}/{rounds} {name}: {result}', flush=True)
             runs[name].append(result)
     out = {}
@@ -269,8 +269,8 @@ def measure(names, S):
         if errors:
             out[name] = errors[0]
         else:
-            out[name] = (statistics.median(r['time'] for r in rs), max(r['peak'] for r in rs),
-                         rs[0]['loss'], [r['time'] for r in rs])
+            times = [x for r in rs for x in r['times']]
+            out[name] = (statistics.median(times), max(r['peak'] for r in rs), rs[0]['loss'], times)
     return out
 
 
@@ -282,7 +282,7 @@ def table(names, lengths):
         m = measure(names, S)
         for name in names:
             if isinstance(m[name], str):
-                rows.append(f'| {S:,} | {name} | error: {m[name]} | | | | | {load} |')
+                rows.append(f'| {S:,} | {name} | {m[name]} | | | | | {load} |')
                 continue
             t, peak, loss, times = m[name]
             # ours against HF's: plain against plain, chunked against checkpointed
@@ -310,7 +310,9 @@ def longest(names):
                 (s1, p1), (s2, p2) = peaks[-2:]
                 if p2 + (p2 - p1) / (s2 - s1) * (S - s2) > 1.2 * limit:
                     break
-            r = spawn(name, S)
+            r = {'error': too_big(name, S)}
+            if not r['error']:
+                r = spawn(name, S, n_steps=1)
             print(f'  longest {name} S={S:,}: {r}', flush=True)
             if 'error' in r or r['peak'] > limit:
                 break
@@ -327,7 +329,7 @@ def longest(names):
 
 def versions():
     out = [f'torch {torch.__version__}']
-    for package in ('transformers', 'liger-kernel', 'torchtitan'):
+    for package in ('transformers', 'liger-kernel'):
         try:
             out.append(f'{package} {importlib.metadata.version(package)}')
         except importlib.metadata.PackageNotFoundError:
@@ -368,7 +370,7 @@ def main():
             f'({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n'
             f'`{cmd}`\n\n{where}; {versions()}; {shape}: {L} layers of {h}, {heads} heads '
             f'({kv} kv), intermediate {I}, vocabulary {VOCAB:,}; batch 1; a process per run, '
-            f'{rounds} rounds, the median step; peak: the rise over the model and its AdamW '
+            f'{rounds} rounds of {steps} steps, the median step; peak: the rise over the model and its AdamW '
             f'states. "vs HF": HF\'s step time over ours (ours plain against HF plain, ours '
             f'chunked against HF checkpointed) and our peak over its.\n\n'
             '| tokens | system | tokens/s | peak | vs HF | loss (first step) | step times (s) '

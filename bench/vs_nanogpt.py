@@ -9,7 +9,11 @@ nanolong's training step against nanoGPT's at nanoGPT's CPU recipe (issue 2): ch
             parameters) through train.py's own get_batch, forward_backward and make_optimizer (fused
             AdamW), then clip, step, zero_grad, loss.item()
 
-The two steps alternate, one each, and each one's time is summed: a shared VM's speed drifts by tens of
+--hf=True adds a third: transformers' LlamaForCausalLM (SDPA) on our Llama's weights, in nanoGPT's
+loop (its own loss from labels, torch's AdamW, clip): HF's step over nanoGPT's is what the Llama
+block costs in a plain implementation, ours over HF's is what nanolong's code adds or saves.
+
+The steps alternate, one each, and each one's time is summed: a shared VM's speed drifts by tens of
 percent over minutes, and alternating single steps puts both under the same drift. --compile=both
 compiles both models (nanoGPT's default; its CPU recipe turns it off), --compile=nanolong ours only (our
 train.py with --compile=True against nanoGPT's CPU recipe as its README gives it). Prints ms per step and
@@ -42,6 +46,7 @@ dataset = 'char'   # a folder of data/ (or any path) with train.bin, val.bin, me
 steps = 300        # timed steps of each trainer
 warmup = 10        # untimed steps of each first (with compile=True, the compilation)
 compile = 'none'   # 'none' | 'both' | 'nanolong'
+hf = False         # also time transformers' LlamaForCausalLM on our weights (not compiled)
 threads = 0        # torch.set_num_threads; 0 = torch's default
 seed = 1337
 # -----------------------------------------------------------------------------
@@ -135,20 +140,47 @@ def nanolong_step():
     return loss.item()
 
 
+trainers = {'nanoGPT, GPT-2 block': nanogpt_step, 'nanolong, Llama': nanolong_step}
+if hf:
+    import tempfile
+    from transformers import LlamaForCausalLM
+    with tempfile.TemporaryDirectory() as d:
+        llama.save_pretrained(d)
+        hf_llama = LlamaForCausalLM.from_pretrained(d, attn_implementation='sdpa', dtype=torch.float32)
+    hf_decay = [p for p in hf_llama.parameters() if p.dim() >= 2]
+    hf_no_decay = [p for p in hf_llama.parameters() if p.dim() < 2]
+    hf_opt = torch.optim.AdamW([{'params': hf_decay, 'weight_decay': 0.1},
+                                {'params': hf_no_decay, 'weight_decay': 0.0}],
+                               lr=1e-3, betas=(0.9, 0.99), fused=True)
+
+    def hf_step():
+        # nanoGPT's loop on the batch our get_batch draws (labels already shifted)
+        x, y = train.get_batch(meta, 'train', B, gen, cpu)[:2]
+        loss = hf_llama(input_ids=x, labels=y, shift_labels=y.contiguous()).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf_llama.parameters(), 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    trainers['transformers, Llama'] = hf_step
 print(f"parameters: nanoGPT {sum(p.numel() for p in gpt.parameters()):,}, "
       f"nanolong {sum(p.numel() for p in llama.parameters()):,}; compile={compile}, "
       f"{torch.get_num_threads()} threads", flush=True)
 for _ in range(warmup):
-    nanogpt_step()
-    nanolong_step()
-t_gpt = t_llama = 0.0
+    for run in trainers.values():
+        run()
+spent = dict.fromkeys(trainers, 0.0)
 for _ in range(steps):
-    t0 = time.perf_counter()
-    nanogpt_step()
-    t1 = time.perf_counter()
-    nanolong_step()
-    t2 = time.perf_counter()
-    t_gpt, t_llama = t_gpt + t1 - t0, t_llama + t2 - t1
-for name, t in (('nanoGPT, GPT-2 block', t_gpt), ('nanolong, Llama', t_llama)):
+    for name, run in trainers.items():
+        t0 = time.perf_counter()
+        run()
+        spent[name] += time.perf_counter() - t0
+for name, t in spent.items():
     print(f"{name:22s} {1e3 * t / steps:6.1f} ms/step  {B * S * steps / t:8,.0f} tokens/s")
+t_gpt, t_llama = spent['nanoGPT, GPT-2 block'], spent['nanolong, Llama']
 print(f"nanolong / nanoGPT step time: {t_llama / t_gpt:.3f}")
+if hf:
+    t_hf = spent['transformers, Llama']
+    print(f"transformers' Llama / nanoGPT: {t_hf / t_gpt:.3f} (the Llama block's work); "
+          f"nanolong / transformers' Llama: {t_llama / t_hf:.3f} (ours)")

@@ -720,13 +720,12 @@ print(json.dumps(ours))
 '''
 
 
-@pytest.mark.parametrize('knobs, files', [
-    ([], ['model.py', 'optim.py', 'rope.py', 'train.py']),
-    (['--mlp_chunks=2'], ['chunked.py', 'model.py', 'optim.py', 'rope.py', 'train.py'])])
-def test_the_default_step_runs_four_files(tmp_path, knobs, files):
+@pytest.mark.parametrize('knobs', [[], ['--mlp_chunks=2']])
+def test_the_default_step_runs_five_files(tmp_path, knobs):
     """One process, the default config (train_tiny's shape, smaller): steps 3 and 4 of train.py's loop run code
-    in train.py, model.py, rope.py and optim.py only (train.py's header says so); a chunk knob adds chunked.py.
-    No parallel.py, no MoE walk, no offload.py."""
+    in train.py, model.py, rope.py, optim.py and chunked.py (the loss) only (train.py's header says so); a chunk
+    knob adds none. No parallel.py, no MoE walk, no offload.py."""
+    files = ['chunked.py', 'model.py', 'optim.py', 'rope.py', 'train.py']
     args = [*SMALL, '--max_iters=5', '--eval_interval=100', f'--out_dir={tmp_path}', *knobs]
     p = subprocess.run([sys.executable, '-c', TRACE.format(args=args, root=ROOT)], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
