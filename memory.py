@@ -199,7 +199,10 @@ def model_states(r, d, zero, in_backward, on_host, name):
         # FSDP2: the fp32 rows over d from the start (parallel.shard_states); gathered in b bytes,
         # the embedding, final norm and LM head for the whole step, and every block (2) or one (3)
         params = shard + b * (N - r.L * block + block * (r.L if zero == 2 else 1))
-        grads, head, optimizer, in_block, embedding = shard, shard, 2 * shard, 0, 0
+        # the root's gradients wait, whole and in b bytes, for backward's end; a block's are
+        # reduce-scattered as it ends (the LM head's and final norm's alone as blocks run)
+        grads, optimizer, in_block, embedding = shard, 2 * shard, 0, 0
+        head = b * (vocab + h) * r.last
     if on_host:  # offload_states: the rows in host memory; on the device what FSDP2 gathered
         params, grads, head, optimizer, host = params - shard, 0, 0, 0, 4 * shard
     alive = [grads, head, grads - embedding - in_block, grads - embedding - 2 * in_block]

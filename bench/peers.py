@@ -201,7 +201,26 @@ def step_worker(name, S):
         if device == 'cuda':
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return dict(times=times, peak=peak_rise(base), loss=losses[0])
+    peak = peak_rise(base)
+    return dict(times=times, peak=peak, tensors=tensor_peak(model, opt, step, x, y), loss=losses[0])
+
+
+def tensor_peak(model, opt, step, x, y):
+    """One more step (untimed) under torch's MemTracker: the bytes of live tensors at the step's
+    peak beyond the parameters, buffers and optimizer state. The resident set also holds what the
+    allocator keeps of freed memory: glibc's heap returns freed space only past a trim threshold
+    that grows to twice the largest block freed (64 MiB at most), which a small step's figure
+    can't tell from tensors."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step(x, y)
+    snapshot = tracker.get_tracker_snapshot('peak')[torch.device(device, 0) if device == 'cuda'
+                                                      else torch.device(device)]
+    held = [v for k, v in snapshot.items()
+            if getattr(k, 'value', k) in ('Parameter', 'Buffer', 'Optstate')]
+    return snapshot['Total'] - sum(held)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -270,7 +289,8 @@ def measure(names, S):
             out[name] = errors[0]
         else:
             times = [x for r in rs for x in r['times']]
-            out[name] = (statistics.median(times), max(r['peak'] for r in rs), rs[0]['loss'], times)
+            out[name] = (statistics.median(times), max(r['peak'] for r in rs),
+                         max(r['tensors'] for r in rs), rs[0]['loss'], times)
     return out
 
 
@@ -282,17 +302,19 @@ def table(names, lengths):
         m = measure(names, S)
         for name in names:
             if isinstance(m[name], str):
-                rows.append(f'| {S:,} | {name} | {m[name]} | | | | | {load} |')
+                rows.append(f'| {S:,} | {name} | {m[name]} | | | | | | {load} |')
                 continue
-            t, peak, loss, times = m[name]
+            t, peak, tensors, loss, times = m[name]
             # ours against HF's: plain against plain, chunked against checkpointed
             against = {'ours plain': 'hf plain', 'ours chunked': 'hf checkpointed'}.get(name)
             vs = ''
             if against in m and not isinstance(m[against], str):
-                vs = f'{m[against][0] / t:.2f}x, peak {peak / m[against][1]:.2f}'
+                theirs = m[against]
+                vs = (f'{theirs[0] / t:.2f}x, peak {peak / theirs[1]:.3f} '
+                      f'(tensors {tensors / theirs[2]:.3f})')
             runs = ', '.join(f'{x:.2f}' for x in times)
-            rows.append(f'| {S:,} | {name} | {S / t:,.0f} | {gb(peak)} | {vs} | {loss:.4f} '
-                        f'| {runs} | {load} |')
+            rows.append(f'| {S:,} | {name} | {S / t:,.0f} | {gb(peak)} | {gb(tensors)} | {vs} '
+                        f'| {loss:.4f} | {runs} | {load} |')
             print(rows[-1], flush=True)
     return rows
 
@@ -371,10 +393,11 @@ def main():
             f'`{cmd}`\n\n{where}; {versions()}; {shape}: {L} layers of {h}, {heads} heads '
             f'({kv} kv), intermediate {I}, vocabulary {VOCAB:,}; batch 1; a process per run, '
             f'{rounds} rounds of {steps} steps, the median step; peak: the rise over the model and its AdamW '
-            f'states. "vs HF": HF\'s step time over ours (ours plain against HF plain, ours '
-            f'chunked against HF checkpointed) and our peak over its.\n\n'
-            '| tokens | system | tokens/s | peak | vs HF | loss (first step) | step times (s) '
-            '| load avg before |\n|---:|---|---:|---:|---|---:|---|---|\n' + '\n'.join(rows) + '\n')
+            f'states, of the resident set over the timed steps and of the live tensors over one more '
+            f'step (MemTracker). "vs HF": HF\'s step time over ours (ours plain against HF plain, '
+            f'ours chunked against HF checkpointed) and our peaks over its.\n\n'
+            '| tokens | system | tokens/s | peak (RSS) | peak (tensors) | vs HF | loss (first step) '
+            '| step times (s) | load avg before |\n|---:|---|---:|---:|---:|---|---:|---|---|\n' + '\n'.join(rows) + '\n')
     if fit_rows:
         text += (f'\nThe longest length (doubling from 1,024, at most {max_len:,}) whose step '
                  f'peaks within {mem_gb:g} GiB:\n\n| system | longest | its peak |\n|---|---:|---:|\n'
