@@ -77,13 +77,11 @@ class Experts(nn.Module):
 
     def forward(self, x, counts):
         """x [n, h]: each expert's tokens one after the other, counts[e] of expert e's."""
-        y = []
-        # unbind: one stacked gradient in backward, not a zero [E, I, h] per expert
-        weights = zip(self.w1.unbind(), self.w3.unbind(), self.w2.unbind())
-        for tokens, (w1, w3, w2) in zip(x.split(counts), weights):
-            chunks = chunked.mlp_chunks(self.config, len(tokens))
-            y.append(chunked.chunked_mlp(tokens, w1, w3, w2, chunks))
-        return torch.cat(y)
+        # where each expert's rows end, as grouped_mm takes them (int32)
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).int()
+        # the rows as one sequence of T·k tokens, chunked as the dense MLP chunks its S (header)
+        chunks = chunked.mlp_chunks(self.config, len(x))
+        return chunked.chunked_mlp(x, self.w1, self.w3, self.w2, chunks, offsets)
 
 
 class MoE(nn.Module):
@@ -214,14 +212,14 @@ def memory_terms(config, batch, sequence, b, t=1, ep=1):
     element, on a rank of `batch` sequences of `sequence` tokens, T = batch·sequence of them (under
     tp all t ranks' tokens, which the experts take): (the bytes it keeps per token beyond what
     offload.kept_bytes counts for a block, its backward's working set beyond what it keeps, the
-    parameters of the experts the other ep ranks hold). An expert's tokens when balanced: its share
-    of the T·k pairs of each of the ep ranks, n = ep·T·k/E."""
+    parameters of the experts the other ep ranks hold). The rows the rank's experts take when
+    balanced: n = T·k (under ep its E/ep experts' share of the T·k pairs of each ep rank)."""
     c, k, E = config, config.experts_per_token, config.n_experts
     if not E:
         return 0, 0, 0
     h, I = c.n_embd, c.intermediate_size / t
     T = batch * sequence
-    n = ep * T * k // E
+    n = T * k
     chunks = chunked.mlp_chunks(c, n)
     # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the
     # router's fp32 probabilities (its rank's tokens) and the pairs' three int64 indices
@@ -229,15 +227,16 @@ def memory_terms(config, batch, sequence, b, t=1, ep=1):
     if chunked.mlp_chunks(c, sequence) == 1:
         # offload.py counts a plain MLP's four [S, I] tensors: a block with an MoE has none
         kept -= 4 * b * I
-    # one expert's backward: one chunk's three [n, I] buffers and the fp32 dW1..3, or (unchunked,
-    # keeping four) two more [n, I] at once
-    expert = 3 * b * I * math.ceil(n / chunks) + 12 * h * I
+    # the experts' backward: one chunk's three [n, I] buffers and a fourth (grouped_mm's dz, copied
+    # into one: chunked.py's _mm) and the fp32 dW1..3 of the rank's E/ep experts, or (unchunked,
+    # keeping four) two more [n, I] at once, of all n rows (one grouped GEMM)
+    expert = 4 * b * I * math.ceil(n / chunks) + 12 * h * I * E / ep
     if chunks == 1:
         kept += 4 * b * I * k
         expert = 2 * b * I * n
     # the gradient coming in (under sp of all t ranks' tokens), and the larger of two [T·k, h]
     # copies (at its backward's start the gradients of two; under ep an all-to-all's send and
-    # receive buffers) and an expert's backward (the copies weighed by then freed)
+    # receive buffers) and the experts' backward (the copies weighed by then freed)
     backward = b * h * (1 / t + (t > 1)) * T + max(2 * b * h * k * T, expert)
     # of the experts a layer, the other ep ranks hold all but E/ep (with their states)
     away = 3 * h * I * E * (1 - 1 / ep)
