@@ -43,6 +43,19 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                the sum of the output's squares (the ring's: over its ranks), is the same for every
                run of one S and window and, no mask and 1 document being the same attention, for
                those two.
+  --mode=moe   mixture of experts (issue 40): training steps (forward + backward + AdamW step, fp32)
+               of config/train_tiny.py's model and batch (4 layers, h 128, 16 x 256 tokens, the
+               byte vocabulary of 256) with, as each block's MLP, the variants
+                 dense               train_tiny's SwiGLU, I = 384
+                 8 experts, top 2    moe.py's MoE, 8 experts of I = 384 / 2 (Mixtral's shape)
+                 32 experts, top 4   32 experts of I = 384 / 4 (fine-grained: Qwen3-MoE, DeepSeek)
+               each MoE computing k experts of I/k a token: the dense MLP's active FLOPs (and a
+               router of h·E). mlp_chunks=1 (train_tiny's: unchunked). Each variant runs --rounds
+               times in a fresh process, the variants in turn within a round; a run is one
+               warm-up step, then --reps timed ones. Reported: the median of a variant's timed
+               steps and its ratio to the dense one's (the issue's goal: at most 1.15). --label
+               names the code in the title: to time another checkout's moe.py, run this file
+               from a copy of that checkout (bench.py imports the model from its own folder).
 
 How: every (variant, seq_len) runs in a fresh subprocess, so its peak resident set is its own.
   memory   peak RSS rise = VmHWM - VmRSS, with VmHWM reset (echo 5 > /proc/self/clear_refs) and freed
@@ -64,6 +77,7 @@ memory figures do not depend on the load.
     python bench.py --mode=step --seq_lens=2048,8192
     python bench.py --mode=loss
     python bench.py --mode=docs --seq_lens=4096,16384
+    python bench.py --mode=moe --reps=5 --rounds=3
 
 Issue 39's figure, the ring alone, full causal against a sliding window of 4,096: --mode=docs
 --seq_lens=65536 --documents=0 --windows=0,4096 --cp=4 --one_process=False.

@@ -239,15 +239,14 @@ def chunked_mlp(x, w1, w3, w2, chunks, offsets=None):
     h = x.shape[-1]
     tokens = x.numel() // h
     chunks = chunks or auto_mlp_chunks(tokens, h, w1.shape[-2])
-    shape = x.shape
-    x, w1, w3, w2 = _autocast(x.reshape(tokens, h), w1, w3, w2)
+    rows, w1, w3, w2 = _autocast(x.reshape(tokens, h), w1, w3, w2)
     # (no rows: the chunks' loop, which runs none; grouped_mm's backward fails on no rows)
     if chunks <= 1 and tokens:
         # autograd's matmuls, which keep x W1ᵀ, x W3ᵀ, silu and the product (4·I a token)
-        y = _mm(F.silu(_mm(x, w1.mT, offsets)) * _mm(x, w3.mT, offsets), w2.mT, offsets)
+        y = _mm(F.silu(_mm(rows, w1.mT, offsets)) * _mm(rows, w3.mT, offsets), w2.mT, offsets)
     else:
-        y = _ChunkedMLP.apply(x, w1, w3, w2, max(1, math.ceil(tokens / chunks)), offsets)
-    return y.view(*shape[:-1], w2.shape[-2])
+        y = _ChunkedMLP.apply(rows, w1, w3, w2, max(1, math.ceil(tokens / chunks)), offsets)
+    return y.view(*x.shape[:-1], w2.shape[-2])
 
 
 # ------------------------------------------------------------------------- chunked LM head + loss

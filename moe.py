@@ -18,14 +18,30 @@ of the token's k (token, expert) pairs, 3·b·h·k (the rows the experts take, t
 outputs weighted, which index_add keeps), the router's fp32 probabilities over E and over the
 chosen k, 4·(E + k), and the pairs' int64 indices, 24·k; no [S, I] tensor. Its backward's working
 set is the larger of two [T·k, h] copies (their gradients; under ep an all-to-all's send and
-receive buffers) and one expert's backward. The experts' SwiGLU runs an expert at a time, each
-chunked over its tokens as the dense MLP (chunked.py's mlp_chunks, from the tokens routed to it):
-a long sequence's routed tokens never hold S·k·I at once (unchunked, an expert keeps 4·b·I per
-pair, k times the dense MLP's per token).
+receive buffers) and the experts' backward.
 
 The tokens: the T·k (token, expert) pairs are sorted by expert (stable: token order within one),
-each expert runs on its rows of that one gathered [T·k, h] copy, and the outputs are weighted and
-summed back onto their tokens (index_add).
+the experts run on their rows of that one gathered [T·k, h] copy, and the outputs are weighted
+and summed back onto their tokens (index_add).
+
+The experts run as one (grouped GEMM: torchtitan's GroupedExperts, torch's F.grouped_mm; the idea
+of MegaBlocks, Gale et al. 2022, which computes all experts as one block-sparse product): each
+matmul of the SwiGLU, forward and backward, is one call over every expert's rows, the weights
+stacked [E, ...] and offsets (where each expert's rows end) telling each row its expert; not a
+Python loop of E small matmuls, whose calls cost more than their FLOPs at fine grain (many small
+experts: Qwen3-MoE, DeepSeek). The rows are chunked as the dense MLP chunks its S tokens, as one
+sequence of T·k (chunked.py's mlp_chunks and _ChunkedMLP, which takes the offsets): a chunk is a
+slice of the rows wherever it falls, the experts whose rows it holds in one call, so a long
+sequence's routed tokens never hold T·k·I at once (unchunked, the experts keep 4·b·I per pair, k
+times the dense MLP's per token). Why slices of all the rows, not the c-th part of each expert's:
+a slice is a view (no gather), the loop is chunked.py's own, and mlp_chunks's automatic count makes
+a chunk's working set about the [T·k, h] copies the MoE holds anyway (chunked.py's rule), as the
+loop's per-expert chunks were. What it costs: backward accumulates the fp32 weight gradients of
+the rank's E/ep experts at once (12·h·I·E/ep bytes; the loop, one expert's), grouped_mm has no
+out= (its dz comes as a fourth [n, I] buffer for a moment), an unchunked backward works on all the
+rows at once (2·b·I·T·k), and a fixed mlp_chunks = M cuts all the rows in M (the loop cut each
+expert's). grouped_mm needs strides of multiples of 16 bytes: h and a rank's I multiples of 8 in
+bf16 (4 in fp32).
 
 Load balancing (Switch Transformer, Fedus et al. 2021; Mixtral's `router_aux_loss_coef`): with f_e
 the fraction of the T·k pairs routed to e and P_e the router's mean probability for e over the T
@@ -125,7 +141,9 @@ class MoE(nn.Module):
         order = chosen.flatten().argsort(stable=True)
         token = order // k
         counts = expert_counts(chosen, self.config.n_experts)
-        y = self.dispatch(tokens[token], counts)
+        # (index_select: its backward adds the rows back by index_add; indexing's, index_put with
+        # accumulate, took 8-10x the time on a 2-core CPU at [T·k, h] = [16,384, 128])
+        y = self.dispatch(tokens.index_select(0, token), counts)
         y = y * weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(tokens).index_add(0, token, y).view_as(x)
 
