@@ -42,11 +42,13 @@ out= (its dz comes as a fourth [n, I] buffer for a moment), an unchunked backwar
 rows at once (2·b·I·T·k), and a fixed mlp_chunks = M cuts all the rows in M (the loop cut each
 expert's). grouped_mm needs strides of multiples of 16 bytes: h and a rank's I multiples of 8 in
 bf16 (4 in fp32). Measured (bench.py --mode=moe: train_tiny's model, fp32, a 2-core CPU; the
-step's time over a dense step of the same active FLOPs; bench/RESULTS.md, 2026-11-28): on one
-thread, 8 experts top 2 went from 1.09x to 1.08x, 32 experts top 4 from 1.18x to 1.14x; on two
-(noisier: one code's ratio moved 10% between runs), medians of the runs 1.16x -> 1.13x and
-1.37x -> 1.27x. What is left on a CPU: its grouped_mm is a loop of matmuls in C++ (32 experts'
-small ones take 1.4x the time of one of their FLOPs) and routing's gather, weights and sums.
+step's time over a dense step of the same active FLOPs; bench/RESULTS.md, 2026-11-28), medians
+of the runs: on two threads 8 experts top 2 went from 1.16x to 1.13x, 32 experts top 4 from 1.37x
+to 1.27x; on one thread, two runs each, 1.09, 1.08x -> 1.08, 1.09x and 1.18, 1.25x -> 1.14,
+1.25x. The machine is shared: one code's ratio moved by up to 15% between runs, so only the 32
+experts' gain on two threads stands out of the noise. What is left on a CPU: its grouped_mm is a
+loop of matmuls in C++ (32 experts' small ones take 1.4x the time of one of their FLOPs) and
+routing's gather, weights and sums.
 
 Load balancing (Switch Transformer, Fedus et al. 2021; Mixtral's `router_aux_loss_coef`): with f_e
 the fraction of the T·k pairs routed to e and P_e the router's mean probability for e over the T
