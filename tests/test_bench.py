@@ -39,7 +39,8 @@ def test_moe_mode_times_the_dense_mlp_and_two_moes_of_its_flops():
     """train_tiny's model with its dense MLP, then 8 experts top 2 and 32 top 4 of I/k each; each ratio is its
     median over the dense one's."""
     rows = table_rows(run('bench.py', '--mode=moe', '--reps=2', '--results='))
-    assert [(r[0], r[1]) for r in rows] == [('dense', '384'), ('8 experts, top 2', '192'), ('32 experts, top 4', '96')]
+    names = [('dense', '384'), ('8 experts, top 2', '192'), ('32 experts, top 4', '96')]
+    assert [(r[0], r[1]) for r in rows] == names
     medians = [float(r[2].removesuffix(' ms')) for r in rows]
     for r, median in zip(rows, medians):
         steps = [float(t) for t in r[3].split(', ')]
