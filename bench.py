@@ -43,6 +43,19 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                the sum of the output's squares (the ring's: over its ranks), is the same for every
                run of one S and window and, no mask and 1 document being the same attention, for
                those two.
+  --mode=moe   mixture of experts (issue 40): training steps (forward + backward + AdamW step, fp32)
+               of config/train_tiny.py's model and batch (4 layers, h 128, 16 x 256 tokens, the
+               byte vocabulary of 256) with, as each block's MLP, the variants
+                 dense               train_tiny's SwiGLU, I = 384
+                 8 experts, top 2    moe.py's MoE, 8 experts of I = 384 / 2 (Mixtral's shape)
+                 32 experts, top 4   32 experts of I = 384 / 4 (fine-grained: Qwen3-MoE, DeepSeek)
+               each MoE computing k experts of I/k a token: the dense MLP's active FLOPs (and a
+               router of h·E). mlp_chunks=1 (train_tiny's: unchunked). Each variant runs --rounds
+               times in a fresh process, the variants in turn within a round; a run is one
+               warm-up step, then --reps timed ones. Reported: the median of a variant's timed
+               steps and its ratio to the dense one's (the issue's goal: at most 1.15). --label
+               names the code in the title: to time another checkout's moe.py, run this file
+               from a copy of that checkout (bench.py imports the model from its own folder).
 
 How: every (variant, seq_len) runs in a fresh subprocess, so its peak resident set is its own.
   memory   peak RSS rise = VmHWM - VmRSS, with VmHWM reset (echo 5 > /proc/self/clear_refs) and freed
@@ -64,6 +77,7 @@ memory figures do not depend on the load.
     python bench.py --mode=step --seq_lens=2048,8192
     python bench.py --mode=loss
     python bench.py --mode=docs --seq_lens=4096,16384
+    python bench.py --mode=moe --reps=5 --rounds=3
 
 Issue 39's figure, the ring alone, full causal against a sliding window of 4,096: --mode=docs
 --seq_lens=65536 --documents=0 --windows=0,4096 --cp=4 --one_process=False.
@@ -89,14 +103,14 @@ import torch.nn.functional as F
 from configurator import configure
 
 # -----------------------------------------------------------------------------
-mode = 'step'                 # 'step' | 'loss' | 'docs'
+mode = 'step'                 # 'step' | 'loss' | 'docs' | 'moe'
 seq_lens = '2048,8192'        # step and docs modes: comma-separated
 variants = ''                 # comma-separated subset of the mode's variants; '' = all
 n_layer, n_embd, n_head, n_kv_head, intermediate_size, vocab_size = 2, 256, 4, 4, 768, 128256
 batch_size = 1                # step mode: sequences per step (train_tiny's shape: 16 x 256)
 loss_tokens = 8192            # loss mode: N
-reps = 3                      # loss and docs modes: timed runs per variant and round (median)
-rounds = 1                    # loss mode: rounds over the variants (a fresh process per variant and round)
+reps = 3                      # loss, docs and moe modes: timed runs per variant and round (median)
+rounds = 1                    # loss and moe modes: rounds over the variants (a fresh process per variant and round)
 slow_reps = 1                 # loss mode: timed runs for the slow variants (plain, torch LCE default)
 warmup = 'cheap'              # step mode: 'cheap' (see above) | 'full' (one whole step first)
 mem_limit_gb = 20.0           # estimated logits above this: reported OOM, not run (box: 23 GiB RAM)
@@ -107,6 +121,7 @@ q_heads, kv_heads, head_dim = 4, 1, 128  # docs mode: one of Llama-3-8B's 8 kv-h
 cp = 2                        # docs mode: ring attention's ranks (0: one process only)
 one_process = True            # docs mode: time model.attention in one process too (False: ring only)
 rank_threads = 1              # docs mode: threads of each process, the one and each ring rank
+label = ''                    # moe mode: what code ran, for the table's title (e.g. "before: main's moe.py")
 results = 'bench/RESULTS.md'  # '' = print only
 worker = ''                   # internal: run one variant in this process and print JSON
 seed = 1337
@@ -118,6 +133,13 @@ STEP_VARIANTS = {  # name -> (recompute, mlp_chunks, loss_chunks, attention_chun
     'recompute': ('full', 1, 1, 1),
     'chunked+recompute': ('full', 0, 0, 1),
     'chunked+recompute+heads': ('full', 0, 0, 0),
+}
+# moe mode: name -> (n_experts, experts_per_token, intermediate_size as a fraction of train_tiny's):
+# each MoE computes k experts of I/k a token, the dense MLP's active FLOPs
+MOE_VARIANTS = {
+    'dense': (0, 1, 1),
+    '8 experts, top 2': (8, 2, 2),
+    '32 experts, top 4': (32, 4, 4),
 }
 LOSS_VARIANTS = ['ours chunked (auto)', 'ours chunked (384 tokens)', 'torch LCE chunk=256',
                  'torch LCE chunk=384', 'torch LCE default', 'plain F.cross_entropy(h@W.T)', '3 matmuls alone']
@@ -237,6 +259,79 @@ def loss_worker(name):
     return dict(peak=peak_rise(base), base=base, times=ts, time=statistics.median(ts))
 
 
+def tiny_shape():
+    """config/train_tiny.py's model and batch (its byte vocabulary: 256)."""
+    tiny = {}
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'config', 'train_tiny.py')) as f:
+        exec(f.read(), tiny)
+    return tiny
+
+
+def moe_worker(name):
+    """Training steps (forward + backward + AdamW) of train_tiny's model with variant `name`'s MLP:
+    one warm-up step, then --reps timed ones."""
+    from model import Llama, LlamaConfig
+    tiny = tiny_shape()
+    E, k, fraction = MOE_VARIANTS[name]
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(n_layer=tiny['n_layer'], n_head=tiny['n_head'], n_kv_head=tiny['n_kv_head'],
+                      n_embd=tiny['n_embd'], intermediate_size=tiny['intermediate_size'] // fraction,
+                      vocab_size=256, n_experts=E, experts_per_token=k)
+    model = Llama(cfg)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
+    idx = torch.randint(0, 256, (tiny['batch_size'], tiny['seq_len'] + 1))
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step():
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        loss = step()
+        ts.append(time.perf_counter() - t0)
+    return dict(times=ts, loss=loss)
+
+
+def moe_table():
+    """moe mode's rows: --rounds rounds, each running every variant once in turn (a fresh process),
+    a variant's time the median of all its timed steps, and its ratio to the dense one's."""
+    names = pick(MOE_VARIANTS)
+    runs = {name: [] for name in names}
+    for rnd in range(rounds):
+        for name in names:
+            load = loadavg()
+            r = spawn(dict(name=name))
+            r['load'] = load
+            runs[name].append(r)
+            print(f'round {rnd + 1}/{rounds} {name}: ' + (r['error'] if 'error' in r else
+                  ', '.join('%.1f ms' % (1e3 * x) for x in r['times'])), flush=True)
+    tiny = tiny_shape()
+    medians, rows = {}, []
+    for name in names:
+        E, k, fraction = MOE_VARIANTS[name]
+        la = ' / '.join(r['load'] for r in runs[name])
+        errors = [r['error'] for r in runs[name] if 'error' in r]
+        if errors:
+            rows.append(f'| {name} | - | error: {errors[0]} | - | - | {la} |')
+            continue
+        times = [x for r in runs[name] for x in r['times']]
+        medians[name] = statistics.median(times)
+        vs = '-'
+        if 'dense' in medians:
+            vs = f'{medians[name] / medians["dense"]:.3f}'
+        rows.append(f'| {name} | {tiny["intermediate_size"] // fraction} | {1e3 * medians[name]:.1f} ms | '
+                    f'{", ".join("%.1f" % (1e3 * x) for x in times)} | {vs} | {la} |')
+        print(rows[-1], flush=True)
+    return rows
+
+
 def sequence_docs(S, n):
     """The starts of n documents in a sequence of S tokens (None: no mask): n - 1 distinct cut
     points at random, the same ones in every process (seeded)."""
@@ -322,6 +417,8 @@ if worker:
     w = json.loads(worker)
     if mode == 'docs':
         r = docs_worker(w['S'], w['n'], w['window'], w['rank'], w['world'], w['init'])
+    elif mode == 'moe':
+        r = moe_worker(w['name'])
     else:
         r = step_worker(w['name'], w['S']) if mode == 'step' else loss_worker(w['name'])
     print('RESULT ' + json.dumps(r), flush=True)
@@ -523,8 +620,14 @@ elif mode == 'docs':
               '| CPU time (median, all processes) | checksum (Σ y²) | load avg before |\n'
               '|---:|---:|---:|---|---:|---|---:|---:|---:|---:|---:|---|')
     rows = docs_table()
+elif mode == 'moe':
+    tiny = tiny_shape()
+    header = (f'| {tiny["n_layer"]} layers, h {tiny["n_embd"]}, batch {tiny["batch_size"]} x '
+              f'{tiny["seq_len"]}, fp32: MLP | I (an expert\'s) | step (median) | steps (ms) '
+              '| vs dense | load avg before (each round) |\n|---|---:|---:|---|---:|---|')
+    rows = moe_table()
 else:
-    print(f"error: mode must be 'step', 'loss' or 'docs', got {mode!r}", file=sys.stderr)
+    print(f"error: mode must be 'step', 'loss', 'docs' or 'moe', got {mode!r}", file=sys.stderr)
     sys.exit(2)
 
 if results:
@@ -543,6 +646,11 @@ if results:
                  'throughput on a CPU')
         note = 'timings are indicative'
         n_threads = 'threads: the run column'
+    if mode == 'moe':
+        title = 'Mixture of experts (issue 40): a training step against the dense one of the same FLOPs'
+        note = 'timings are indicative'
+    if label:
+        title += f' [{label}]'
     text = (f'\n## {title} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n'
             f'`{cmd}`\n\n'
             f'Machine: {os.cpu_count()}-core CPU ({cpu}), torch {torch.__version__} '

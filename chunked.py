@@ -139,17 +139,38 @@ def _mm_f32(a, b, out):
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     return out.copy_(torch.mm(a, b))
 
-def _acc_mm_(acc, a, b):
+def _acc_mm_(acc, a, b, offsets=None):
     """acc (fp32) += a @ b, nothing where acc is None (no gradient wanted). Weight gradients are
     sums over every token: summing chunk after chunk in bf16 loses the small contributions, so the
     running sum is fp32 whatever the weights are. (A bf16 a @ b is rounded once per chunk, then
-    added in fp32.) Autograd casts the sum back to the weight's dtype when we return it."""
+    added in fp32.) Autograd casts the sum back to the weight's dtype when we return it. Given
+    offsets (see _mm): acc[e] += a's columns of group e @ b's rows of group e, or (b [E, ...])
+    a's rows of group e @ b[e]."""
     if acc is None:
         return
-    if a.dtype == acc.dtype:
+    if offsets is not None:
+        acc.add_(_mm(a, b, offsets))
+    elif a.dtype == acc.dtype:
         acc.addmm_(a, b)
     else:
         acc.add_(torch.mm(a, b))
+
+def _mm(a, b, offsets, out=None):
+    """a @ b (into out if given); given offsets (int32, group e's rows of a end at offsets[e]),
+    b is [E, ...] and group e's rows multiply b[e]: every expert's rows in one grouped GEMM
+    (grouped_mm has no out=: its result is copied)."""
+    if offsets is None:
+        return torch.mm(a, b, out=out)
+    y = F.grouped_mm(a, b, offs=offsets)
+    if out is None:
+        return y
+    return out.copy_(y)
+
+def _offsets(offsets, s, n):
+    """The groups' offsets (see _mm; None: no groups) within rows [s, s + n) of a."""
+    if offsets is None:
+        return None
+    return (offsets - s).clamp(0, n)
 
 
 # ----------------------------------------------------------------------------- mini-sequence MLP
@@ -160,71 +181,79 @@ def _acc_mm_(acc, a, b):
 # backward. The price is two of the nine matmuls again (x W1ᵀ and x W3ᵀ), about 20% more MLP FLOPs.
 
 class _ChunkedMLP(torch.autograd.Function):
-    """x [N, h] (every batch row's tokens, flattened) in chunks of n tokens."""
+    """x [N, h] (every batch row's tokens, flattened) in chunks of n tokens. Experts (moe.py):
+    weights [E, ...] and offsets, where each one's rows end (None: one MLP); a chunk of rows is
+    cut wherever it falls, its own offsets (_offsets) giving each row its expert."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, n):
+    def forward(ctx, x, w1, w3, w2, n, offsets):
         # all we keep: the input (and the weights, kept anyway)
         ctx.save_for_backward(x, w1, w3, w2)
-        ctx.n = n
-        y = x.new_empty(x.shape[0], w2.shape[0])
+        ctx.n, ctx.offsets = n, offsets
+        y = x.new_empty(x.shape[0], w2.shape[-2])
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.shape[0], n):
-                xc = x[s:s + n]
+                xc, o = x[s:s + n], _offsets(offsets, s, n)
                 # two statements: the previous chunk's `a` is freed before x W3ᵀ is made (on one
                 # line three [n, I] buffers are alive at once: +0.30 GiB at 1M tokens)
-                a = F.silu(torch.mm(xc, w1.t()), inplace=True)  # a := silu(x W1ᵀ)
-                a.mul_(torch.mm(xc, w3.t()))                    # a := silu(x W1ᵀ) · x W3ᵀ
-                torch.mm(a, w2.t(), out=y[s:s + n])             # y = a W2ᵀ
+                a = F.silu(_mm(xc, w1.mT, o), inplace=True)  # a := silu(x W1ᵀ)
+                a.mul_(_mm(xc, w3.mT, o))                    # a := silu(x W1ᵀ) · x W3ᵀ
+                _mm(a, w2.mT, o, out=y[s:s + n])             # y = a W2ᵀ
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        (x, w1, w3, w2), n = ctx.saved_tensors, ctx.n
+        (x, w1, w3, w2), n, offsets = ctx.saved_tensors, ctx.n, ctx.offsets
         # weight gradients accumulate over the chunks in fp32 (see _acc_mm_); None: not needed
         g1, g3, g2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need else None
                       for w, need in zip((w1, w3, w2), ctx.needs_input_grad[1:4]))
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         with torch.autocast(x.device.type, enabled=False):
             for s in range(0, x.shape[0], n):
-                xc, gyc = x[s:s + n], gy[s:s + n]
+                xc, gyc, o = x[s:s + n], gy[s:s + n], _offsets(offsets, s, n)
                 # Three [n, I] buffers, each reused in place: a working set of 3·n·I·b bytes.
                 # silu'(a) = sig + silu·(1 - sig) needs sig and silu(a), not a: silu overwrites a.
-                a = torch.mm(xc, w1.t())  # recompute this chunk only
-                b = torch.mm(xc, w3.t())
+                a = _mm(xc, w1.mT, o)  # recompute this chunk only
+                b = _mm(xc, w3.mT, o)
                 g = torch.sigmoid(a)
                 a.mul_(g)                             # a := silu(x W1ᵀ)
                 g.addcmul_(g, a, value=-1).add_(a)    # g := silu'(x W1ᵀ)
                 g.mul_(b)                             # g := x W3ᵀ · silu'
                 b.mul_(a)                             # b := silu(x W1ᵀ) · x W3ᵀ, W2's input
-                _acc_mm_(g2, gyc.t(), b)  # dW2 += gyᵀ (silu(x W1ᵀ) · x W3ᵀ)
-                torch.mm(gyc, w2, out=b)  # b := dz, the gradient of that product
-                g.mul_(b)                 # g := d(x W1ᵀ) = dz · x W3ᵀ · silu'
-                b.mul_(a)                 # b := d(x W3ᵀ) = dz · silu(x W1ᵀ)
-                _acc_mm_(g1, g.t(), xc)   # dW1 += d(x W1ᵀ)ᵀ x
-                _acc_mm_(g3, b.t(), xc)   # dW3 += d(x W3ᵀ)ᵀ x
+                _acc_mm_(g2, gyc.t(), b, o)  # dW2 += gyᵀ (silu(x W1ᵀ) · x W3ᵀ)
+                _mm(gyc, w2, o, out=b)       # b := dz, the gradient of that product
+                g.mul_(b)                    # g := d(x W1ᵀ) = dz · x W3ᵀ · silu'
+                b.mul_(a)                    # b := d(x W3ᵀ) = dz · silu(x W1ᵀ)
+                _acc_mm_(g1, g.t(), xc, o)   # dW1 += d(x W1ᵀ)ᵀ x
+                _acc_mm_(g3, b.t(), xc, o)   # dW3 += d(x W3ᵀ)ᵀ x
                 if dx is not None:
                     # dx = d(x W1ᵀ) W1 + d(x W3ᵀ) W3
-                    torch.mm(g, w1, out=dx[s:s + n]).addmm_(b, w3)
+                    _acc_mm_(_mm(g, w1, o, out=dx[s:s + n]), b, w3, o)
                 del a, b, g  # before the next chunk's buffers exist, not after
         # (autograd casts the fp32 sums to the weights' dtype)
-        return dx, g1, g3, g2, None
+        return dx, g1, g3, g2, None, None
 
 
-def chunked_mlp(x, w1, w3, w2, chunks):
+def chunked_mlp(x, w1, w3, w2, chunks, offsets=None):
     """SwiGLU MLP F.linear(silu(F.linear(x, w1)) * F.linear(x, w3), w2) over x [..., S, h] in
     ceil(tokens / chunks)-token pieces (all tokens of all batch rows, flattened), keeping only x
     for backward. Weights in nn.Linear layout [out, in], no biases. chunks = 0 picks
-    auto_mlp_chunks."""
+    auto_mlp_chunks. Given offsets (int32), E experts (moe.py): x [n, h] their rows one expert
+    after the other, expert e's ending at offsets[e], weights stacked [E, out, in], and each
+    matmul one grouped GEMM over every expert's rows (of a chunk, the experts whose rows it
+    holds)."""
     h = x.shape[-1]
     tokens = x.numel() // h
-    chunks = chunks or auto_mlp_chunks(tokens, h, w1.shape[0])
-    if chunks <= 1:
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-    n = max(1, math.ceil(tokens / chunks))
-    y = _ChunkedMLP.apply(*_autocast(x.reshape(tokens, h), w1, w3, w2), n)
-    return y.view(*x.shape[:-1], w2.shape[0])
+    chunks = chunks or auto_mlp_chunks(tokens, h, w1.shape[-2])
+    rows, w1, w3, w2 = _autocast(x.reshape(tokens, h), w1, w3, w2)
+    # (no rows: the chunks' loop, which runs none; grouped_mm's backward fails on no rows)
+    if chunks <= 1 and tokens:
+        # autograd's matmuls, which keep x W1ᵀ, x W3ᵀ, silu and the product (4·I a token)
+        y = _mm(F.silu(_mm(rows, w1.mT, offsets)) * _mm(rows, w3.mT, offsets), w2.mT, offsets)
+    else:
+        y = _ChunkedMLP.apply(rows, w1, w3, w2, max(1, math.ceil(tokens / chunks)), offsets)
+    return y.view(*x.shape[:-1], w2.shape[-2])
 
 
 # ------------------------------------------------------------------------- chunked LM head + loss

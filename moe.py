@@ -18,14 +18,37 @@ of the token's k (token, expert) pairs, 3·b·h·k (the rows the experts take, t
 outputs weighted, which index_add keeps), the router's fp32 probabilities over E and over the
 chosen k, 4·(E + k), and the pairs' int64 indices, 24·k; no [S, I] tensor. Its backward's working
 set is the larger of two [T·k, h] copies (their gradients; under ep an all-to-all's send and
-receive buffers) and one expert's backward. The experts' SwiGLU runs an expert at a time, each
-chunked over its tokens as the dense MLP (chunked.py's mlp_chunks, from the tokens routed to it):
-a long sequence's routed tokens never hold S·k·I at once (unchunked, an expert keeps 4·b·I per
-pair, k times the dense MLP's per token).
+receive buffers) and the experts' backward.
 
 The tokens: the T·k (token, expert) pairs are sorted by expert (stable: token order within one),
-each expert runs on its rows of that one gathered [T·k, h] copy, and the outputs are weighted and
-summed back onto their tokens (index_add).
+the experts run on their rows of that one gathered [T·k, h] copy, and the outputs are weighted
+and summed back onto their tokens (index_add).
+
+The experts run as one (grouped GEMM: torchtitan's GroupedExperts, torch's F.grouped_mm; the idea
+of MegaBlocks, Gale et al. 2022, which computes all experts as one block-sparse product): each
+matmul of the SwiGLU, forward and backward, is one call over every expert's rows, the weights
+stacked [E, ...] and offsets (where each expert's rows end) telling each row its expert; not a
+Python loop of E small matmuls, whose calls cost more than their FLOPs at fine grain (many small
+experts: Qwen3-MoE, DeepSeek). The rows are chunked as the dense MLP chunks its S tokens, as one
+sequence of T·k (chunked.py's mlp_chunks and _ChunkedMLP, which takes the offsets): a chunk is a
+slice of the rows wherever it falls, the experts whose rows it holds in one call, so a long
+sequence's routed tokens never hold T·k·I at once (unchunked, the experts keep 4·b·I per pair, k
+times the dense MLP's per token). Why slices of all the rows, not the c-th part of each expert's:
+a slice is a view (no gather), the loop is chunked.py's own, and mlp_chunks's automatic count makes
+a chunk's working set about the [T·k, h] copies the MoE holds anyway (chunked.py's rule), as the
+loop's per-expert chunks were. What it costs: backward accumulates the fp32 weight gradients of
+the rank's E/ep experts at once (12·h·I·E/ep bytes; the loop, one expert's), grouped_mm has no
+out= (its dz comes as a fourth [n, I] buffer for a moment), an unchunked backward works on all the
+rows at once (2·b·I·T·k), and a fixed mlp_chunks = M cuts all the rows in M (the loop cut each
+expert's). grouped_mm needs strides of multiples of 16 bytes: h and a rank's I multiples of 8 in
+bf16 (4 in fp32). Measured (bench.py --mode=moe: train_tiny's model, fp32, a 2-core CPU; the
+step's time over a dense step of the same active FLOPs; bench/RESULTS.md, 2026-11-28), medians
+of the runs: on two threads 8 experts top 2 went from 1.16x to 1.13x, 32 experts top 4 from 1.37x
+to 1.27x; on one thread, two runs each, 1.09, 1.08x -> 1.08, 1.09x and 1.18, 1.25x -> 1.14,
+1.25x. The machine is shared: one code's ratio moved by up to 15% between runs, so only the 32
+experts' gain on two threads stands out of the noise. What is left on a CPU: its grouped_mm is a
+loop of matmuls in C++ (32 experts' small ones take 1.4x the time of one of their FLOPs) and
+routing's gather, weights and sums.
 
 Load balancing (Switch Transformer, Fedus et al. 2021; Mixtral's `router_aux_loss_coef`): with f_e
 the fraction of the T·k pairs routed to e and P_e the router's mean probability for e over the T
@@ -77,13 +100,11 @@ class Experts(nn.Module):
 
     def forward(self, x, counts):
         """x [n, h]: each expert's tokens one after the other, counts[e] of expert e's."""
-        y = []
-        # unbind: one stacked gradient in backward, not a zero [E, I, h] per expert
-        weights = zip(self.w1.unbind(), self.w3.unbind(), self.w2.unbind())
-        for tokens, (w1, w3, w2) in zip(x.split(counts), weights):
-            chunks = chunked.mlp_chunks(self.config, len(tokens))
-            y.append(chunked.chunked_mlp(tokens, w1, w3, w2, chunks))
-        return torch.cat(y)
+        # where each expert's rows end, as grouped_mm takes them (int32)
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).int()
+        # the rows as one sequence of T·k tokens, chunked as the dense MLP chunks its S (header)
+        chunks = chunked.mlp_chunks(self.config, len(x))
+        return chunked.chunked_mlp(x, self.w1, self.w3, self.w2, chunks, offsets)
 
 
 class MoE(nn.Module):
@@ -127,7 +148,9 @@ class MoE(nn.Module):
         order = chosen.flatten().argsort(stable=True)
         token = order // k
         counts = expert_counts(chosen, self.config.n_experts)
-        y = self.dispatch(tokens[token], counts)
+        # (index_select: its backward adds the rows back by index_add; indexing's, index_put with
+        # accumulate, took 8-10x the time on a 2-core CPU at [T·k, h] = [16,384, 128])
+        y = self.dispatch(tokens.index_select(0, token), counts)
         y = y * weights.flatten()[order].unsqueeze(1)
         return torch.zeros_like(tokens).index_add(0, token, y).view_as(x)
 
@@ -214,14 +237,14 @@ def memory_terms(config, batch, sequence, b, t=1, ep=1):
     element, on a rank of `batch` sequences of `sequence` tokens, T = batch·sequence of them (under
     tp all t ranks' tokens, which the experts take): (the bytes it keeps per token beyond what
     offload.kept_bytes counts for a block, its backward's working set beyond what it keeps, the
-    parameters of the experts the other ep ranks hold). An expert's tokens when balanced: its share
-    of the T·k pairs of each of the ep ranks, n = ep·T·k/E."""
+    parameters of the experts the other ep ranks hold). The rows the rank's experts take when
+    balanced: n = T·k (under ep its E/ep experts' share of the T·k pairs of each ep rank)."""
     c, k, E = config, config.experts_per_token, config.n_experts
     if not E:
         return 0, 0, 0
     h, I = c.n_embd, c.intermediate_size / t
     T = batch * sequence
-    n = ep * T * k // E
+    n = T * k
     chunks = chunked.mlp_chunks(c, n)
     # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the
     # router's fp32 probabilities (its rank's tokens) and the pairs' three int64 indices
@@ -229,15 +252,16 @@ def memory_terms(config, batch, sequence, b, t=1, ep=1):
     if chunked.mlp_chunks(c, sequence) == 1:
         # offload.py counts a plain MLP's four [S, I] tensors: a block with an MoE has none
         kept -= 4 * b * I
-    # one expert's backward: one chunk's three [n, I] buffers and the fp32 dW1..3, or (unchunked,
-    # keeping four) two more [n, I] at once
-    expert = 3 * b * I * math.ceil(n / chunks) + 12 * h * I
+    # the experts' backward: one chunk's three [n, I] buffers and a fourth (grouped_mm's dz, copied
+    # into one: chunked.py's _mm) and the fp32 dW1..3 of the rank's E/ep experts, or (unchunked,
+    # keeping four) two more [n, I] at once, of all n rows (one grouped GEMM)
+    expert = 4 * b * I * math.ceil(n / chunks) + 12 * h * I * E / ep
     if chunks == 1:
         kept += 4 * b * I * k
         expert = 2 * b * I * n
     # the gradient coming in (under sp of all t ranks' tokens), and the larger of two [T·k, h]
     # copies (at its backward's start the gradients of two; under ep an all-to-all's send and
-    # receive buffers) and an expert's backward (the copies weighed by then freed)
+    # receive buffers) and the experts' backward (the copies weighed by then freed)
     backward = b * h * (1 / t + (t > 1)) * T + max(2 * b * h * k * T, expert)
     # of the experts a layer, the other ep ranks hold all but E/ep (with their states)
     away = 3 * h * I * E * (1 - 1 / ep)

@@ -35,6 +35,19 @@ def test_step_mode_runs_every_variant_to_the_same_loss():
         assert 0 <= float(r[4].replace(',', '')) <= float(r[5].replace(',', ''))
 
 
+def test_moe_mode_times_the_dense_mlp_and_two_moes_of_its_flops():
+    """train_tiny's model with its dense MLP, then 8 experts top 2 and 32 top 4 of I/k each; each ratio is its
+    median over the dense one's."""
+    rows = table_rows(run('bench.py', '--mode=moe', '--reps=2', '--results='))
+    names = [('dense', '384'), ('8 experts, top 2', '192'), ('32 experts, top 4', '96')]
+    assert [(r[0], r[1]) for r in rows] == names
+    medians = [float(r[2].removesuffix(' ms')) for r in rows]
+    for r, median in zip(rows, medians):
+        steps = [float(t) for t in r[3].split(', ')]
+        assert len(steps) == 2 and min(steps) <= median <= max(steps)
+        assert abs(float(r[4]) - median / medians[0]) < 2e-3, r
+
+
 def test_loss_mode_runs_the_variants_in_rounds():
     names = ['ours chunked (auto)', 'ours chunked (384 tokens)', 'torch LCE chunk=256']
     rows = table_rows(run('bench.py', '--mode=loss', '--loss_tokens=600', '--reps=1', '--rounds=2',

@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 import offload  # noqa: E402
 import parallel  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
-from moe import MoE, moe_layers  # noqa: E402
+from moe import Experts, MoE, moe_layers  # noqa: E402
 from test_parallel import (MODEL, RTOL, LR, TINY, assert_close_losses, free_port, gather_full,  # noqa: E402
                            one_step, read_log, rel, torchrun)
 
@@ -77,6 +77,30 @@ def test_moe_equals_mixtrals_loop_over_experts(mlp_chunks, k, bias):
     if bias == [0, 0, 0, -1e4]:
         assert grads[-1][3].abs().max() == 0 and grads[-1][:3].abs().min() > 0  # w2 of expert 3: no token
     assert moe.aux_loss.item() == pytest.approx(aux_by_hand(moe, x).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize('mlp_chunks', [1, 3, 0])
+@pytest.mark.parametrize('counts', [[7, 0, 30, 3], [0, 0, 40, 0], [0, 0, 0, 0]],
+                         ids=['uneven', 'one-expert', 'no-rows'])
+def test_grouped_experts_equal_a_loop_over_experts(mlp_chunks, counts):
+    """Experts: a grouped GEMM per matmul over every expert's rows (chunks cut across experts' rows, an expert
+    with no row among them) against a loop of each expert's own SwiGLU on its rows: outputs and every gradient."""
+    torch.manual_seed(0)
+    config = LlamaConfig(n_embd=32, intermediate_size=48, n_experts=4, mlp_chunks=mlp_chunks)
+    experts = Experts(config)
+    x = torch.randn(sum(counts), 32, requires_grad=True)
+    g = torch.randn(sum(counts), 32)
+    y = experts(x, counts)
+    grads = torch.autograd.grad((y * g).sum(), [x, *experts.parameters()])
+    ref = torch.cat([F.linear(F.silu(F.linear(t, w1)) * F.linear(t, w3), w2)
+                     for t, w1, w3, w2 in zip(x.split(counts), experts.w1, experts.w3, experts.w2)])
+    ref_grads = torch.autograd.grad((ref * g).sum(), [x, *experts.parameters()], allow_unused=True)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-5, atol=1e-6)
+    # an expert without a row has no gradient, the others do
+    for e, n in enumerate(counts):
+        assert (grads[-1][e].abs().max() > 0) == (n > 0)
 
 
 def aux_by_hand(moe, x):
