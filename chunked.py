@@ -81,7 +81,8 @@ MIN_CHUNK_TOKENS = 256
 # fp16: the loss's g = softmax - onehot is made in forward, before any loss scale, so it is cast
 # times LIFT: 2^4, what the starting loss scale 2^16 over a micro-batch of 4,096 tokens makes of
 # plain autograd's g, so dx's and dW's fp16 sums stay as far below 65,504 as that path's. (2^12
-# overflowed them in train_tiny's fp16 run; 1 let 50 steps drift 3.4% from fp32's losses, 2026-11-28)
+# overflowed them in train_tiny's fp16 run; 1 let 50 steps drift 3.4% from fp32's losses:
+# 2026-11-28)
 LIFT = 16.0
 
 
