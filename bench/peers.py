@@ -27,10 +27,9 @@ train.py's).
 
 How each figure is taken. Every (system, length) runs in a process of its own, --rounds times, the
 systems in turn within a round (a shared machine's drift hits them all alike); a process loads the
-model, makes AdamW's state (a step on zero gradients) and warms up on a 256-token step, then times
---steps steps at the length (forward, backward, AdamW, zero_grad, loss.item()). tokens/s = tokens
-over the median of the rounds' steps (a first full-size step pays for its kernels' first use, as
-a training run does once). Peak: on a CPU the rise of the resident set over the model and
+model, makes AdamW's state (a step on zero gradients) and runs one untimed step at the length
+(kernels' first use at its shapes), then times --steps steps (forward, backward, AdamW,
+zero_grad, loss.item()). tokens/s = tokens over the median of the rounds' steps. Peak: on a CPU the rise of the resident set over the model and
 its states (VmHWM reset just before the timed steps, freed heap handed back first: bench.py's
 way), the largest of the rounds; on a GPU torch.cuda.max_memory_allocated's rise over the same baseline. On a
 2-core machine time with nothing else running: a second job halves a figure.
@@ -167,7 +166,7 @@ def ours_model(name):
     return model, loss
 
 
-def step_worker(name, S):
+def step_worker(name, S, warm=True):
     torch.manual_seed(seed)
     if name.startswith('ours'):
         model, loss_fn = ours_model(name)
@@ -187,12 +186,19 @@ def step_worker(name, S):
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    # AdamW's state without a full-size step (zero gradients: no update), then a short warm-up
+    # AdamW's state without a full-size step (zero gradients: no update), then one untimed step at
+    # the length: a matmul's first call at a new shape pays for its kernel's setup (HF's first
+    # step at 2,048 tokens took 1.3x its second; ours, whose chunks have the warm-up's shapes, no
+    # more), and a run of many steps pays it once. The longest-length search (warm=False)
+    # measures memory only: a 256-token warm-up
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    step(x[:, :256], y[:, :256])
+    if warm:
+        step(x, y)
+    else:
+        step(x[:, :256], y[:, :256])
     base = start_peak()
     times, losses = [], []
     for _ in range(steps):
@@ -224,13 +230,13 @@ def tensor_peak(model, opt, step, x, y):
 
 
 # ----------------------------------------------------------------------------- the driver
-def spawn(name, S, n_steps=None):
-    """One (system, length) in a fresh process, n_steps timed steps (--steps): its dict, or
-    {'error': the last line it printed}."""
+def spawn(name, S, n_steps=None, warm=True):
+    """One (system, length) in a fresh process, n_steps timed steps (--steps) after a warm-up step
+    at S (warm; else at 256 tokens): its dict, or {'error': the last line it printed}."""
     args = [sys.executable, os.path.abspath(__file__), f'--device={device}', f'--shape={shape}',
             f'--seq_lens={seq_lens}', f'--threads={threads}', f'--seed={seed}',
             f'--steps={n_steps or steps}',
-            f'--model_dir={model_dir}', '--worker=' + json.dumps(dict(name=name, S=S))]
+            f'--model_dir={model_dir}', '--worker=' + json.dumps(dict(name=name, S=S, warm=warm))]
     p = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     lines = (p.stdout + p.stderr).strip().splitlines() or ['no output']
     if p.returncode != 0:
@@ -334,7 +340,7 @@ def longest(names):
                     break
             r = {'error': too_big(name, S)}
             if not r['error']:
-                r = spawn(name, S, n_steps=1)
+                r = spawn(name, S, n_steps=1, warm=False)
             print(f'  longest {name} S={S:,}: {r}', flush=True)
             if 'error' in r or r['peak'] > limit:
                 break
@@ -411,6 +417,6 @@ def main():
 
 if worker:
     w = json.loads(worker)
-    print(json.dumps(step_worker(w['name'], w['S'])))
+    print(json.dumps(step_worker(w['name'], w['S'], w['warm'])))
 else:
     main()
