@@ -1,4 +1,4 @@
-"""bench.py and bench/vs_nanogpt.py run end to end at toy sizes (their figures are for bench/RESULTS.md, not
+"""bench.py, bench/vs_nanogpt.py and bench/peers.py run end to end at toy sizes (their figures are for bench/RESULTS.md, not
 for tests: nothing here is timed). What they compute is checked where it has a right answer: the step
 benchmark's four variants train the same model, so their losses agree."""
 import os
@@ -103,3 +103,19 @@ def test_docs_mode_runs_the_ring_alone():
     assert [tuple(r[:4]) for r in rows] == [('256', 'no mask', '64', 'ring cp 2, 1 thread a rank')]
     # no run without a window: no ratio
     assert rows[0][7] == '-' and int(rows[0][8].replace(',', '')) > 0
+
+
+def test_peers_side_by_side_trains_the_same_weights_to_the_same_loss():
+    """bench/peers.py: Hugging Face's Llama and ours, plain and with their memory recipes, from one set of weights:
+    the first step's loss is the same in all four (our model is HF's numerically), ours are compared with HF's, and
+    the longest-length search stops where a step's peak passes --mem_gb (HF's 1,024-token step needs more than
+    0.5 GiB: its logits, log-softmax and their gradient, 3 x 1,024 x 128,256 fp32)."""
+    out = run('bench/peers.py', '--seq_lens=64', '--rounds=1', '--steps=1', '--mem_gb=0.5', '--max_len=1024',
+              '--results=')
+    rows = [r for r in table_rows(out) if r[0] == '64'][:4]  # (printed as made, then as the table)
+    assert [r[1] for r in rows] == ['hf plain', 'hf checkpointed', 'ours plain', 'ours chunked']
+    assert len({r[6] for r in rows}) == 1, rows  # the first loss, to 4 decimals
+    assert all(float(r[2].replace(',', '')) > 0 for r in rows)
+    assert rows[2][5].endswith(')') and 'x, peak' in rows[2][5] and rows[0][5] == ''
+    longest = {r[0]: r[1] for r in table_rows(out) if len(r) == 3}
+    assert longest['hf plain'] == '< 1,024' and longest['ours chunked'] == '1,024', longest
