@@ -299,10 +299,9 @@ def moe_worker(name):
     return dict(times=ts, loss=loss)
 
 
-def moe_table():
-    """moe mode's rows: --rounds rounds, each running every variant once in turn (a fresh process),
-    a variant's time the median of all its timed steps, and its ratio to the dense one's."""
-    names = pick(MOE_VARIANTS)
+def in_rounds(names, shown):
+    """{name: its runs}: --rounds rounds, each running every variant once in turn (a fresh process,
+    the load average before it in r['load']), each run's times printed by shown(seconds)."""
     runs = {name: [] for name in names}
     for rnd in range(rounds):
         for name in names:
@@ -311,7 +310,15 @@ def moe_table():
             r['load'] = load
             runs[name].append(r)
             print(f'round {rnd + 1}/{rounds} {name}: ' + (r['error'] if 'error' in r else
-                  ', '.join('%.1f ms' % (1e3 * x) for x in r['times'])), flush=True)
+                  ', '.join(shown(x) for x in r['times'])), flush=True)
+    return runs
+
+
+def moe_table():
+    """moe mode's rows: --rounds rounds, each running every variant once in turn (a fresh process),
+    a variant's time the median of all its timed steps, and its ratio to the dense one's."""
+    names = pick(MOE_VARIANTS)
+    runs = in_rounds(names, lambda x: '%.1f ms' % (1e3 * x))
     tiny = tiny_shape()
     medians, rows = {}, []
     for name in names:
@@ -590,15 +597,7 @@ elif mode == 'loss':
     header = (f'| N={loss_tokens:,}, D={n_embd}, V={vocab_size:,} | peak RSS rise | time (median) | runs | load avg before |\n'
               '|---|---:|---:|---|---|')
     names = pick(LOSS_VARIANTS)
-    runs = {name: [] for name in names}
-    for rnd in range(rounds):
-        for name in names:
-            load = loadavg()
-            r = spawn(dict(name=name))
-            r['load'] = load
-            runs[name].append(r)
-            print(f'round {rnd + 1}/{rounds} {name}: ' + (r['error'] if 'error' in r else
-                  ', '.join('%.2f s' % x for x in r['times'])), flush=True)
+    runs = in_rounds(names, lambda x: '%.2f s' % x)
     for name in names:
         ok = [r for r in runs[name] if 'error' not in r]
         la = ' / '.join(r['load'] for r in runs[name]) if rounds == 1 else \
