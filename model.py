@@ -657,7 +657,8 @@ def attention_pairs(lengths, window=0):
     n = np.asarray(lengths)
     # queries 1..m see 1..m keys; past a window (m = W) each of the other n - m sees W
     m = np.minimum(n, window or n)
-    return np.sum(m * (m + 1) // 2 + (n - m) * window)
+    # (a Python int: L layers of millions of tokens pass int64 once times 12·h)
+    return int(np.sum(m * (m + 1) // 2 + (n - m) * window))
 
 
 def flops_per_token(config, *lengths):
