@@ -24,7 +24,9 @@ current one's "held" beside every moment (pipeline.py):
                MLP's), AdamW's 8 for the rest (optim.optimizer_bytes)
                  zero=2, 3 (FSDP2): (4 + 4 + 8)/d, the fp32 weights the masters, plus b bytes of
                  what it gathers: the embedding, final norm and LM head, and every block (zero=2,
-                 forward to backward) or one (3)
+                 forward to backward) or one (3); params are per moment: from backward's end on
+                 (the root's reduce-scatter, the optimizer's step) FSDP2 has freed all it
+                 gathered, and they are the fp32 rows alone, 4·N/d (offload_states: none)
                  offload_states=True: that (4 + 4 + 8)/d in host memory (ALST, Bekman et al.
                  2025), reported apart
                  optimizer_in_backward (optim.py): b + 2b, the gradients one parameter at a time
@@ -39,8 +41,9 @@ current one's "held" beside every moment (pipeline.py):
                device only what offload.py doesn't send (offload.block_bytes); the rest is host
                memory, reported apart, never in the total. Plus RoPE's fp32 cos and sin: 8·hd
                bytes per position (per token of B·S with doc_mask).
-  transient    the largest of a few moments, each a working set per token × T plus weight-sized
-               terms:
+  transient    at the step's peak: the moment of a few whose params + grads + activations +
+               transient + workspace is largest, each a working set per token × T plus
+               weight-sized terms:
                  LM head    chunked.py's (loss_chunks = 1 too): dh (b·h·T) and the fp32 dW
                             (4·V·h) kept, one chunk's fp32 logits and gradient, (4 + b)·V/t per
                             token of its T / loss_chunks
@@ -61,12 +64,14 @@ current one's "held" beside every moment (pipeline.py):
                                         (gathered inputs)
                  root       zero > 1: at backward's end FSDP2 reduce-scatters the embedding's,
                             final norm's and LM head's gradients (N_root of them) from a whole
-                            fp32 copy and its divided copy: (8 + 4/d)·N_root
+                            fp32 copy and its divided copy: (8 + 4/d)·N_root; beside the fp32
+                            rows alone (none under offload_states): the root's post-backward
+                            has freed the gathered bf16 parameters
                  optimizer  every gradient; in bf16 the embedding's bf16 gradient before its fp32
                             copy
-               gradients are alive as the moment has them: none at the LM head's forward (all
-               from the second micro-step on), the head's at the last block, all but the
-               embedding's at block 0.
+               gradients (and under FSDP2 params) are alive as the moment has them: none at the
+               LM head's forward (all from the second micro-step on), the head's at the last
+               block, all but the embedding's at block 0.
   MoE          (n_experts > 0, moe.memory_terms) a rank holds E/ep of the experts (under tp
                their I/t), and under zero > 1 their fp32 rows over the d/ep ranks holding the
                same ones: 4·N/d with N counting all E. In place of the plain MLP's kept bytes,
@@ -173,6 +178,7 @@ class States(NamedTuple):
     at_first_block: float  # all but the embedding's and the block's own
     at_block_1: float      # all but the embedding's and two blocks'
     at_root: float         # FSDP2's reduce-scatter of the embedding's, final norm's, LM head's
+    params_at_end: float   # params from backward's end on: FSDP2 has freed what it gathered
 
 
 def model_states(r, d, zero, in_backward, on_host, name):
@@ -183,7 +189,9 @@ def model_states(r, d, zero, in_backward, on_host, name):
     vocab = V * h / t  # the embedding's parameters on this rank, or the LM head's
     # its norms not split; under ep (moe.py) E/ep experts
     block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h - r.away
-    N = r.L * block + vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
+    # the root's (FSDP2's root module's): the embedding, the LM head (untied), the final norm
+    root = vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
+    N = r.L * block + root
     # the optimizer's state (optim.STATE_BYTES) + bf16's fp32 master
     params, grads, optimizer, host = b * N, 4 * N, optimizer_bytes(c, name, b, N, r.L), 0
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
@@ -191,27 +199,29 @@ def model_states(r, d, zero, in_backward, on_host, name):
     head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
     # under FSDP2: this rank's rows of every parameter, in fp32 (of its E/ep experts', over d/ep)
     shard = 4 * (N + r.L * r.away) / d
-    at_root = 0
+    at_root = gathered = 0
     if zero > 1:
         # at backward's end the root's gradients, whole, go to fp32 for the reduce-scatter: that
         # copy, its divided copy and this rank's rows
-        at_root = (8 + 4 / d) * (N - r.L * block)
+        at_root = (8 + 4 / d) * root
         # FSDP2: the fp32 rows over d from the start (parallel.shard_states); gathered in b bytes,
-        # the embedding, final norm and LM head for the whole step, and every block (2) or one (3)
-        params = shard + b * (N - r.L * block + block * (r.L if zero == 2 else 1))
+        # the root from forward to backward's end, and every block (2) or one (3). The root's
+        # post-backward frees them all before its reduce-scatter (the dry run: its rows alone)
+        gathered = b * (root + block * (r.L if zero == 2 else 1))
+        params = shard + gathered
         # the root's gradients wait, whole and in b bytes, for backward's end; a block's are
         # reduce-scattered as it ends (the LM head's and final norm's alone as blocks run)
         grads, optimizer, in_block, embedding = shard, 2 * shard, 0, 0
         head = b * (vocab + h) * r.last
     if on_host:  # offload_states: the rows in host memory; on the device what FSDP2 gathered
-        params, grads, head, optimizer, host = params - shard, 0, 0, 0, 4 * shard
+        params, grads, head, optimizer, host = gathered, 0, 0, 0, 4 * shard
     alive = [grads, head, grads - embedding - in_block, grads - embedding - 2 * in_block]
     if in_backward:
         # optim.py (one rank, zero=0): AdamW's moments in b bytes, no fp32 copy; the gradients one
         # at a time (the embedding's at most), beside its step's fp32 chunks
         optimizer = 2 * b * N
         alive = [min(g, b * vocab + 28 * STEP_CHUNK) for g in alive]
-    return States(params, optimizer, host, *alive, at_root)
+    return States(params, optimizer, host, *alive, at_root, params - gathered)
 
 
 class Kept(NamedTuple):
@@ -279,8 +289,9 @@ def block_backward(r, rebuilt, back=0):
 
 
 def moments(r, states, kept, activations, workspace):
-    """The step's moments, each (grads, activations, transient, workspace): the workspace only in
-    attention's backward; gradients at a forward only once a backward ran before it. Under pp
+    """The step's moments, each (params, grads, activations, transient, workspace): the workspace
+    only in attention's backward; gradients at a forward only once a backward ran before it; from
+    backward's end on params are states.params_at_end (FSDP2 has freed what it gathered). Under pp
     F - 1 micro-batches are held, each keeping its activations and the stage's output (sent on,
     kept for its backward) or its loss's."""
     b, t, T = r.b, r.t, r.T
@@ -297,24 +308,30 @@ def moments(r, states, kept, activations, workspace):
     # gradients at a forward: only once an earlier micro-batch's backward made them
     accumulated = states.grads if r.M > r.F else 0
     at_block = block_backward(r, kept.rebuilt)
+    params = states.params
     out = {}
     if r.last:
         out['forward and backward: LM head and loss'] = (
-            accumulated, held + activations + head_kept, head_transient, 0)
+            params, accumulated, held + activations + head_kept, head_transient, 0)
     out[f'backward: block {r.lo + r.L - 1}'] = (
-        max(states.at_last_block, accumulated), held + activations + output, at_block, workspace)
-    out[f'backward: block {r.lo}'] = (max(states.at_first_block, accumulated),
+        params, max(states.at_last_block, accumulated), held + activations + output, at_block,
+        workspace)
+    out[f'backward: block {r.lo}'] = (params, max(states.at_first_block, accumulated),
                                       held + kept.device * T + output,
                                       block_backward(r, kept.fetched), workspace)
+    # from backward's end on FSDP2 holds no parameter it gathered: the root's post-backward frees
+    # them (the root's; no block's is left) before its reduce-scatter (the dry run's params there:
+    # the fp32 rows, none under offload_states)
     if states.at_root:
-        out['backward: embedding'] = (states.grads, 0, states.at_root, 0)
-    out['optimizer step'] = (states.grads, 0, 2 * V * h / t * r.first * (b == 2), 0)
+        out['backward: embedding'] = (states.params_at_end, states.grads, 0, states.at_root, 0)
+    out['optimizer step'] = (states.params_at_end, states.grads, 0,
+                             2 * V * h / t * r.first * (b == 2), 0)
     if 1 < r.F == r.M:  # no forward after the first backward: the second has every gradient
         out[f'backward: block {r.lo + r.L - 1}, the second micro-batch'] = (
-            states.grads, held - one + activations + output, at_block, workspace)
+            params, states.grads, held - one + activations + output, at_block, workspace)
     if kept.sent > 1:
         # block 1's backward: its own tensors back, block 0's host part prefetched
-        out['backward: block 1'] = (max(states.at_block_1, accumulated),
+        out['backward: block 1'] = (params, max(states.at_block_1, accumulated),
                                     2 * kept.device * T,
                                     block_backward(r, kept.fetched, kept.host), workspace)
     return out
@@ -353,9 +370,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         W = chunked.workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
     step = moments(r, states, kept, activations, W)
     peak = max(step, key=lambda moment: sum(step[moment]))
-    grads, activations, transient, at_peak = step[peak]
+    params, grads, activations, transient, at_peak = step[peak]
     host = kept.sent * kept.host + states.host
-    return Estimate(states.params, grads, states.optimizer, activations, transient, at_peak, peak,
+    return Estimate(params, grads, states.optimizer, activations, transient, at_peak, peak,
                     host, W)
 
 
@@ -664,8 +681,7 @@ class Report:
     def write(self, **extra):
         rank = {'rank': self.rank, 'estimate': self.est.as_dict(), 'measured': self.measured,
                 'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
-                'tp_size': self.layout['tp_size'], 'cp_size': self.layout['cp_size'],
-                'seq_len': self.layout['seq_len']}
+                **{k: self.layout[k] for k in ('tp_size', 'cp_size', 'seq_len')}}
         report = {'ranks': [rank], 'peak_at': self.est.moment,
                   'fits': fits(self.est, self.budget, self.overhead), **extra}
         path = os.path.join(self.cfg['out_dir'], self.name)
