@@ -358,17 +358,20 @@ def main():
     for i, p in enumerate(ranked[:10]):
         print(f"{i + 1:2d} {p.seq_len:>10,} {p.device / GiB:>10.2f} {p.host / GiB:>12.2f} "
               f"{tokens_per_s(p, target):>10,.0f}  {name(p)}")
-    # the winner, and the runner-up within 3% (of the step time, or of the length)
-    close = ranked[1:2]
-    if close and seq_len and close[0].seconds > 1.03 * ranked[0].seconds:
-        close = []
-    if close and not seq_len and close[0].seq_len < 0.97 * ranked[0].seq_len:
-        close = []
-    confirmed = [confirm(c, p, target, step, passed, not seq_len) for p in ranked[:1] + close]
-    confirmed = [p for p in confirmed if p]
+    # the winner, then each next plan the confirmed ones don't beat by 3% (the runner-up within
+    # 3%; the next where the dry run cut the winner's length)
+    confirmed = []
+    for p in ranked:
+        if confirmed and seq_len and p.seconds > 1.03 * confirmed[0].seconds:
+            break
+        if confirmed and not seq_len and p.seq_len < 0.97 * confirmed[0].seq_len:
+            break
+        q = confirm(c, p, target, step, passed, not seq_len)
+        if q:
+            confirmed = sorted(confirmed + [q], key=lambda p: (-p.seq_len, p.seconds))
     if not confirmed:
         die("no plan fits" + " (by dry run)" * bool(ranked))
-    best = min(confirmed, key=lambda p: (-p.seq_len, p.seconds))
+    best = confirmed[0]
     launch = ['python']
     if n > 1:
         launch = ['torchrun', f'--nproc_per_node={per_node}'] + [f'--nnodes={n // per_node}'] * (
