@@ -1,7 +1,10 @@
 """
 The plan: from a laptop, in seconds, the longest sequence your GPUs can train and the layout and
 memory knobs that reach it, or the fastest plan for a length you choose; then train.py's dry run
-confirms it. It saves your hours of trial runs, one dry run at a time.
+confirms it. It saves your hours of trial runs, one dry run at a time. The idea: Fujii et al. 2024
+(arXiv 2411.06465: memory estimates that decide a layout before it runs), a search over layouts by
+a cost model as Galvatron's and MindSpeed's auto-parallel do (they profile on the cluster; this
+prices by formula, on a laptop), Megatron-LM's FLOPs and communication counts.
 
     python plan.py config/llama3_8b_node.py --gpus=8 --gpu_gb=80 --host_gb=2048   # the longest
     python plan.py config/llama3_8b_node.py --gpus=8 --seq_len=1048576            # the fastest
@@ -21,9 +24,15 @@ ranks' host memory (offload's block inputs, the states on the host) is under the
     keep least (recompute='full', head groups; lengths doubled, then halved apart: fitting only
     gets harder with length), then its fastest knobs at that length; ranked longest first.
   - with --seq_len: every layout's knobs that fit, ranked by the predicted step time.
-A dry run (train.py --dry_run=True: fake tensors on this CPU, rank 0 of the world) confirms the
-winner, and the runner-up where it is within 3%. Where the dry run says no, the estimate was low:
-the search runs again on that layout with the GPU's memory divided by the dry run's excess.
+Pipeline layouts run at least pp micro-batches (1F1B's rule): their step holds that many sequences.
+Of plans of equal step time the smallest wins, then the one of most chunks (headroom at the moments
+other than the estimate's peak, which the dry run may find larger).
+
+The dry run (train.py --dry_run=True: fake tensors on this CPU, rank 0 of the world) has the last
+word, in ranked order: the winner, then each next plan within 3% of the best confirmed (the
+runner-up within 3%; the next ones too where the dry run cut the winner's length). In the longest
+search it moves the length: the layout is searched again with the GPU's memory scaled by what the
+estimate missed (where the dry run said no, a shorter length; where it said yes, a longer one).
 plan.svg draws the longest length against the GPUs (1 to 64, 8 a node) for 24, 80 and 141 GB.
 
 The time model, one step of a rank (the letters of memory.py: b = 2 bytes, T = B·S/c tokens of a
@@ -31,7 +40,7 @@ micro-batch on a rank, M micro-batches, N the parameters, d = dp·c the ranks FS
   compute    model.flops_per_token's FLOPs (6·N + attention's causal pairs) × B·S·M / (t·c·pp),
              × (1 + memory.cost): recompute's and head groups' forward again, the MLP's chunks
              re-run, offload's copies that a block's forward does not hide (PCIe); over
-             PEAK × EFFICIENCY.
+             the peak × EFFICIENCY.
   on the critical path, each over its group's link (NVLINK within a node, NETWORK across):
     tp       4 collectives a block a pass (sp: all-gather before attention and the MLP,
              reduce-scatter after), each (t-1)/t · b·h·T (Korthikanti et al. 2022)
@@ -48,8 +57,8 @@ micro-batch on a rank, M micro-batches, N the parameters, d = dp·c the ranks FS
   pp         the bubble: × (M + pp - 1)/M (1F1B and GPipe alike)
 Not modelled: the CPU's AdamW step under offload_states (seconds, against minutes of compute at
 the lengths it is for) and kernels' efficiency falling at small shapes.
-The constants: PEAK 989e12, an H100's or H200's dense bf16 FLOP/s (NVIDIA's datasheets;
---peak_tflops for other GPUs); NVLINK 450e9 B/s one way (NVLink 4: 900 GB/s both ways); NETWORK
+The constants: the peak, --peak_tflops=989, an H100's or H200's dense bf16 TFLOP/s (NVIDIA's
+datasheets); NVLINK 450e9 B/s one way (NVLink 4: 900 GB/s both ways); NETWORK
 50e9 B/s a GPU (400 Gb/s InfiniBand NDR, a DGX H100's 8 ports); PCIe memory.PCIE (25e9 B/s each
 way, what offload.py assumes); EFFICIENCY fitted on one bench/RESULTS.md row (the ~1B Llama on one
 H200 at 131,072 tokens, recompute full, MLP and loss chunked: 11,430 tokens/s) and checked on its
@@ -62,6 +71,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import fields, replace
 from typing import NamedTuple
 
@@ -74,7 +84,7 @@ from measure import GiB
 from memory import FIT_FRACTION, PCIE, cost, estimate, overhead_bytes, variants
 from model import MEMORY_KNOBS, LlamaConfig, flops_per_token, num_params
 
-PEAK, NVLINK, NETWORK = 989e12, 450e9, 50e9
+NVLINK, NETWORK = 450e9, 50e9
 EFFICIENCY = 0.473  # fitted (the header): tests/test_plan.py
 # plan.py's own keys and their defaults (train.py's are read beside them)
 KEYS = dict(gpus=1, nodes=1, gpu_gb=80.0, host_gb=0.0, step=0, peak_tflops=989.0, svg='plan.svg')
@@ -348,12 +358,14 @@ def main():
     except ValueError as e:
         die(e)
     step = cfg['step'] or 8192 * n
+    start = time.time()
     ranked = search(c, target, step, seq_len)
     what = f"the longest in steps of {step:,}, longest first"
     if seq_len:
         what = f"at {seq_len:,} tokens, fastest first"
     print(f"{len(ranked)} layouts fit on {n} x {cfg['gpu_gb']:g} GB "
-          f"({target.host_bytes / GiB:,.0f} GiB of host a node), {what}:")
+          f"({target.host_bytes / GiB:,.0f} GiB of host a node; searched in "
+          f"{time.time() - start:.1f} s), {what}:")
     print(f"{'tokens':>13s} {'GiB a GPU':>10s} {'host a node':>12s} {'tokens/s':>10s}  plan")
     for i, p in enumerate(ranked[:10]):
         print(f"{i + 1:2d} {p.seq_len:>10,} {p.device / GiB:>10.2f} {p.host / GiB:>12.2f} "
