@@ -76,6 +76,10 @@ log_interval = 10
 eval_iters = 20
 always_save_checkpoint = True  # every eval writes a checkpoint (atomically), not only the best
 init_from = 'scratch'  # 'scratch' | 'resume' | path to a Hugging Face model directory
+# nanoGPT's Weights & Biases logging, rank 0 (`pip install wandb`; WANDB_MODE=offline: no network)
+wandb_log = False
+wandb_project = 'nanolong'
+wandb_run_name = 'run'
 # True: a new run may start in an out_dir holding a checkpoint (kept until the new one is saved)
 overwrite = False
 # data
@@ -523,8 +527,21 @@ def write_log(rank, bar, row, val_loss, mem):
         mem.logged = True
     with Path(out_dir, 'log.jsonl').open('a') as log:
         print(json.dumps(row), file=log)
+    if wandb_log:
+        import wandb  # (start_wandb imported it)
+        wandb.log(row, step=row['iter'])
     if bar.disable:  # not a terminal: a plain line per log step instead of the bar
         print(f"iter {row['iter']}: {text}", flush=True)
+
+
+def start_wandb(cfg):
+    """A Weights & Biases run in out_dir/wandb, the config its config. wandb is imported here
+    only: it is no requirement of the trainer."""
+    try:
+        import wandb
+    except ImportError:
+        die("wandb_log=True needs wandb: pip install wandb")
+    wandb.init(project=wandb_project, name=wandb_run_name, config=cfg, dir=out_dir)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -763,6 +780,8 @@ def main():
     if rank == 0:  # (the device, dtype and layout: in the memory report's title)
         print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
               f"{tokens_per_iter:,} tokens per step")
+    if rank == 0 and wandb_log:
+        start_wandb(cfg)
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True,

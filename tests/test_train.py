@@ -731,3 +731,23 @@ def test_the_default_step_runs_five_files(tmp_path, knobs):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == files
+
+
+def test_wandb_log_writes_an_offline_run_of_the_logged_rows(tmp_path):
+    """nanoGPT's wandb_log: rank 0's rows, here with WANDB_MODE=offline (no network): a run in
+    out_dir/wandb whose records hold the losses log.jsonl has."""
+    out = tmp_path / 'out'
+    env = {**os.environ, 'WANDB_MODE': 'offline', 'WANDB_SILENT': 'true'}
+    run_train(*SMALL, '--max_iters=3', '--eval_interval=2', f'--out_dir={out}', '--wandb_log=True',
+              '--wandb_run_name=tiny', env=env)
+    runs = list((out / 'wandb').glob('offline-run-*'))
+    assert len(runs) == 1
+    files = list(runs[0].glob('run-*.wandb'))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    # the history's records (protobuf) hold each value as its JSON text: every row's loss
+    data = files[0].read_bytes()
+    rows = read_log(out)
+    assert len(rows) == 3
+    for row in rows:
+        assert json.dumps(row['loss']).encode() in data
+    assert b'tiny' in data  # the run's name
