@@ -535,8 +535,10 @@ def write_log(rank, bar, row, val_loss, mem):
 
 
 def start_wandb(cfg):
-    """A Weights & Biases run in out_dir/wandb, the config its config. wandb is imported here
-    only: it is no requirement of the trainer."""
+    """With wandb_log, a Weights & Biases run in out_dir/wandb, the config its config. wandb is
+    imported here only: it is no requirement of the trainer."""
+    if not wandb_log:
+        return
     try:
         import wandb
     except ImportError:
@@ -774,13 +776,11 @@ def main():
             if pp_size > 1 else None)  # pp: torch's pipeline schedule over this rank's stage
     if dry_run:
         return dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
-
     tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # global batch
     device_flops = peak_flops(dev, ptdtype, world)  # MFU is per device: against all of them
     if rank == 0:  # (the device, dtype and layout: in the memory report's title)
         print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
               f"{tokens_per_iter:,} tokens per step")
-    if rank == 0 and wandb_log:
         start_wandb(cfg)
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
