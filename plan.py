@@ -235,14 +235,15 @@ def longest(c, layout, target, step):
 
 def search(c, target, step, seq_len=None):
     """Every layout's best Plan: the longest (seq_len None), longest first, or the fastest at
-    seq_len; of equal lengths the fastest first."""
+    seq_len; of equal lengths the fastest first, then the one that needs least host memory and
+    least GPU memory."""
     found = []
     for layout in layouts(c, target):
         if seq_len:
             found.append(fastest(c, layout, seq_len, target))
         else:
             found.append(longest(c, layout, target, step))
-    return sorted(filter(None, found), key=lambda p: (-p.seq_len, p.seconds))
+    return sorted(filter(None, found), key=lambda p: (-p.seq_len, p.seconds, p.host, p.device))
 
 
 def tokens_per_s(p, target):
