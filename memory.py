@@ -41,6 +41,14 @@ current one's "held" beside every moment (pipeline.py):
                device only what offload.py doesn't send (offload.block_bytes); the rest is host
                memory, reported apart, never in the total. Plus RoPE's fp32 cos and sin: 8·hd
                bytes per position (per token of B·S with doc_mask).
+               Under the ring (cp_impl='ring') also ring.ring_plan of each block and head group:
+               int32 indices of the tokens its c steps compute on and send, on rank 0 16 bytes per
+               token at step 0 and 10 at each other, 10·c + 6 (rank r: 2r more; a sliding window
+               or packed documents: fewer), G·(10·c + 6)·L·T·M in all. An attribute of the graph's
+               node (ctx.plan), not a saved tensor: recompute and offload leave it on the device,
+               and the node outlives backward (the dry run holds every micro-batch's at the
+               optimizer's step, gc.collect() or not): in every moment, the embedding's and the
+               optimizer's too, the M micro-batches' (as the last one's moments have them).
   transient    at the step's peak: the moment of a few whose params + grads + activations +
                transient + workspace is largest, each a working set per token × T plus
                weight-sized terms:
@@ -130,15 +138,16 @@ FIT_FRACTION = 0.8  # Fujii et al. 2024
 # ----------------------------------------------------------------------------- the estimate
 @dataclass
 class Estimate:
+    # the peak moment's (moments()), then the optimizer's state, in every moment
     params: float
     grads: float
-    optimizer: float
     activations: float
     transient: float
     workspace: float
+    optimizer: float
     moment: str  # where in the step the peak is
     host: float  # bytes waiting in host memory (offload), never in the total
-    kernel: float = 0  # the workspace of every attention backward (the peak's may be another)
+    kernel: float  # the workspace of every attention backward (the peak's may be another)
 
     @property
     def total(self):
@@ -193,10 +202,10 @@ def model_states(r, d, zero, in_backward, on_host, name):
     root = vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
     N = r.L * block + root
     # the optimizer's state (optim.STATE_BYTES) + bf16's fp32 master
-    params, grads, optimizer, host = b * N, 4 * N, optimizer_bytes(c, name, b, N, r.L), 0
+    params, grads, optimizer = b * N, 4 * N, optimizer_bytes(c, name, b, N, r.L)
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
     # embedding's), in a block's backward, and last (the embedding's)
-    head, in_block, embedding = (4 * vocab + 4 * h) * r.last, 4 * block, 4 * vocab * r.first
+    head, in_block, embedding = 4 * (vocab + h) * r.last, 4 * block, 4 * vocab * r.first
     # under FSDP2: this rank's rows of every parameter, in fp32 (of its E/ep experts', over d/ep)
     shard = 4 * (N + r.L * r.away) / d
     at_root = gathered = 0
@@ -214,14 +223,14 @@ def model_states(r, d, zero, in_backward, on_host, name):
         grads, optimizer, in_block, embedding = shard, 2 * shard, 0, 0
         head = b * (vocab + h) * r.last
     if on_host:  # offload_states: the rows in host memory; on the device what FSDP2 gathered
-        params, grads, head, optimizer, host = gathered, 0, 0, 0, 4 * shard
+        params, grads, head, optimizer = gathered, 0, 0, 0
     alive = [grads, head, grads - embedding - in_block, grads - embedding - 2 * in_block]
     if in_backward:
         # optim.py (one rank, zero=0): AdamW's moments in b bytes, no fp32 copy; the gradients one
         # at a time (the embedding's at most), beside its step's fp32 chunks
         optimizer = 2 * b * N
         alive = [min(g, b * vocab + 28 * STEP_CHUNK) for g in alive]
-    return States(params, optimizer, host, *alive, at_root, params - gathered)
+    return States(params, optimizer, 4 * shard * on_host, *alive, at_root, params - gathered)
 
 
 class Kept(NamedTuple):
@@ -288,12 +297,13 @@ def block_backward(r, rebuilt, back=0):
     return max(at_mlp + rebuilt * T, past_mlp)
 
 
-def moments(r, states, kept, activations, workspace):
+def moments(r, states, kept, activations, workspace, graph):
     """The step's moments, each (params, grads, activations, transient, workspace): the workspace
     only in attention's backward; gradients at a forward only once a backward ran before it; from
     backward's end on params are states.params_at_end (FSDP2 has freed what it gathered). Under pp
     F - 1 micro-batches are held, each keeping its activations and the stage's output (sent on,
-    kept for its backward) or its loss's."""
+    kept for its backward) or its loss's. `graph`: what the step's autograd graphs hold beside
+    their saved tensors (ring.py's plans), alive in every moment: "held" with them."""
     b, t, T = r.b, r.t, r.T
     h, V = r.config.n_embd, r.config.vocab_size
     # the final norm, LM head and loss. Kept: the norm's input and output, and chunked.py's dh and
@@ -304,9 +314,9 @@ def moments(r, states, kept, activations, workspace):
     head_transient = (4 + b * (b < 4)) * V / t * math.ceil(T / loss_chunks) + b * h * T * (t > 1)
     output = b * h / t * T * (not r.last)
     one = activations + output + head_kept * r.last
-    held = (r.F - 1) * one
+    held = (r.F - 1) * one + graph
     # gradients at a forward: only once an earlier micro-batch's backward made them
-    accumulated = states.grads if r.M > r.F else 0
+    accumulated = states.grads * (r.M > r.F)
     at_block = block_backward(r, kept.rebuilt)
     params = states.params
     out = {}
@@ -323,8 +333,9 @@ def moments(r, states, kept, activations, workspace):
     # them (the root's; no block's is left) before its reduce-scatter (the dry run's params there:
     # the fp32 rows, none under offload_states)
     if states.at_root:
-        out['backward: embedding'] = (states.params_at_end, states.grads, 0, states.at_root, 0)
-    out['optimizer step'] = (states.params_at_end, states.grads, 0,
+        out['backward: embedding'] = (states.params_at_end, states.grads, graph,
+                                      states.at_root, 0)
+    out['optimizer step'] = (states.params_at_end, states.grads, graph,
                              2 * V * h / t * r.first * (b == 2), 0)
     if 1 < r.F == r.M:  # no forward after the first backward: the second has every gradient
         out[f'backward: block {r.lo + r.L - 1}, the second micro-batch'] = (
@@ -332,7 +343,7 @@ def moments(r, states, kept, activations, workspace):
     if kept.sent > 1:
         # block 1's backward: its own tensors back, block 0's host part prefetched
         out['backward: block 1'] = (params, max(states.at_block_1, accumulated),
-                                    2 * kept.device * T,
+                                    2 * kept.device * T + graph,
                                     block_backward(r, kept.fetched, kept.host), workspace)
     return out
 
@@ -362,18 +373,23 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
     states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states, optimizer)
     kept = kept_per_token(r, batch_size, cp_size, dtype)
+    # the ring's (c > 1, not Ulysses') ring.ring_plan: each step's parts as int32 indices of our
+    # tokens and of the visiting ones they attend, and the tokens we send; on rank 0 16 bytes a
+    # token at step 0 and 10 at each of the c - 1 others (rank r: 2r more), per head group. It is
+    # ctx.plan, an attribute of the graph's node, not a saved tensor: no recompute frees it and
+    # offload never sees it; and the node outlives backward (the dry run: every block's of every
+    # micro-batch is alive at the optimizer's step, gc.collect() or not)
+    graph = G * (10 * cp_size + 6) * r.L * r.T * M * (cp_size > ulysses)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
     # RoPE's fp32 cos and sin, per position (of every token, with doc_mask or pp)
     activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else sequence)
     W = 0
     if device_type == 'cuda' and b == 2:
         W = chunked.workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
-    step = moments(r, states, kept, activations, W)
+    step = moments(r, states, kept, activations, W, graph)
     peak = max(step, key=lambda moment: sum(step[moment]))
-    params, grads, activations, transient, at_peak = step[peak]
     host = kept.sent * kept.host + states.host
-    return Estimate(params, grads, states.optimizer, activations, transient, at_peak, peak,
-                    host, W)
+    return Estimate(*step[peak], states.optimizer, peak, host, W)
 
 
 # ----------------------------------------------------------------------- budget, verdict and table
@@ -577,13 +593,14 @@ class Report:
         chosen = [p.changed if p else {}]
         if self.world > 1 and not self.dry and torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(chosen, src=0)
-        if self.rank == 0 and p:
-            print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
-                  f"{gib(p.estimate.total)}, {100 * p.cost:+.1f}% step time")
-        elif self.rank == 0:
-            unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
-            print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
-                  + unknown)
+        if self.rank == 0:
+            if p:
+                print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
+                      f"{gib(p.estimate.total)}, {100 * p.cost:+.1f}% step time")
+            else:
+                unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
+                print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
+                      + unknown)
         return chosen[0]
 
     def check(self, config):
