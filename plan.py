@@ -123,6 +123,8 @@ def layouts(c, target):
     with at least as many micro-batches (1F1B's rule: the step's tokens grow with them)."""
     s, n = target.settings, target.gpus
     sizes = [k for k in (1, 2, 4, 8, 16, 32, 64) if n % k == 0]
+    # the layout's own rules, whatever knobs the config set (plans() checks each setting's)
+    plain = replace(c, recompute='none', offload=0.0, attention_chunks=1)
     for tp, cp, pp, ep, impl, zero, on_host in itertools.product(
             sizes, sizes, sizes[:4], sizes, ('ulysses', 'ring'), (0, 2, 3), (False, True)):
         layout = dict(tp_size=tp, cp_size=cp, cp_impl=impl, pp_size=pp, dp=n // (tp * cp * pp),
@@ -130,7 +132,7 @@ def layouts(c, target):
                       gradient_accumulation_steps=max(pp, s['gradient_accumulation_steps']))
         # (a ring of one rank is no layout of its own)
         runs = n % (tp * cp * pp) == 0 and tp <= min(target.per_node, 8)
-        if runs and (cp > 1 or impl == 'ulysses') and not broken(c, n, layout):
+        if runs and (cp > 1 or impl == 'ulysses') and not broken(plain, n, layout):
             yield layout
 
 

@@ -49,6 +49,10 @@ def test_layouts_are_every_one_parallel_allows():
               l['offload_states']) for l in found}
     assert {(1, 8, 'ulysses', 1, 3, True), (1, 8, 'ring', 1, 3, True), (8, 1, 'ulysses', 1, 0, False),
             (2, 4, 'ring', 1, 2, False), (2, 1, 'ulysses', 4, 0, False)} <= named
+    # the layouts' own rules, whatever knobs the config set (offload refuses pp: its plans say so)
+    configured = replace(LLAMA3_8B, recompute='full', offload=1.0, attention_chunks=0)
+    assert list(plan.layouts(configured, t)) == found
+    assert any(l['pp_size'] > 1 for l in found)
     # an MoE: ep over the dp x cp ranks; a dense model: none
     assert {l['ep_size'] for l in plan.layouts(MIXTRAL, t)} == {1, 2, 4, 8}
     assert {l['ep_size'] for l in found} == {1}
