@@ -366,7 +366,7 @@ def main():
     what = f"the longest in steps of {step:,}, longest first"
     if seq_len:
         what = f"at {seq_len:,} tokens, fastest first"
-    print(f"{len(ranked)} layouts fit on {n} x {cfg['gpu_gb']:g} GB "
+    print(f"{len(ranked)} layout(s) fit on {n} x {cfg['gpu_gb']:g} GB "
           f"({target.host_bytes / GiB:,.0f} GiB of host a node; searched in "
           f"{time.time() - start:.1f} s), {what}:")
     print(f"{'tokens':>13s} {'GiB a GPU':>10s} {'host a node':>12s} {'tokens/s':>10s}  plan")

@@ -194,7 +194,7 @@ def test_plan_py_finds_prints_and_confirms_by_dry_run(tmp_path):
                        timeout=600)
     assert p.returncode == 0, p.stderr
     out = p.stdout
-    assert 'layouts fit on 2 x 4 GB' in out and 'the longest in steps of 1,024' in out
+    assert 'layout(s) fit on 2 x 4 GB' in out and 'the longest in steps of 1,024' in out
     confirmed = [line for line in out.splitlines() if line.startswith('dry run:')]
     assert confirmed and confirmed[0].endswith('fits')
     command = out.split('the plan: ')[1].splitlines()[1].split()
