@@ -150,7 +150,7 @@ def plans(c, layout, seq_len, target, least=False):
     for groups in (0,) if least else (1, 0):
         for v in variants(replace(c, attention_chunks=groups), settings['batch_size'], seq_len,
                           host, layout):
-            if broken(v, target.gpus, layout, seq_len) or least and v.recompute != 'full':
+            if broken(v, target.gpus, layout, seq_len) or (least and v.recompute != 'full'):
                 continue
             # the first stage (the embedding, the most micro-batches in flight) and the last
             # (the LM head); between them, stages like the first without its embedding
@@ -213,6 +213,7 @@ def fastest(c, layout, seq_len, target, least=False):
     """The Plan of least step time of layout at seq_len, or None; of equal times the smallest,
     then the one of most chunks (headroom at the moments other than the estimate's peak)."""
     def order(p):
+        # (the keys' values: memory.variants' largest is 4x the automatic count, 0)
         return p.seconds, p.device, -p.config.loss_chunks - p.config.mlp_chunks
 
     return min(plans(c, layout, seq_len, target, least), key=order, default=None)
