@@ -1,0 +1,280 @@
+"""
+Did the long context work? Two cheap probes of a trained checkpoint (or a Hugging Face directory),
+each printed as a table and drawn as a picture in out_dir:
+
+    python eval.py --out_dir=out-tiny                 # train.py's checkpoint, with the run's keys
+    python eval.py --init_from=path/to/hf_llama --dataset=mydata --seq_len=8192 --out_dir=out-hf
+
+- positions.svg, loss by position: the val split's mean loss per position bucket (0, 1, 2-3, 4-7,
+  ... up to seq_len; with doc_mask a token's position in its document). The val loss is one number
+  over all positions; a model that uses its context keeps lowering its loss at later positions,
+  one that lost track of it (past the length it trained at, a RoPE scaling gone wrong) flattens or
+  rises.
+  The buckets' token-weighted mean is train.py's evaluate() val loss: the same batches, the same
+  targets (tests/test_eval.py checks it).
+- passkey.svg, passkey retrieval: filler text with "The pass key is NNNNN. Remember it." at a depth
+  (a fraction of the filler before it), then the question "What is the pass key? The pass key is";
+  the digits are decoded greedily (sample.py's generate and its KV cache) and compared. Accuracy
+  per (prompt length, depth), a heatmap. The idea is LongLoRA's passkey_retrivial.py (Chen et al.
+  2023, after Mohtashami & Jaggi's landmark attention); EasyContext's eval_needle.py (needle in a
+  haystack) and RULER (Hsieh et al. 2024) are its larger cousins.
+
+The keys are train.py's (seq_len, batch_size, dataset, doc_mask, eval_iters, seed, device, dtype
+and the memory knobs mlp_chunks, loss_chunks, attention_chunks) and the four below. With a
+checkpoint the run's own keys are the defaults, so the evaluation sees the data, batches and
+chunking that training saw: a long evaluation fits where training did. Memory: the loss never
+holds the [B, S, V] logits at once; each token's loss comes from the final hidden states, a chunk
+of the sequence at a time (loss_chunks' chunks).
+
+write_curves(out_dir) draws the run's own curves.svg from out_dir/log.jsonl (train.py calls it at
+each evaluation): train and val loss, tokens/s and peak memory against the step.
+"""
+
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import chunked
+import train
+from configurator import configure, die
+from data.tokenizer import check_tokenizer, get_tokenizer
+from model import MEMORY_KNOBS, Llama
+from sample import generate
+
+# -----------------------------------------------------------------------------
+# our keys, beside train.py's: one command line sets both
+EVAL_KEYS = dict(
+    init_from='resume',  # 'resume' (out_dir's checkpoint) or a Hugging Face model directory
+    passkey_lengths=[],  # prompt lengths in tokens; []: seq_len / 4, seq_len / 2 and seq_len
+    passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0],  # where the key sits: a fraction of the filler
+    passkey_trials=5,  # prompts per (length, depth), each with its own key; 0: no passkey test
+)
+# LongLoRA's filler and question; data/passkey/prepare.py trains on the same prompts
+FILLER = ('The grass is green. The sky is blue. The sun is yellow. Here we go. '
+          'There and back again. ')
+NEEDLE = 'The pass key is {}. Remember it. '
+QUESTION = 'What is the pass key? The pass key is'
+# -----------------------------------------------------------------------------
+
+
+def read_config(argv=None):
+    """The config as a dict: train.py's defaults and ours, then (init_from='resume') the run's own
+    config from its checkpoint, then the command line over all of it. It lives in train.py's
+    globals: its get_batch, evaluate and device_and_dtype read them there."""
+    g = vars(train)
+    g.update(EVAL_KEYS)
+    cfg = configure(g, argv)
+    if cfg['init_from'] == 'resume':
+        path = checkpoint.latest(cfg['out_dir'])
+        if path is None:
+            die(f"no checkpoint in {cfg['out_dir']} (train one first: python train.py)")
+        # the run's keys, but it is this checkpoint we evaluate, wherever it was written
+        g.update(checkpoint.meta(path)['config'], init_from='resume', out_dir=cfg['out_dir'])
+        cfg = configure(g, argv)
+        cfg['path'] = path
+    train.check_config(cfg)
+    return cfg
+
+
+def load_model(cfg, meta):
+    """The checkpoint's model, or the Hugging Face directory's (refused unless the data was made
+    by its tokenizer), run under the config's memory knobs."""
+    knobs = {k: cfg[k] for k in MEMORY_KNOBS}
+    if cfg['init_from'] == 'resume':
+        return checkpoint.load_model(cfg['path'], **knobs)[0]
+    check_tokenizer(meta, cfg['init_from'])
+    return Llama.from_pretrained(cfg['init_from'], **knobs)
+
+
+# ----------------------------------------------------------------------------- loss by position
+def token_losses(model, hidden, y):
+    """Each target's loss [B, S] (0 where ignored) from the final hidden states [B, S, h]: the LM
+    head on a chunk of the sequence at a time (loss_chunks' chunks), so only a chunk's fp32 logits
+    exist at once."""
+    chunks = chunked.loss_chunks(model.config, y.numel())
+    losses = []
+    for h, targets in zip(hidden.tensor_split(chunks, 1), y.tensor_split(chunks, 1)):
+        logits = model.output(h).float()
+        losses.append(F.cross_entropy(logits.transpose(1, 2), targets, reduction='none'))
+    return torch.cat(losses, 1)
+
+
+@torch.no_grad()
+def loss_by_position(model, meta, autocast, dev):
+    """(sums, counts): the losses of the real targets in each position bucket, added, and their
+    number, over evaluate()'s batches (from its seed: the same ones). Bucket k holds positions
+    2^(k-1) to 2^k - 1 (position 0 alone in bucket 0): log-spaced, a position's bit length. With
+    doc_mask a target's position is its input's place in its document: what of it the model saw."""
+    S = train.seq_len
+    sums = torch.zeros(S.bit_length() + 1, dtype=torch.float64)
+    counts = torch.zeros_like(sums)
+    # forward with targets returns the loss alone (no [B, S, V] logits); this hook keeps the final
+    # norm's output, what the LM head reads
+    hidden = []
+    hook = model.norm.register_forward_hook(lambda module, args, out: hidden.append(out))
+    generator = torch.Generator().manual_seed(train.seed + 1)
+    for _ in range(train.eval_iters):
+        x, y, positions, docs = train.get_batch(meta, 'val', train.batch_size, generator, dev)
+        with autocast:
+            model(x, y, positions, docs)
+            losses = token_losses(model, hidden.pop(), y)
+        if positions is None:
+            positions = torch.arange(S, device=dev).expand_as(y)
+        real = y != -100
+        # the bit length of each position: frexp's exponent (p = m 2^e, m in [0.5, 1); 0 for 0)
+        buckets = torch.frexp(positions[real].double()).exponent
+        sums += torch.bincount(buckets, losses[real], minlength=len(sums)).cpu()
+        counts += torch.bincount(buckets, minlength=len(sums)).cpu()
+    hook.remove()
+    return sums, counts
+
+
+# ----------------------------------------------------------------------------- passkey retrieval
+def passkey_prompt(encode, length, depth, key):
+    """The token ids of a passkey prompt of `length` tokens: filler, the needle after a fraction
+    `depth` of the filler, the rest of the filler, the question. Each part is encoded alone and
+    the ids joined, so the length is exact in any tokenizer (the filler cut mid-word is fine)."""
+    bos = encode('')  # what encode puts before any text (a Llama's BOS), or nothing
+    # a filler sentence is 88 bytes, 20 tokens in GPT-2's or Llama 3's vocabulary: length / 10
+    # of them are enough
+    needle, question, filler = (encode(text)[len(bos):] for text in (
+        NEEDLE.format(key), QUESTION, FILLER * (length // 10 + 1)))
+    room = length - len(bos) - len(needle) - len(question)
+    if room < 0:
+        die(f"passkey length {length}: the needle and question alone take {length - room} tokens")
+    before = round(depth * room)
+    return bos + filler[:before] + needle + filler[before:room] + question
+
+
+@torch.no_grad()
+def passkey(model, encode, decode, lengths, depths, trials, dev):
+    """Accuracy [depths, lengths]: the share of `trials` prompts, each with its own key, whose
+    greedy answer's first number is the key."""
+    rng = random.Random(train.seed)
+    right = torch.zeros(len(depths), len(lengths))
+    for j, length in enumerate(lengths):
+        for i, depth in enumerate(depths):
+            for _ in range(trials):
+                key = rng.randint(10000, 99999)
+                ids = passkey_prompt(encode, length, depth, key)
+                # ' NNNNN.' is at most 7 tokens: 8 leave the model room to say something else
+                out = generate(model, torch.tensor([ids], device=dev), 8, temperature=0)
+                answer = decode(out[0, len(ids):].tolist())
+                if re.findall(r'\d+', answer)[:1] == [str(key)]:
+                    right[i, j] += 1
+    return right / trials
+
+
+# ----------------------------------------------------------------------------- pictures
+# Hand-written SVG, as measure.write_svg: any browser shows it, nothing to install
+
+def write_svg(path, width, height, parts):
+    Path(path).write_text('\n'.join([
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="12">', *parts, '</svg>']))
+
+
+def write_lines(path, panels):
+    """Panels one above the other, each a (title, {name: [(x, y), ...]}), its lines blue then red,
+    scaled to fill the panel (SVG's y grows downwards: 200 - y); its ranges written in the title."""
+    parts = []
+    for n, (title, lines) in enumerate(panels):
+        points = [p for line in lines.values() for p in line]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        x0, y0 = min(xs), min(ys)
+        parts.append(f'<text x="10" y="{240 * n + 20}">{title}: x {x0:.4g} to {max(xs):.4g}, '
+                     f'y {y0:.4g} to {max(ys):.4g}</text>')
+        # a single point, or a flat line, still has a range to divide by
+        x_scale = 600 / max(max(xs) - x0, 1e-9)
+        y_scale = 200 / max(max(ys) - y0, 1e-9)
+        for color, line in zip(['blue', 'red'], lines.values()):
+            xy = ' '.join(f'{10 + (x - x0) * x_scale:.1f},{240 * n + 230 - (y - y0) * y_scale:.1f}'
+                          for x, y in line)
+            parts.append(f'<polyline points="{xy}" fill="none" stroke="{color}"/>')
+    write_svg(path, 620, 240 * len(panels), parts)
+
+
+def write_heatmap(path, accuracy, lengths, depths):
+    """passkey.svg: a cell per (depth, length), red at 0% to green at 100%, its figure in it."""
+    parts = ['<text x="4" y="14">passkey accuracy: depth down, length (tokens) across</text>']
+    for j, length in enumerate(lengths):
+        parts.append(f'<text x="{60 * j + 80}" y="{60 * len(depths) + 45}">{length}</text>')
+    for i, depth in enumerate(depths):
+        parts.append(f'<text x="4" y="{60 * i + 55}">{depth:g}</text>')
+        for j, a in enumerate(accuracy[i].tolist()):
+            parts.append(f'<rect x="{60 * j + 60}" y="{60 * i + 25}" width="60" height="60" '
+                         f'fill="hsl({120 * a:.0f},70%,60%)"/>')
+            parts.append(f'<text x="{60 * j + 75}" y="{60 * i + 55}">{a:.0%}</text>')
+    write_svg(path, max(320, 60 * len(lengths) + 80), 60 * len(depths) + 50, parts)
+
+
+def write_curves(out_dir):
+    """out_dir/curves.svg from out_dir/log.jsonl (train.py's rows): loss and val loss, tokens/s and
+    peak memory against the step. Rows without a key, or a last line cut short by a crash, are
+    left out; no log yet: nothing drawn."""
+    log = Path(out_dir, 'log.jsonl')
+    if not log.exists():
+        return
+    rows = []
+    for line in log.read_text().splitlines():
+        try:
+            rows.append(dict(json.loads(line)))
+        except ValueError:
+            continue
+
+    def points(key):
+        return [(r['iter'], r[key]) for r in rows if key in r]
+
+    write_lines(Path(out_dir, 'curves.svg'), [
+        ('loss (blue: train, red: val)', {'train': points('loss'), 'val': points('val_loss')}),
+        ('tokens/s', {'tokens/s': points('tokens_per_s')}),
+        ('peak memory (bytes)', {'peak': points('peak_mem_bytes')})])
+
+
+# -----------------------------------------------------------------------------
+def main():
+    cfg = read_config()
+    dev, ptdtype, autocast = train.device_and_dtype()
+    meta = train.read_dataset(1, 0)
+    encode, decode = get_tokenizer(meta)
+    model = load_model(cfg, meta)
+    model.to(dev, ptdtype).eval()
+    os.makedirs(train.out_dir, exist_ok=True)
+
+    if train.eval_iters:
+        sums, counts = loss_by_position(model, meta, autocast, dev)
+        print(f"val loss {(sums.sum() / counts.sum()).item():.4f} (evaluate()'s), by position:")
+        points = []
+        for k, (total, n) in enumerate(zip(sums.tolist(), counts.tolist())):
+            if n:
+                print(f'{2 ** k // 2:>9} to {2 ** k - 1:<9} {total / n:.4f}')
+                points.append((k, total / n))
+        write_lines(Path(train.out_dir, 'positions.svg'),
+                    [('val loss by bit length of the position', {'val loss': points})])
+
+    if cfg['passkey_trials']:
+        S = train.seq_len
+        lengths = cfg['passkey_lengths'] or [S // 4, S // 2, S]
+        depths = cfg['passkey_depths']
+        accuracy = passkey(model, encode, decode, lengths, depths, cfg['passkey_trials'], dev)
+        print('passkey accuracy', 'depth \\ length', *lengths, sep='\t')
+        for depth, row in zip(depths, accuracy.tolist()):
+            print('', depth, *[f'{a:.0%}' for a in row], sep='\t')
+        write_heatmap(Path(train.out_dir, 'passkey.svg'), accuracy, lengths, depths)
+
+
+if __name__ == '__main__':
+    try:
+        main()
+    # a damaged checkpoint, a Hugging Face directory's bad files, data made by another
+    # tokenizer: the user's, one line
+    except (checkpoint.Error, ValueError) as e:
+        die(e)
