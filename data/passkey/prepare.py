@@ -1,0 +1,88 @@
+"""
+A corpus of the passkey task, so a small model can learn retrieval (and eval.py can measure it):
+each document is one of eval.py's passkey prompts (filler, "The pass key is NNNNN. Remember it." at
+a random depth, more filler, "What is the pass key? The pass key is") followed by its answer,
+" NNNNN.\n". Lengths are drawn uniformly up to --seq_len tokens, the depth uniformly in [0, 1], the
+key uniformly from 10000-99999: the only tokens that can't be predicted from the filler are the
+key's, once in the needle (random) and once in the answer (a copy from far back: what the model
+must learn to do).
+
+The prompts are eval.py's own (passkey_prompt): the model trains on the very format it is tested
+on. Byte-level by default (vocab 256: a tiny model on a CPU), or any tiktoken encoding. Documents
+are packed one after the other with their starts in {split}.docs.npy: train with --doc_mask=True, so
+each document attends to itself only and its positions start at 0, as a prompt's do in eval.py.
+
+    python data/passkey/prepare.py --seq_len=256                  # ~3M tokens in a few seconds
+    python train.py --dataset=passkey --seq_len=256 --doc_mask=True ...
+    python eval.py --out_dir=... --passkey_lengths=[256,512,1024]
+"""
+
+import argparse
+import os
+import random
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from data.tokenizer import (dtype_for, get_encoding, get_tokenizer, write_docs,  # noqa: E402
+                            write_meta, write_split)
+from eval import NEEDLE, QUESTION, passkey_prompt  # noqa: E402
+
+
+def documents(encode, n, seq_len, rng):
+    """n documents (lists of token ids), each a passkey prompt and its answer, at most seq_len
+    tokens."""
+    bos = encode('')
+    # the shortest prompt (no filler) and the longest answer: a document needs room for both
+    shortest = len(encode(NEEDLE.format(99999) + QUESTION))
+    answer_room = len(encode(' 99999.\n')) - len(bos)
+    if seq_len < shortest + answer_room + 1:
+        sys.exit(f"error: --seq_len={seq_len}: a passkey document needs at least "
+                 f"{shortest + answer_room + 1} tokens")
+    docs = []
+    for _ in range(n):
+        key = rng.randint(10000, 99999)
+        length = rng.randint(shortest + 1, seq_len - answer_room)
+        prompt = passkey_prompt(encode, length, rng.random(), key)
+        docs.append(prompt + encode(f' {key}.\n')[len(bos):])
+    return docs
+
+
+def prepare(out_dir=None, seq_len=256, train_docs=20000, val_docs=500, tokenizer='bytes',
+            seed=0):
+    out_dir = out_dir or os.path.dirname(os.path.abspath(__file__))
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(tokenizer='bytes', vocab_size=256)
+    if tokenizer != 'bytes':
+        enc = get_encoding(tokenizer)
+        meta = dict(tokenizer=tokenizer, vocab_size=enc.n_vocab, eot_token=enc.eot_token)
+    encode, _ = get_tokenizer(meta)
+    rng = random.Random(seed)
+    for split, n in (('train', train_docs), ('val', val_docs)):
+        docs = documents(encode, n, seq_len, rng)
+        lengths = np.array([len(d) for d in docs], dtype=np.int64)
+        ids = np.concatenate([np.array(d, dtype=np.int64) for d in docs])
+        meta[f'{split}_tokens'] = write_split(os.path.join(out_dir, f'{split}.bin'), ids,
+                                              meta['vocab_size'])
+        write_docs(os.path.join(out_dir, f'{split}.docs.npy'), np.cumsum(lengths) - lengths)
+    meta.update(dtype=dtype_for(meta['vocab_size']), docs=True,
+                source=f'passkey prompts and answers up to {seq_len} tokens, seed {seed} '
+                       f'(data/passkey/prepare.py)')
+    write_meta(out_dir, meta)
+    print(f"passkey: {train_docs:,} + {val_docs:,} documents up to {seq_len} tokens -> "
+          f"{meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens in {out_dir}")
+    return meta
+
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--out_dir', default=None, help='default: the folder of this script')
+    p.add_argument('--seq_len', type=int, default=256, help='the longest document, in tokens')
+    p.add_argument('--train_docs', type=int, default=20000)
+    p.add_argument('--val_docs', type=int, default=500)
+    p.add_argument('--tokenizer', default='bytes', help="'bytes' or a tiktoken encoding name")
+    p.add_argument('--seed', type=int, default=0)
+    a = p.parse_args()
+    prepare(a.out_dir, a.seq_len, a.train_docs, a.val_docs, a.tokenizer, a.seed)

@@ -1,0 +1,193 @@
+"""eval.py: the passkey prompt's construction, the position buckets against train.evaluate's val
+loss, eval.py end to end on a trained checkpoint and on a Hugging Face directory (its pictures
+parsed as SVG), write_curves on a torn log, and data/passkey/prepare.py's format."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+
+import eval as ev
+import parallel
+import train
+from data.tokenizer import get_tokenizer, read_docs, read_meta
+from model import Llama, LlamaConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ['--n_layer=2', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64',
+        '--batch_size=4', '--eval_iters=2', '--log_interval=1', '--device=cpu']
+
+
+def run(script, *args):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+def svg(path):
+    root = ET.parse(path).getroot()
+    assert root.tag == '{http://www.w3.org/2000/svg}svg'
+    return root
+
+
+@pytest.fixture
+def train_globals():
+    """eval.read_config writes the config into train.py's globals: put them back after."""
+    saved = dict(vars(train))
+    yield
+    for key in set(vars(train)) - set(saved):
+        del vars(train)[key]
+    vars(train).update(saved)
+
+
+@pytest.fixture(scope='module')
+def passkey_data(tmp_path_factory):
+    """A small passkey corpus (64-token documents at most), prepared in-process."""
+    spec = importlib.util.spec_from_file_location(
+        'passkey_prepare', os.path.join(ROOT, 'data', 'passkey', 'prepare.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = str(tmp_path_factory.mktemp('passkey'))
+    module.prepare(out, seq_len=128, train_docs=300, val_docs=40, seed=1)
+    return out
+
+
+def needle_at(ids, needle):
+    """Where the sublist needle starts in ids (the first place), or -1."""
+    for i in range(len(ids) - len(needle) + 1):
+        if ids[i:i + len(needle)] == needle:
+            return i
+    return -1
+
+
+# ----------------------------------------------------------------------------- the prompt
+@pytest.mark.parametrize('kind', ['bytes', 'cl100k_base', 'hf'])
+def test_passkey_prompt_has_its_length_and_the_key_at_its_depth(kind, tiny_hf):
+    meta = {'tokenizer': kind}
+    if kind == 'hf':  # a Llama-like tokenizer: encode adds a BOS to every text
+        meta = {'tokenizer': 'hf', 'dir': tiny_hf.hf}
+    encode, decode = get_tokenizer(meta)
+    bos = encode('')
+    needle = encode(ev.NEEDLE.format(12345))[len(bos):]
+    question = encode(ev.QUESTION)[len(bos):]
+    for length in (len(bos) + len(needle) + len(question), 100, 333, 1000):
+        for depth in (0.0, 0.3, 0.5, 1.0):
+            ids = ev.passkey_prompt(encode, length, depth, 12345)
+            assert abs(len(ids) - length) <= 1
+            assert ids[:len(bos)] == bos and ids[-len(question):] == question
+            room = length - len(bos) - len(needle) - len(question)
+            # the needle's first token after depth x the filler
+            start = needle_at(ids, needle)
+            assert abs(start - len(bos) - depth * room) <= 1, (length, depth, start)
+            text = decode(ids)
+            assert text.count('12345') == 1 and text.endswith(ev.QUESTION)
+
+
+def test_a_prompt_too_short_for_the_needle_is_one_line(capsys):
+    encode, _ = get_tokenizer({'tokenizer': 'bytes'})
+    with pytest.raises(SystemExit):
+        ev.passkey_prompt(encode, 20, 0.5, 12345)
+    assert 'passkey length 20' in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- loss by position
+@pytest.mark.parametrize('doc_mask, loss_chunks', [(False, 1), (True, 3)])
+def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, tmp_path,
+                                                        train_globals):
+    cfg = ev.read_config(['--init_from=scratch', '--dataset=stdlib', '--seq_len=48',
+                          '--batch_size=3', '--eval_iters=3', '--device=cpu',
+                          f'--doc_mask={doc_mask}', f'--loss_chunks={loss_chunks}',
+                          f'--out_dir={tmp_path}'])
+    meta = train.read_dataset(1, 0)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                              vocab_size=256, loss_chunks=cfg['loss_chunks'])).eval()
+    dev = torch.device('cpu')
+    sums, counts = ev.loss_by_position(model, meta, nullcontext(), dev)
+    expected = train.evaluate(model, meta, parallel.Mesh(), nullcontext(), dev)
+    assert (sums.sum() / counts.sum()).item() == pytest.approx(expected, rel=1e-5)
+    # 48 positions: buckets 0, 1, 2-3, 4-7, 8-15, 16-31, 32-47, every one of them with targets
+    assert len(sums) == 7 and counts[:7].min() > 0
+    if not doc_mask:  # each row's position p once a row: 2^(k-1) of them in bucket k
+        assert counts.tolist() == [9, 9, 18, 36, 72, 144, 144]
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_eval_end_to_end_on_a_checkpoint_trained_on_the_passkey_corpus(passkey_data, tmp_path):
+    out = str(tmp_path / 'run')
+    run('train.py', *TINY, f'--dataset={passkey_data}', '--seq_len=128', '--doc_mask=True',
+        '--max_iters=3', '--eval_interval=2', f'--out_dir={out}')
+    # the run's keys (dataset, seq_len, doc_mask) come from its checkpoint
+    text = run('eval.py', f'--out_dir={out}', '--passkey_lengths=[90,128]',
+               '--passkey_depths=[0.0,1.0]', '--passkey_trials=2')
+    log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
+    assert 'val loss' in text and re.search(r'64 to\s+127', text)
+    assert re.search(r'passkey accuracy\tdepth \\ length\t90\t128', text)
+    assert len(re.findall(r'\n\t(0|1)\.0(\t\d+%){2}', text)) == 2
+    cells = svg(os.path.join(out, 'passkey.svg')).findall('{http://www.w3.org/2000/svg}rect')
+    assert len(cells) == 4
+    assert svg(os.path.join(out, 'positions.svg')).findall('{http://www.w3.org/2000/svg}polyline')
+    ev.write_curves(out)
+    lines = svg(os.path.join(out, 'curves.svg')).findall('{http://www.w3.org/2000/svg}polyline')
+    # train loss, val loss (two evals: iters 0, 2), tokens/s, peak memory
+    assert len(lines) == 4 and len(log) == 3
+
+
+def test_eval_end_to_end_on_a_hugging_face_directory(tiny_hf, tmp_path):
+    text = run('eval.py', f'--init_from={tiny_hf.hf}', f'--dataset={tiny_hf.data}',
+               '--seq_len=16', '--batch_size=2', '--device=cpu', '--passkey_lengths=[100]',
+               '--passkey_depths=[0.5]', '--passkey_trials=1', f'--out_dir={tmp_path}')
+    assert 'val loss' in text and 'passkey accuracy' in text
+    svg(tmp_path / 'positions.svg')
+    svg(tmp_path / 'passkey.svg')
+
+
+def test_eval_refuses_data_of_another_tokenizer(tiny_hf, tmp_path, train_globals):
+    cfg = ev.read_config([f'--init_from={tiny_hf.hf}', '--dataset=stdlib', '--device=cpu',
+                          f'--out_dir={tmp_path}'])
+    meta = train.read_dataset(1, 0)
+    # (eval.py's main says it in one line)
+    with pytest.raises(ValueError, match="made by the 'bytes' tokenizer"):
+        ev.load_model(cfg, meta)
+
+
+def test_write_curves_takes_rows_missing_keys_and_a_torn_line(tmp_path):
+    ev.write_curves(tmp_path)  # no log yet: nothing drawn, no error
+    assert not (tmp_path / 'curves.svg').exists()
+    rows = [{'iter': 0, 'loss': 5.0, 'val_loss': 5.1, 'tokens_per_s': 100.0},
+            {'iter': 1, 'loss': 4.0, 'peak_mem_bytes': 2 ** 30},
+            {'iter': 2, 'loss': 3.0, 'tokens_per_s': 120.0, 'peak_mem_bytes': 2 ** 30}]
+    text = ''.join(json.dumps(r) + '\n' for r in rows) + '{"iter": 3, "lo'
+    (tmp_path / 'log.jsonl').write_text(text)
+    ev.write_curves(tmp_path)
+    root = svg(tmp_path / 'curves.svg')
+    lines = root.findall('{http://www.w3.org/2000/svg}polyline')
+    # train loss (3 points), val loss (1), tokens/s (2), peak memory (2, flat)
+    assert [len(line.get('points').split()) for line in lines] == [3, 1, 2, 2]
+
+
+# ----------------------------------------------------------------------------- the corpus
+def test_passkey_corpus_is_documents_of_prompt_and_answer(passkey_data):
+    meta = read_meta(passkey_data, 130)
+    meta['dir'] = passkey_data
+    assert meta['tokenizer'] == 'bytes' and meta['docs'] is True
+    _, decode = get_tokenizer(meta)
+    for split in ('train', 'val'):
+        ids = np.fromfile(os.path.join(passkey_data, f'{split}.bin'), dtype=meta['dtype'])
+        starts = read_docs(meta, split)
+        lengths = np.diff(starts, append=len(ids))
+        assert len(starts) == {'train': 300, 'val': 40}[split] and lengths.max() <= 128
+        for a, n in zip(starts[:20], lengths[:20]):
+            doc = decode(ids[a:a + n].tolist())
+            key = re.search(r'The pass key is (\d{5})\. Remember it\.', doc).group(1)
+            assert doc.endswith(f'{ev.QUESTION} {key}.\n')
+            # before the needle: the filler from its start
+            assert (ev.FILLER * 3).startswith(doc.split('The pass key is')[0])
