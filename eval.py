@@ -112,27 +112,26 @@ def loss_by_position(model, meta, autocast, dev):
     2^(k-1) to 2^k - 1 (position 0 alone in bucket 0): log-spaced, a position's bit length. With
     doc_mask a target's position is its input's place in its document: what of it the model saw."""
     S = train.seq_len
-    sums = torch.zeros(S.bit_length() + 1, dtype=torch.float64)
-    counts = torch.zeros_like(sums)
     # forward with targets returns the loss alone (no [B, S, V] logits); this hook keeps the final
     # norm's output, what the LM head reads
     hidden = []
     hook = model.norm.register_forward_hook(lambda module, args, out: hidden.append(out))
     generator = torch.Generator().manual_seed(train.seed + 1)
+    buckets, losses = [], []  # of every real target
     for _ in range(train.eval_iters):
         x, y, positions, docs = train.get_batch(meta, 'val', train.batch_size, generator, dev)
         with autocast:
             model(x, y, positions, docs)
-            losses = token_losses(model, hidden.pop(), y)
+            loss = token_losses(model, hidden.pop(), y)
         if positions is None:
             positions = torch.arange(S, device=dev).expand_as(y)
         real = y != -100
+        losses.append(loss[real].double().cpu())
         # the bit length of each position: frexp's exponent (p = m 2^e, m in [0.5, 1); 0 for 0)
-        buckets = torch.frexp(positions[real].double()).exponent
-        sums += torch.bincount(buckets, losses[real], minlength=len(sums)).cpu()
-        counts += torch.bincount(buckets, minlength=len(sums)).cpu()
+        buckets.append(torch.frexp(positions[real].double()).exponent.cpu())
     hook.remove()
-    return sums, counts
+    buckets = torch.cat(buckets)
+    return torch.bincount(buckets, torch.cat(losses)), torch.bincount(buckets)
 
 
 # ----------------------------------------------------------------------------- passkey retrieval
@@ -223,12 +222,8 @@ def write_curves(out_dir):
     log = Path(out_dir, 'log.jsonl')
     if not log.exists():
         return
-    rows = []
-    for line in log.read_text().splitlines():
-        try:
-            rows.append(dict(json.loads(line)))
-        except ValueError:
-            continue
+    # a line cut short by a crash lacks its closing brace
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.endswith('}')]
 
     def points(key):
         return [(r['iter'], r[key]) for r in rows if key in r]
@@ -249,16 +244,15 @@ def main():
     model.to(dev, ptdtype).eval()
     os.makedirs(train.out_dir, exist_ok=True)
 
-    if train.eval_iters:
-        sums, counts = loss_by_position(model, meta, autocast, dev)
-        print(f"val loss {(sums.sum() / counts.sum()).item():.4f} (evaluate()'s), by position:")
-        points = []
-        for k, (total, n) in enumerate(zip(sums.tolist(), counts.tolist())):
-            if n:
-                print(f'{2 ** k // 2:>9} to {2 ** k - 1:<9} {total / n:.4f}')
-                points.append((k, total / n))
-        write_lines(Path(train.out_dir, 'positions.svg'),
-                    [('val loss by bit length of the position', {'val loss': points})])
+    sums, counts = loss_by_position(model, meta, autocast, dev)
+    print(f"val loss {(sums.sum() / counts.sum()).item():.4f} (evaluate()'s), by position:")
+    points = []
+    for k, (total, n) in enumerate(zip(sums.tolist(), counts.tolist())):
+        if n:
+            print(f'{2 ** k // 2:>9} to {2 ** k - 1:<9} {total / n:.4f}')
+            points.append((k, total / n))
+    write_lines(Path(train.out_dir, 'positions.svg'),
+                [('val loss by bit length of the position', {'val loss': points})])
 
     if cfg['passkey_trials']:
         S = train.seq_len
