@@ -9,9 +9,8 @@ each printed as a table and drawn as a picture in out_dir:
   ... up to seq_len; with doc_mask a token's position in its document). The val loss is one number
   over all positions; a model that uses its context keeps lowering its loss at later positions,
   one that lost track of it (past the length it trained at, a RoPE scaling gone wrong) flattens or
-  rises.
-  The buckets' token-weighted mean is train.py's evaluate() val loss: the same batches, the same
-  targets (tests/test_eval.py checks it).
+  rises. The buckets' token-weighted mean is train.py's evaluate() val loss: the same batches, the
+  same targets (tests/test_eval.py checks it).
 - passkey.svg, passkey retrieval: filler text with "The pass key is NNNNN. Remember it." at a depth
   (a fraction of the filler before it), then the question "What is the pass key? The pass key is";
   the digits are decoded greedily (sample.py's generate and its KV cache) and compared. Accuracy
@@ -24,7 +23,9 @@ and the memory knobs mlp_chunks, loss_chunks, attention_chunks) and the four bel
 checkpoint the run's own keys are the defaults, so the evaluation sees the data, batches and
 chunking that training saw: a long evaluation fits where training did. Memory: the loss never
 holds the [B, S, V] logits at once; each token's loss comes from the final hidden states, a chunk
-of the sequence at a time (loss_chunks' chunks).
+of the sequence at a time (loss_chunks' chunks). A passkey prompt's prefill is sample.generate's:
+it holds the prompt's [T, V] logits and, in attention with a KV cache, a T x T mask, which bounds
+the length a GPU can test (prompts of a few thousand tokens are cheap anywhere).
 
 write_curves(out_dir) draws the run's own curves.svg from out_dir/log.jsonl (train.py calls it at
 each evaluation): train and val loss, tokens/s and peak memory against the step.

@@ -98,6 +98,32 @@ def test_a_prompt_too_short_for_the_needle_is_one_line(capsys):
     assert 'passkey length 20' in capsys.readouterr().err
 
 
+def test_passkey_scores_the_first_number_of_the_answer(monkeypatch):
+    """A stand-in for sample.generate that answers from the prompt's needle: right, off by one,
+    or right after a letter; the accuracy counts the first number of the answer only."""
+    encode, decode = get_tokenizer({'tokenizer': 'bytes'})
+
+    def answer(say):
+        def generate(model, idx, max_new_tokens, temperature):
+            key = int(re.search(r'pass key is (\d+)', decode(idx[0].tolist())).group(1))
+            new = encode(say(key))[:max_new_tokens]
+            return torch.cat([idx, torch.tensor([new])], 1)
+        return generate
+
+    cases = {' {}.\n': 1.0, ' {}1.': 0.0, ' x{}.': 1.0, ' 1{}': 0.0, ' no': 0.0}
+    for say, expected in cases.items():
+        monkeypatch.setattr(ev, 'generate', answer(say.format))
+        accuracy = ev.passkey(None, encode, decode, [100, 150], [0.0, 1.0], 3, 'cpu')
+        assert accuracy.tolist() == [[expected] * 2] * 2, say
+
+
+def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
+    with pytest.raises(SystemExit):
+        ev.read_config([f'--out_dir={tmp_path}'])
+    err = capsys.readouterr().err
+    assert err == f'error: no checkpoint in {tmp_path} (train one first: python train.py)\n'
+
+
 # ----------------------------------------------------------------------------- loss by position
 @pytest.mark.parametrize('doc_mask, loss_chunks', [(False, 1), (True, 3)])
 def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, tmp_path,
