@@ -223,8 +223,14 @@ def write_curves(out_dir):
     log = Path(out_dir, 'log.jsonl')
     if not log.exists():
         return
-    # a line cut short by a crash lacks its closing brace
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.endswith('}')]
+    rows = []
+    for line in log.read_text().splitlines():
+        # a line cut short by a crash (and a resumed run's row appended to it) is not JSON: a
+        # picture must never stop the run that draws it
+        try:
+            rows.append(dict(json.loads(line)))
+        except (ValueError, TypeError):  # (TypeError: JSON, but not an object)
+            continue
 
     def points(key):
         return [(r['iter'], r[key]) for r in rows if key in r]

@@ -191,7 +191,9 @@ def test_write_curves_takes_rows_missing_keys_and_a_torn_line(tmp_path):
     rows = [{'iter': 0, 'loss': 5.0, 'val_loss': 5.1, 'tokens_per_s': 100.0},
             {'iter': 1, 'loss': 4.0, 'peak_mem_bytes': 2 ** 30},
             {'iter': 2, 'loss': 3.0, 'tokens_per_s': 120.0, 'peak_mem_bytes': 2 ** 30}]
-    text = ''.join(json.dumps(r) + '\n' for r in rows) + '{"iter": 3, "lo'
+    # a run killed mid-line, then resumed: its next row lands on the torn line
+    text = ''.join(json.dumps(r) + '\n' for r in rows) + '{"iter": 3, "lo' + json.dumps(rows[0])
+    text += '\n3\n'  # JSON, not a row
     (tmp_path / 'log.jsonl').write_text(text)
     ev.write_curves(tmp_path)
     root = svg(tmp_path / 'curves.svg')
