@@ -146,6 +146,8 @@ def passkey_prompt(encode, length, depth, key):
     needle, question, filler = (encode(text)[len(bos):] for text in (
         NEEDLE.format(key), QUESTION, FILLER * (length // 10 + 1)))
     room = length - len(bos) - len(needle) - len(question)
+    if not 0 <= depth <= 1:
+        die(f"passkey depth {depth}: must be in [0, 1], a fraction of the filler before the key")
     if room < 0:
         die(f"passkey length {length}: the needle and question alone take {length - room} tokens")
     before = round(depth * room)

@@ -96,6 +96,9 @@ def test_a_prompt_too_short_for_the_needle_is_one_line(capsys):
     with pytest.raises(SystemExit):
         ev.passkey_prompt(encode, 20, 0.5, 12345)
     assert 'passkey length 20' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ev.passkey_prompt(encode, 200, 1.5, 12345)
+    assert 'passkey depth 1.5: must be in [0, 1]' in capsys.readouterr().err
 
 
 def test_passkey_scores_the_first_number_of_the_answer(monkeypatch):
