@@ -11,12 +11,13 @@ each printed as a table and drawn as a picture in out_dir:
   one that lost track of it (past the length it trained at, a RoPE scaling gone wrong) flattens or
   rises. The buckets' token-weighted mean is train.py's evaluate() val loss: the same batches, the
   same targets (tests/test_eval.py checks it).
-- passkey.svg, passkey retrieval: filler text with "The pass key is NNNNN. Remember it." at a depth
-  (a fraction of the filler before it), then the question "What is the pass key? The pass key is";
-  the digits are decoded greedily (sample.py's generate and its KV cache) and compared. Accuracy
-  per (prompt length, depth), a heatmap. The idea is LongLoRA's passkey_retrivial.py (Chen et al.
-  2023, after Mohtashami & Jaggi's landmark attention); EasyContext's eval_needle.py (needle in a
-  haystack) and RULER (Hsieh et al. 2024) are its larger cousins.
+- passkey.svg, passkey retrieval: filler text with "The pass key is NNNNN. Remember it. NNNNN is
+  the pass key." at a depth (a fraction of the filler before it), then the question "What is the
+  pass key? The pass key is"; the digits are decoded greedily (sample.py's generate and its KV
+  cache) and compared. Accuracy per (prompt length, depth), a heatmap. The idea is LongLoRA's
+  passkey_retrivial.py (Chen et al. 2023, after Mohtashami & Jaggi's landmark attention);
+  EasyContext's eval_needle.py (needle in a haystack) and RULER (Hsieh et al. 2024) are its larger
+  cousins.
 
 The keys are train.py's (seq_len, batch_size, dataset, doc_mask, eval_iters, seed, device, dtype
 and the memory knobs mlp_chunks, loss_chunks, attention_chunks) and the four below. With a
@@ -27,11 +28,10 @@ of the sequence at a time (loss_chunks' chunks). A passkey prompt's prefill is s
 it holds the prompt's [T, V] logits and, in attention with a KV cache, a T x T mask, which bounds
 the length a GPU can test (prompts of a few thousand tokens are cheap anywhere).
 
-write_curves(out_dir) draws the run's own curves.svg from out_dir/log.jsonl (train.py calls it at
-each evaluation): train and val loss, tokens/s and peak memory against the step.
+(The run's own curves, loss, tokens/s and memory against the step, are train.py's curves.svg,
+drawn at each evaluation by measure.write_curves.)
 """
 
-import json
 import os
 import random
 import re
@@ -39,9 +39,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import checkpoint
 import chunked
+import measure
 import train
 from configurator import configure, die
 from data.tokenizer import check_tokenizer, get_tokenizer
@@ -56,10 +58,12 @@ EVAL_KEYS = dict(
     passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0],  # where the key sits: a fraction of the filler
     passkey_trials=5,  # prompts per (length, depth), each with its own key; 0: no passkey test
 )
-# LongLoRA's filler and question; data/passkey/prepare.py trains on the same prompts
-FILLER = ('The grass is green. The sky is blue. The sun is yellow. Here we go. '
+# LongLoRA's needle and question, and its filler without ' is ' (its 'The grass is green...'): the
+# question's '... is' then matches nothing in the filler, only the needle. data/passkey/prepare.py
+# trains on the same prompts (and says why the needle says its key twice)
+FILLER = ('The grass grows green. The sky glows blue. The sun shines yellow. Here we go. '
           'There and back again. ')
-NEEDLE = 'The pass key is {}. Remember it. '
+NEEDLE = 'The pass key is {0}. Remember it. {0} is the pass key. '
 QUESTION = 'What is the pass key? The pass key is'
 # -----------------------------------------------------------------------------
 
@@ -94,43 +98,33 @@ def load_model(cfg, meta):
 
 
 # ----------------------------------------------------------------------------- loss by position
-def token_losses(model, hidden, y):
-    """Each target's loss [B, S] (0 where ignored) from the final hidden states [B, S, h]: the LM
-    head on a chunk of the sequence at a time (loss_chunks' chunks), so only a chunk's fp32 logits
-    exist at once."""
-    chunks = chunked.loss_chunks(model.config, y.numel())
-    losses = []
-    for h, targets in zip(hidden.tensor_split(chunks, 1), y.tensor_split(chunks, 1)):
-        logits = model.output(h).float()
-        losses.append(F.cross_entropy(logits.transpose(1, 2), targets, reduction='none'))
-    return torch.cat(losses, 1)
-
-
 @torch.no_grad()
 def loss_by_position(model, meta, autocast, dev):
     """(sums, counts): the losses of the real targets in each position bucket, added, and their
     number, over evaluate()'s batches (from its seed: the same ones). Bucket k holds positions
     2^(k-1) to 2^k - 1 (position 0 alone in bucket 0): log-spaced, a position's bit length. With
-    doc_mask a target's position is its input's place in its document: what of it the model saw."""
-    S = train.seq_len
-    # forward with targets returns the loss alone (no [B, S, V] logits); this hook keeps the final
-    # norm's output, what the LM head reads
-    hidden = []
-    hook = model.norm.register_forward_hook(lambda module, args, out: hidden.append(out))
+    doc_mask a target's position is its input's place in its document: what of it the model saw.
+    Each target's loss comes from the final hidden states, the LM head on a chunk of the sequence
+    at a time (loss_chunks' chunks): only a chunk's fp32 logits exist at once, never [B, S, V]."""
+    model.pipelined = True  # forward stops before the LM head, as a pipeline's last stage does
     generator = torch.Generator().manual_seed(train.seed + 1)
     buckets, losses = [], []  # of every real target
     for _ in range(train.eval_iters):
         x, y, positions, docs = train.get_batch(meta, 'val', train.batch_size, generator, dev)
+        chunks = chunked.loss_chunks(model.config, y.numel())
+        loss = []  # [B, S / chunks] each
         with autocast:
-            model(x, y, positions, docs)
-            loss = token_losses(model, hidden.pop(), y)
+            hidden = model(x, positions=positions, docs=docs)
+            for h, targets in zip(hidden.tensor_split(chunks, 1), y.tensor_split(chunks, 1)):
+                logits = model.output(h).float().transpose(1, 2)
+                loss.append(F.cross_entropy(logits, targets, reduction='none'))
         if positions is None:
-            positions = torch.arange(S, device=dev).expand_as(y)
+            positions = torch.arange(train.seq_len, device=dev).expand_as(y)
         real = y != -100
-        losses.append(loss[real].double().cpu())
+        losses.append(torch.cat(loss, 1)[real].double().cpu())
         # the bit length of each position: frexp's exponent (p = m 2^e, m in [0.5, 1); 0 for 0)
         buckets.append(torch.frexp(positions[real].double()).exponent.cpu())
-    hook.remove()
+    model.pipelined = False
     buckets = torch.cat(buckets)
     return torch.bincount(buckets, torch.cat(losses)), torch.bincount(buckets)
 
@@ -141,8 +135,8 @@ def passkey_prompt(encode, length, depth, key):
     `depth` of the filler, the rest of the filler, the question. Each part is encoded alone and
     the ids joined, so the length is exact in any tokenizer (the filler cut mid-word is fine)."""
     bos = encode('')  # what encode puts before any text (a Llama's BOS), or nothing
-    # a filler sentence is 88 bytes, 20 tokens in GPT-2's or Llama 3's vocabulary: length / 10
-    # of them are enough
+    # the filler is 94 bytes, about 20 tokens in GPT-2's or Llama 3's vocabulary: length / 10
+    # copies of it are enough
     needle, question, filler = (encode(text)[len(bos):] for text in (
         NEEDLE.format(key), QUESTION, FILLER * (length // 10 + 1)))
     room = length - len(bos) - len(needle) - len(question)
@@ -160,7 +154,7 @@ def passkey(model, encode, decode, lengths, depths, trials, dev):
     greedy answer's first number is the key."""
     rng = random.Random(train.seed)
     right = torch.zeros(len(depths), len(lengths))
-    for j, length in enumerate(lengths):
+    for j, length in enumerate(tqdm(lengths, 'passkey, by length')):
         for i, depth in enumerate(depths):
             for _ in range(trials):
                 key = rng.randint(10000, 99999)
@@ -173,74 +167,22 @@ def passkey(model, encode, decode, lengths, depths, trials, dev):
     return right / trials
 
 
-# ----------------------------------------------------------------------------- pictures
-# Hand-written SVG, as measure.write_svg: any browser shows it, nothing to install
-
-def write_svg(path, width, height, parts):
-    Path(path).write_text('\n'.join([
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        'font-family="sans-serif" font-size="12">', *parts, '</svg>']))
-
-
-def write_lines(path, panels):
-    """Panels one above the other, each a (title, {name: [(x, y), ...]}), its lines blue then red,
-    scaled to fill the panel (SVG's y grows downwards: 200 - y); its ranges written in the title."""
-    parts = []
-    for n, (title, lines) in enumerate(panels):
-        points = [p for line in lines.values() for p in line]
-        if not points:
-            continue
-        xs, ys = zip(*points)
-        x0, y0 = min(xs), min(ys)
-        parts.append(f'<text x="10" y="{240 * n + 20}">{title}: x {x0:.4g} to {max(xs):.4g}, '
-                     f'y {y0:.4g} to {max(ys):.4g}</text>')
-        # a single point, or a flat line, still has a range to divide by
-        x_scale = 600 / max(max(xs) - x0, 1e-9)
-        y_scale = 200 / max(max(ys) - y0, 1e-9)
-        for color, line in zip(['blue', 'red'], lines.values()):
-            xy = ' '.join(f'{10 + (x - x0) * x_scale:.1f},{240 * n + 230 - (y - y0) * y_scale:.1f}'
-                          for x, y in line)
-            parts.append(f'<polyline points="{xy}" fill="none" stroke="{color}"/>')
-    write_svg(path, 620, 240 * len(panels), parts)
-
-
+# ----------------------------------------------------------------------------- the heatmap
 def write_heatmap(path, accuracy, lengths, depths):
-    """passkey.svg: a cell per (depth, length), red at 0% to green at 100%, its figure in it."""
-    parts = ['<text x="4" y="14">passkey accuracy: depth down, length (tokens) across</text>']
+    """passkey.svg: a cell per (depth, length), red at 0% to green at 100%, its figure in it.
+    Hand-written SVG, as measure.py's pictures: any browser shows it."""
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{60 * len(lengths) + 80}" '
+           f'height="{60 * len(depths) + 50}" font-family="sans-serif" font-size="12">',
+           '<text x="4" y="14">passkey accuracy: depth down, length (tokens) across</text>']
     for j, length in enumerate(lengths):
-        parts.append(f'<text x="{60 * j + 80}" y="{60 * len(depths) + 45}">{length}</text>')
+        out.append(f'<text x="{60 * j + 70}" y="{60 * len(depths) + 45}">{length}</text>')
     for i, depth in enumerate(depths):
-        parts.append(f'<text x="4" y="{60 * i + 55}">{depth:g}</text>')
+        out.append(f'<text x="4" y="{60 * i + 55}">{depth:g}</text>')
         for j, a in enumerate(accuracy[i].tolist()):
-            parts.append(f'<rect x="{60 * j + 60}" y="{60 * i + 25}" width="60" height="60" '
-                         f'fill="hsl({120 * a:.0f},70%,60%)"/>')
-            parts.append(f'<text x="{60 * j + 75}" y="{60 * i + 55}">{a:.0%}</text>')
-    write_svg(path, max(320, 60 * len(lengths) + 80), 60 * len(depths) + 50, parts)
-
-
-def write_curves(out_dir):
-    """out_dir/curves.svg from out_dir/log.jsonl (train.py's rows): loss and val loss, tokens/s and
-    peak memory against the step. Rows without a key, or a last line cut short by a crash, are
-    left out; no log yet: nothing drawn."""
-    log = Path(out_dir, 'log.jsonl')
-    if not log.exists():
-        return
-    rows = []
-    for line in log.read_text().splitlines():
-        # a line cut short by a crash (and a resumed run's row appended to it) is not JSON: a
-        # picture must never stop the run that draws it
-        try:
-            rows.append(dict(json.loads(line)))
-        except (ValueError, TypeError):  # (TypeError: JSON, but not an object)
-            continue
-
-    def points(key):
-        return [(r['iter'], r[key]) for r in rows if key in r]
-
-    write_lines(Path(out_dir, 'curves.svg'), [
-        ('loss (blue: train, red: val)', {'train': points('loss'), 'val': points('val_loss')}),
-        ('tokens/s', {'tokens/s': points('tokens_per_s')}),
-        ('peak memory (bytes)', {'peak': points('peak_mem_bytes')})])
+            out.append(f'<rect x="{60 * j + 60}" y="{60 * i + 25}" width="60" height="60" '
+                       f'fill="hsl({120 * a:.0f},70%,60%)"/>')
+            out.append(f'<text x="{60 * j + 75}" y="{60 * i + 55}">{a:.0%}</text>')
+    Path(path).write_text('\n'.join(out + ['</svg>']) + '\n')
 
 
 # -----------------------------------------------------------------------------
@@ -259,8 +201,8 @@ def main():
     means = (sums / counts).tolist()
     for k, mean in enumerate(means):
         print(f'{2 ** k // 2:>9} to {2 ** k - 1:<9} {mean:.4f}')
-    write_lines(Path(train.out_dir, 'positions.svg'),
-                [('val loss by bit length of the position', {'val loss': list(enumerate(means))})])
+    measure.write_lines(Path(train.out_dir, 'positions.svg'),
+                        [('val loss by bit length of the position', [list(enumerate(means))])])
 
     if cfg['passkey_trials']:
         S = train.seq_len

