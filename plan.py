@@ -73,6 +73,7 @@ import sys
 import tempfile
 import time
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -88,6 +89,8 @@ NVLINK, NETWORK = 450e9, 50e9
 EFFICIENCY = 0.473  # fitted (the header): tests/test_plan.py
 # plan.py's own keys and their defaults (train.py's are read beside them)
 KEYS = dict(gpus=1, nodes=1, gpu_gb=80.0, host_gb=0.0, step=0, peak_tflops=989.0, svg='plan.svg')
+# the sizes a layout's groups take, and plan.svg's GPU counts
+POWERS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Target(NamedTuple):
@@ -111,18 +114,18 @@ class Plan(NamedTuple):
 
 def broken(c, gpus, layout, seq_len=None):
     """parallel.check_layout's reason why c can't run so (None: it can)."""
-    L = layout
-    return parallel.check_layout(c, gpus, L['tp_size'], L['cp_size'], L['cp_impl'], seq_len,
-                                 L['zero'], 'cuda', torch.bfloat16, L['offload_states'],
-                                 L['pp_size'], L['gradient_accumulation_steps'],
-                                 L['pp_schedule'], L['ep_size'])
+    return parallel.check_layout(c, gpus, layout['tp_size'], layout['cp_size'],
+                                 layout['cp_impl'], seq_len, layout['zero'], 'cuda',
+                                 torch.bfloat16, layout['offload_states'], layout['pp_size'],
+                                 layout['gradient_accumulation_steps'], layout['pp_schedule'],
+                                 layout['ep_size'])
 
 
 def layouts(c, target):
     """Every layout of the target's GPUs that can run c: tp within a node, pp up to 8 stages, each
     with at least as many micro-batches (1F1B's rule: the step's tokens grow with them)."""
     s, n = target.settings, target.gpus
-    sizes = [k for k in (1, 2, 4, 8, 16, 32, 64) if n % k == 0]
+    sizes = [k for k in POWERS if n % k == 0]
     # the layout's own rules, whatever knobs the config set (plans() checks each setting's)
     plain = replace(c, recompute='none', offload=0.0, attention_chunks=1)
     for tp, cp, pp, ep, impl, zero, on_host in itertools.product(
@@ -130,9 +133,9 @@ def layouts(c, target):
         layout = dict(tp_size=tp, cp_size=cp, cp_impl=impl, pp_size=pp, dp=n // (tp * cp * pp),
                       zero=zero, offload_states=on_host, ep_size=ep, pp_schedule=s['pp_schedule'],
                       gradient_accumulation_steps=max(pp, s['gradient_accumulation_steps']))
-        # (a ring of one rank is no layout of its own)
-        runs = n % (tp * cp * pp) == 0 and tp <= min(target.per_node, 8)
-        if runs and (cp > 1 or impl == 'ulysses') and not broken(plain, n, layout):
+        # (a ring of one rank is no layout of its own; broken() says whether tp·cp·pp divides n)
+        within_node = tp <= min(target.per_node, 8)
+        if within_node and (cp > 1 or impl == 'ulysses') and not broken(plain, n, layout):
             yield layout
 
 
@@ -158,9 +161,7 @@ def plans(c, layout, seq_len, target, least=False):
             device = max(e.total for e in es) + overhead
             node = max(e.host for e in es) * target.per_node
             if device <= FIT_FRACTION * target.gpu_bytes and node <= target.host_bytes:
-                seconds = 0
-                if not least:
-                    seconds = step_seconds(v, layout, seq_len, target)
+                seconds = 0 if least else step_seconds(v, layout, seq_len, target)
                 yield Plan(seq_len, layout, v, device, node, seconds)
 
 
@@ -198,7 +199,7 @@ def step_seconds(c, layout, seq_len, target):
     # over PCIe
     d, N = dp * cp, num_params(c) / (t * pp)
     runs = c.n_layer / pp * M
-    hidden = hidden * runs
+    hidden *= runs
     if layout['zero']:
         hidden += M * (2 * (1 + (layout['zero'] == 3)) + 4) * N * (d - 1) / d / link(target.gpus)
     elif d > 1:
@@ -254,18 +255,22 @@ def tokens_per_s(p, target):
     return p.layout['dp'] * tokens / p.seconds
 
 
-def command(p, target, argv):
+def keys(p):
+    """Plan p's keys: the layout (train.py's keys, and dp), then the memory knobs."""
+    return {**p.layout, **{k: getattr(p.config, k) for k in MEMORY_KNOBS}}
+
+
+def command(p, argv):
     """train.py's keys for plan p after argv (the user's): the layout, the knobs, the length."""
-    keys = {k: v for k, v in p.layout.items() if k != 'dp'}
-    keys.update({k: getattr(p.config, k) for k in MEMORY_KNOBS}, seq_len=p.seq_len)
-    return argv + [f'--{k}={v!r}' for k, v in keys.items()]
+    chosen = [f'--{k}={v!r}' for k, v in keys(p).items() if k != 'dp']
+    return argv + chosen + [f'--seq_len={p.seq_len}']
 
 
 def dry_run(p, target, argv):
     """train.py's dry run of plan p, rank 0 of the world on this CPU: (fits, bytes a GPU with
     the overhead, host bytes a node)."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, 'train.py'] + command(p, target, argv) + [
+        cmd = [sys.executable, 'train.py'] + command(p, argv) + [
             '--dry_run=True', f'--memory_budget_gb={target.gpu_bytes / GiB}',
             f'--host_memory_budget_gb={target.host_bytes / target.per_node / GiB}',
             f'--out_dir={out}']
@@ -273,8 +278,7 @@ def dry_run(p, target, argv):
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if run.returncode:
             die(f"the dry run failed: {' '.join(cmd)}: {run.stderr.strip()[-300:]}")
-        with open(os.path.join(out, 'memory.json')) as f:
-            report = json.load(f)
+        report = json.loads(Path(out, 'memory.json').read_text())
     rank, host = report['ranks'][0], report.get('host', {}).get('measured', 0)
     return report['fits'], rank['measured']['total'] + rank['overhead'], host * target.per_node
 
@@ -306,38 +310,35 @@ def confirm(c, p, target, step, argv, longest_mode):
 
 def name(p):
     """The layout and knobs that differ from train.py's defaults: 'cp_size=8 zero=3 ...'."""
-    keys = dict(p.layout)
-    keys.update({k: getattr(p.config, k) for k in MEMORY_KNOBS})
-    return ' '.join(f'{k}={v}' for k, v in keys.items() if v != getattr(train, k, None))
+    return ' '.join(f'{k}={v}' for k, v in keys(p).items() if v != getattr(train, k, None))
 
 
 def draw(c, target, path):
     """plan.svg: the longest length against the GPUs (1 to 64, 8 a node), a line per GPU memory
     (24, 80, 141 GB), each GPU with the target's host memory. Hand-written SVG, log2 axes."""
-    counts, colors = (1, 2, 4, 8, 16, 32, 64), {24: 'green', 80: 'blue', 141: 'red'}
+    colors = {24: 'green', 80: 'blue', 141: 'red'}
     per_gpu = target.host_bytes / target.per_node
     out = ['<svg xmlns="http://www.w3.org/2000/svg" width="800" height="400" '
            'font-family="sans-serif" font-size="12">',
            f'<text x="10" y="20">the longest sequence that fits (plan.py), by GPUs (x, 8 a node); '
            f'{per_gpu / GiB:.0f} GiB of host memory a GPU</text>']
-    out += [f'<text x="{75 + 100 * i}" y="380">{n}</text>' for i, n in enumerate(counts)]
+    out += [f'<text x="{75 + 100 * i}" y="380">{n}</text>' for i, n in enumerate(POWERS)]
     for gb, color in colors.items():
         points = []
-        for i, n in enumerate(counts):
+        for i, n in enumerate(POWERS):
             t = target._replace(gpus=n, per_node=min(n, 8), gpu_bytes=gb * GiB,
                                 host_bytes=per_gpu * min(n, 8))
-            best = search(c, t, 8192 * n)
-            if best:
+            length = max((p.seq_len for p in search(c, t, 8192 * n)), default=0)
+            if length:
                 # 8,192 tokens at the bottom, 2^30 at the top
-                x, y = 80 + 100 * i, 350 - 300 * (math.log2(best[0].seq_len) - 13) / 17
+                x, y = 80 + 100 * i, 350 - 300 * (math.log2(length) - 13) / 17
                 points.append(f'{x},{y:.0f}')
                 out.append(f'<text x="{x}" y="{y - 4:.0f}" fill="{color}" font-size="9">'
-                           f'{best[0].seq_len / 1e6:.2f}M</text>')
-            print(f"plan.svg: {gb} GB x {n}: {best[0].seq_len if best else 0:,} tokens", flush=True)
+                           f'{length / 1e6:.2f}M</text>')
+            print(f"plan.svg: {gb} GB x {n}: {length:,} tokens", flush=True)
         out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}"/>')
         out.append(f'<text x="720" y="{points[-1].split(",")[1]}" fill="{color}">{gb} GB</text>')
-    with open(path, 'w') as f:
-        f.write('\n'.join(out + ['</svg>']))
+    Path(path).write_text('\n'.join(out + ['</svg>']))
 
 
 def main():
@@ -348,9 +349,10 @@ def main():
     seq_len = None
     if any(a.startswith('--seq_len=') for a in argv):
         seq_len = cfg['seq_len']
-    n, per_node = cfg['gpus'], cfg['gpus'] // max(cfg['nodes'], 1)
-    if n < 1 or cfg['nodes'] < 1 or n % cfg['nodes']:
-        die(f"gpus={n} must be a positive multiple of nodes={cfg['nodes']}")
+    n, nodes = cfg['gpus'], cfg['nodes']
+    if n < 1 or nodes < 1 or n % nodes:
+        die(f"gpus={n} must be a positive multiple of nodes={nodes}")
+    per_node = n // nodes
     settings = {k: cfg[k] for k in ('batch_size', 'pp_schedule', 'gradient_accumulation_steps',
                                     'doc_mask', 'optimizer')}
     settings.update(dtype='bfloat16', device_type='cuda')
@@ -371,29 +373,30 @@ def main():
           f"({target.host_bytes / GiB:,.0f} GiB of host a node; searched in "
           f"{time.time() - start:.1f} s), {what}:")
     print(f"{'tokens':>13s} {'GiB a GPU':>10s} {'host a node':>12s} {'tokens/s':>10s}  plan")
-    for i, p in enumerate(ranked[:10]):
-        print(f"{i + 1:2d} {p.seq_len:>10,} {p.device / GiB:>10.2f} {p.host / GiB:>12.2f} "
+    for i, p in enumerate(ranked[:10], 1):
+        print(f"{i:2d} {p.seq_len:>10,} {p.device / GiB:>10.2f} {p.host / GiB:>12.2f} "
               f"{tokens_per_s(p, target):>10,.0f}  {name(p)}")
-    # the winner, then each next plan the confirmed ones don't beat by 3% (the runner-up within
+    # the winner, then each next plan the best confirmed doesn't beat by 3% (the runner-up within
     # 3%; the next where the dry run cut the winner's length)
-    confirmed = []
+    best = None
     for p in ranked:
-        if confirmed and seq_len and p.seconds > 1.03 * confirmed[0].seconds:
+        if best and seq_len and p.seconds > 1.03 * best.seconds:
             break
-        if confirmed and not seq_len and p.seq_len < 0.97 * confirmed[0].seq_len:
+        if best and not seq_len and p.seq_len < 0.97 * best.seq_len:
             break
         q = confirm(c, p, target, step, passed, not seq_len)
         if q:
-            confirmed = sorted(confirmed + [q], key=lambda p: (-p.seq_len, p.seconds))
-    if not confirmed:
+            # the longest confirmed, of equal lengths the fastest (of equals, the earlier)
+            best = min(filter(None, (best, q)), key=lambda p: (-p.seq_len, p.seconds))
+    if not best:
         die("no plan fits" + " (by dry run)" * bool(ranked))
-    best = confirmed[0]
     launch = ['python']
     if n > 1:
-        launch = ['torchrun', f'--nproc_per_node={per_node}'] + [f'--nnodes={n // per_node}'] * (
-            n > per_node)
+        launch = ['torchrun', f'--nproc_per_node={per_node}']
+    if nodes > 1:
+        launch.append(f'--nnodes={nodes}')
     print(f"the plan: {best.seq_len:,} tokens, {tokens_per_s(best, target):,.0f} tokens/s "
-          f"predicted:\n  " + ' '.join(launch + ['train.py'] + command(best, target, passed)))
+          f"predicted:\n  " + ' '.join(launch + ['train.py'] + command(best, passed)))
     if cfg['svg']:
         draw(c, target, cfg['svg'])
         print(f"wrote {cfg['svg']}")
