@@ -24,9 +24,10 @@ and the memory knobs mlp_chunks, loss_chunks, attention_chunks) and the four bel
 checkpoint the run's own keys are the defaults, so the evaluation sees the data, batches and
 chunking that training saw: a long evaluation fits where training did. Memory: the loss never
 holds the [B, S, V] logits at once; each token's loss comes from the final hidden states, a chunk
-of the sequence at a time (loss_chunks' chunks). A passkey prompt's prefill is sample.generate's:
-it holds the prompt's [T, V] logits and, in attention with a KV cache, a T x T mask, which bounds
-the length a GPU can test (prompts of a few thousand tokens are cheap anywhere).
+of the sequence at a time (loss_chunks' chunks). A passkey prompt runs through sample.generate,
+once whole (prefill: causal attention without a T x T mask, the last token's logits only), then a
+token at a time against the KV cache: a prompt's keys and values, 4·L·n_kv_head·head_dim bytes a
+token in bf16, are what it holds beyond the model.
 
 (The run's own curves, loss, tokens/s and memory against the step, are train.py's curves.svg,
 drawn at each evaluation by measure.write_curves.)
@@ -106,7 +107,10 @@ def loss_by_position(model, meta, autocast, dev):
     doc_mask a target's position is its input's place in its document: what of it the model saw.
     Each target's loss comes from the final hidden states, the LM head on a chunk of the sequence
     at a time (loss_chunks' chunks): only a chunk's fp32 logits exist at once, never [B, S, V]."""
-    model.pipelined = True  # forward stops before the LM head, as a pipeline's last stage does
+    # forward with targets returns the loss alone (no [B, S, V] logits); this hook keeps the final
+    # norm's output, the hidden states the LM head reads
+    hidden = []
+    hook = model.norm.register_forward_hook(lambda module, args, out: hidden.append(out))
     generator = torch.Generator().manual_seed(train.seed + 1)
     buckets, losses = [], []  # of every real target
     for _ in range(train.eval_iters):
@@ -114,8 +118,8 @@ def loss_by_position(model, meta, autocast, dev):
         chunks = chunked.loss_chunks(model.config, y.numel())
         loss = []  # [B, S / chunks] each
         with autocast:
-            hidden = model(x, positions=positions, docs=docs)
-            for h, targets in zip(hidden.tensor_split(chunks, 1), y.tensor_split(chunks, 1)):
+            model(x, y, positions, docs)
+            for h, targets in zip(hidden.pop().tensor_split(chunks, 1), y.tensor_split(chunks, 1)):
                 logits = model.output(h).float().transpose(1, 2)
                 loss.append(F.cross_entropy(logits, targets, reduction='none'))
         if positions is None:
@@ -124,7 +128,7 @@ def loss_by_position(model, meta, autocast, dev):
         losses.append(torch.cat(loss, 1)[real].double().cpu())
         # the bit length of each position: frexp's exponent (p = m 2^e, m in [0.5, 1); 0 for 0)
         buckets.append(torch.frexp(positions[real].double()).exponent.cpu())
-    model.pipelined = False
+    hook.remove()
     buckets = torch.cat(buckets)
     return torch.bincount(buckets, torch.cat(losses)), torch.bincount(buckets)
 
@@ -171,7 +175,7 @@ def passkey(model, encode, decode, lengths, depths, trials, dev):
 def write_heatmap(path, accuracy, lengths, depths):
     """passkey.svg: a cell per (depth, length), red at 0% to green at 100%, its figure in it.
     Hand-written SVG, as measure.py's pictures: any browser shows it."""
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{60 * len(lengths) + 80}" '
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{max(60 * len(lengths) + 80, 340)}" '
            f'height="{60 * len(depths) + 50}" font-family="sans-serif" font-size="12">',
            '<text x="4" y="14">passkey accuracy: depth down, length (tokens) across</text>']
     for j, length in enumerate(lengths):
@@ -196,7 +200,7 @@ def main():
     os.makedirs(train.out_dir, exist_ok=True)
 
     sums, counts = loss_by_position(model, meta, autocast, dev)
-    print(f"val loss {(sums.sum() / counts.sum()).item():.4f} (evaluate()'s), by position:")
+    print(f"val loss {sums.sum() / counts.sum():.4f} (evaluate()'s), by position:")
     # (no bucket is empty: a real target at position p has its document's 0..p - 1 before it)
     means = (sums / counts).tolist()
     for k, mean in enumerate(means):

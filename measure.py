@@ -16,6 +16,7 @@ as measuring all L. (Analytic formulas reason the same way, one layer's bytes ti
 Korthikanti et al. 2022's activations do; here one block's bytes are measured, not counted.)
 """
 import json
+import math
 import re
 import warnings
 import weakref
@@ -399,10 +400,12 @@ def write_curves(out_dir):
         except ValueError:
             continue
 
-    def points(key):
-        return [(row['iter'], row[key]) for row in rows if key in row]
+    def points(key, scale=float):
+        return [(row['iter'], scale(row[key])) for row in rows if key in row]
 
+    # the loss on a log scale: the first steps' would flatten the rest on a linear one
     write_lines(Path(out_dir, 'curves.svg'), [
-        ('loss (blue: train, red: val)', [points('loss'), points('val_loss')]),
+        ('log10 loss (blue: train, red: val)',
+         [points('loss', math.log10), points('val_loss', math.log10)]),
         ('tokens/s', [points('tokens_per_s')]),
         ('peak memory (bytes)', [points('peak_mem_bytes')])])

@@ -295,6 +295,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         k, v = kv_cache.update(k, v)
         n_q, n_k = q.shape[2], k.shape[2]
+        if n_q == n_k and self.window is None:  # the prompt (prefill): causal, no T x T mask
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         mask = window_mask(n_q, n_k, self.window or n_k, q.device)
         return F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
 
@@ -407,10 +409,10 @@ class Llama(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None):
-        """idx [B, S] -> logits [B, S, V]; with targets -> (logits or None, mean loss over targets
-        != -100). `positions` [S] or [B, S] are the positions of idx's tokens (a shard of a longer
-        sequence, the tokens after a kv cache, each token's place in its document); they default to
-        0..S-1. `docs`: see attention()."""
+        """idx [B, S] -> logits [B, S, V] (with kv_caches: the last token's, [B, 1, V]); with
+        targets -> (logits or None, mean loss over targets != -100). `positions` [S] or [B, S] are
+        the positions of idx's tokens (a shard of a longer sequence, the tokens after a kv cache,
+        each token's place in its document); they default to 0..S-1. `docs`: see attention()."""
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
         # RoPE's tables from frequencies made here: a buffer would be rounded to bf16 by model.to().
@@ -426,6 +428,8 @@ class Llama(nn.Module):
             x = self.enter_tp(self.norm(x))
         if self.pipelined:
             return x
+        if kv_caches is not None:  # sampling reads the last token's logits: not a prompt's [T, V]
+            x = x[:, -1:]
         return self.head(x, targets)
 
     def head(self, x, targets=None):
