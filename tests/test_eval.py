@@ -169,11 +169,11 @@ def test_eval_end_to_end_on_a_checkpoint_trained_on_the_passkey_corpus(passkey_d
     run('train.py', *TINY, f'--dataset={passkey_data}', '--seq_len=128', '--doc_mask=True',
         '--max_iters=3', '--eval_interval=2', f'--out_dir={out}')
     # the run's keys (dataset, seq_len, doc_mask) come from its checkpoint
-    text = run('eval.py', f'--out_dir={out}', '--passkey_lengths=[90,128]',
+    text = run('eval.py', f'--out_dir={out}', '--passkey_lengths=[100,128]',
                '--passkey_depths=[0.0,1.0]', '--passkey_trials=2')
     log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
     assert 'val loss' in text and re.search(r'64 to\s+127', text)
-    assert re.search(r'passkey accuracy\tdepth \\ length\t90\t128', text)
+    assert re.search(r'passkey accuracy\tdepth \\ length\t100\t128', text)
     assert len(re.findall(r'\n\t(0|1)\.0(\t\d+%){2}', text)) == 2
     cells = svg(os.path.join(out, 'passkey.svg')).findall('{http://www.w3.org/2000/svg}rect')
     assert len(cells) == 4
