@@ -55,7 +55,7 @@ from sample import generate
 # our keys, beside train.py's: one command line sets both
 EVAL_KEYS = dict(
     init_from='resume',  # 'resume' (out_dir's checkpoint) or a Hugging Face model directory
-    passkey_lengths=[],  # prompt lengths in tokens; []: seq_len / 4, seq_len / 2 and seq_len
+    passkey_lengths=[],  # prompt lengths in tokens; []: seq_len / 2 and seq_len
     passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0],  # where the key sits: a fraction of the filler
     passkey_trials=5,  # prompts per (length, depth), each with its own key; 0: no passkey test
 )
@@ -209,8 +209,7 @@ def main():
                         [('val loss by bit length of the position', [list(enumerate(means))])])
 
     if cfg['passkey_trials']:
-        S = train.seq_len
-        lengths = cfg['passkey_lengths'] or [S // 4, S // 2, S]
+        lengths = cfg['passkey_lengths'] or [train.seq_len // 2, train.seq_len]
         depths = cfg['passkey_depths']
         accuracy = passkey(model, encode, decode, lengths, depths, cfg['passkey_trials'], dev)
         print('passkey accuracy', 'depth \\ length', *lengths, sep='\t')
