@@ -1,13 +1,14 @@
 """Bad input of every kind a user controls (--key=value, config files, data directories, Hugging Face
 directories): one line naming the key or the file, a nonzero exit, no traceback, and out_dir byte for
-byte as it was (a missing one not created). Each case is its own `python train.py` process, as a user
-would run it; a few run at once, since importing torch costs seconds."""
+byte as it was (a missing one not created). Each case is train.py run as `__main__` in a process of its
+own with its own argv, as a user would run it; the processes are forked from one that imported torch
+once (fork_each), since the import is most of a case's seconds, and a few run at once."""
+import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
 import numpy as np
@@ -207,10 +208,75 @@ def snapshot(path):
     return tree
 
 
+def fork_each():
+    """Run train.py as `__main__` once per run of stdin's JSON {'runs': [[argv, stdout file, stderr
+    file], ...], 'jobs': n}, n at a time, each in a process of its own forked from this one; print their
+    exit codes as JSON. Run as the fresh `python -c` of the fixture below: importing torch and train.py's
+    modules is ~90% of a case's seconds, so this process imports them once and each case forks from it.
+    Nothing here runs a torch op, so no thread pool exists to fork. A child is the process `python
+    train.py ARGS` would be after its imports: its own argv, fds 1 and 2 on its files, an uncaught
+    exception's traceback and exit status 1, SystemExit's code; past 300 s SIGALRM ends it (a timeout,
+    as subprocess.run's was)."""
+    import json
+    import os
+    import signal
+    import sys
+    import types
+    import train  # noqa: F401 (torch and every module train.py imports; main() does not run)
+    script = os.path.abspath('train.py')  # as `python train.py` has __file__ and sys.path[0]
+    sys.path[0] = os.path.dirname(script)
+    todo = json.load(sys.stdin)
+    runs, jobs = todo['runs'], todo['jobs']
+    codes, running = [None] * len(runs), {}
+    for i, (argv, out, err) in enumerate(runs):
+        if len(running) == jobs:
+            pid, status = os.wait()
+            codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+        sys.stdout.flush()  # (or a child would write this process's buffer into its file)
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            running[pid] = i
+            continue
+        code = 1
+        try:
+            signal.alarm(300)
+            for fd, path in ((1, out), (2, err)):
+                opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(opened, fd)
+                os.close(opened)
+            sys.argv = argv
+            # as the interpreter runs a script (runpy.run_path would set argv[0] to its path)
+            main = sys.modules['__main__'] = types.ModuleType('__main__')
+            main.__file__ = script
+            try:
+                with open(script, 'rb') as f:
+                    exec(compile(f.read(), script, 'exec'), vars(main))
+                code = 0
+            except SystemExit as e:  # the interpreter's rule for its code
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                sys.excepthook(*sys.exc_info())
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    while running:
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    print(json.dumps(codes))
+
+
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
-    """{case: (process, out_dir, its snapshot before)}: every case's train.py, a few at a time."""
+    """{case: (process, out_dir, its snapshot before)}: every case's train.py, a few at a time, each
+    forked from one process that imported torch once (fork_each); process: its returncode, stdout
+    and stderr."""
     d = str(tmp_path_factory.mktemp('inputs'))
+    logs = str(tmp_path_factory.mktemp('logs'))
     spoiled_inputs(d)
     runs = []
     for i, (case, args, _) in enumerate(CASES):
@@ -223,12 +289,21 @@ def results(tmp_path_factory):
         if not any(a.startswith('--out_dir=') for a in args):
             args.append(f'--out_dir={out_dir}')
         out_dir = next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):]
-        runs.append((case, [sys.executable, 'train.py', *BASE, *args], out_dir, snapshot(out_dir)))
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    run = lambda cmd: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
-        done = pool.map(run, [cmd for _, cmd, _, _ in runs])
-        return {case: (p, out_dir, before) for (case, _, out_dir, before), p in zip(runs, done)}
+        runs.append((case, ['train.py', *BASE, *args], out_dir, snapshot(out_dir)))
+    files = [(os.path.join(logs, f'{i}.out'), os.path.join(logs, f'{i}.err')) for i in range(len(runs))]
+    todo = {'runs': [(argv, *f) for (_, argv, _, _), f in zip(runs, files)],
+            'jobs': max(2, os.cpu_count() or 1)}
+    driver = subprocess.run([sys.executable, '-c', inspect.getsource(fork_each) + 'fork_each()\n'],
+                            cwd=ROOT, input=json.dumps(todo), capture_output=True, text=True,
+                            timeout=300 * len(runs), env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    # its own output: the exit codes only (a warning at import would be in every case's output)
+    assert driver.returncode == 0 and driver.stderr == '', driver.stderr[-3000:]
+    done = {}
+    for (case, argv, out_dir, before), code, (out, err) in zip(runs, json.loads(driver.stdout), files):
+        with open(out) as o, open(err) as e:
+            p = subprocess.CompletedProcess([sys.executable, *argv], code, o.read(), e.read())
+        done[case] = (p, out_dir, before)
+    return done
 
 
 @pytest.mark.parametrize('case,names', [(c, n) for c, _, n in CASES], ids=[c for c, _, _ in CASES])
