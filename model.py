@@ -295,7 +295,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         k, v = kv_cache.update(k, v)
         n_q, n_k = q.shape[2], k.shape[2]
-        if n_q == n_k and self.window is None:  # the prompt (prefill): causal, no T x T mask
+        # the prompt (prefill) of a layer without a window: causal, no T x T mask (at 128K tokens
+        # that mask is 16 GiB of bool)
+        if n_q == n_k and not self.window:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         mask = window_mask(n_q, n_k, self.window or n_k, q.device)
         return F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)

@@ -410,6 +410,28 @@ def test_kv_cache_decoding_matches_full_forward(window):
     assert rel_err(torch.cat(out, 1), full[:, 4:]) < 1e-5
 
 
+def test_prefill_without_a_window_builds_no_mask(monkeypatch):
+    """sample.generate's prefill of a layer with no window is SDPA's causal kernel: window_mask (a
+    T x T bool, 16 GiB at 128K tokens) is never made for it; a windowed layer's prefill makes one."""
+    import model
+    from sample import generate
+    calls = []
+    real = model.window_mask
+
+    def recording(n_q, n_k, window, device):
+        calls.append((n_q, n_k, window))
+        return real(n_q, n_k, window, device)
+
+    monkeypatch.setattr(model, 'window_mask', recording)
+    torch.manual_seed(0)
+    generate(Llama(LlamaConfig()).eval(), torch.randint(0, 256, (1, 64)), 3)
+    assert all(n_q == 1 for n_q, _, _ in calls)  # the new tokens' rows only, never 64 x 64
+    calls.clear()
+    windowed = LlamaConfig(sliding_window=8, layer_types=['full_attention', 'sliding_attention'] * 2)
+    generate(Llama(windowed).eval(), torch.randint(0, 256, (1, 64)), 3)
+    assert calls.count((64, 64, 8)) == 2  # the two windowed layers' prefill
+
+
 def test_rope_angles_stay_fp32_in_a_bf16_model():
     """model.to(bfloat16) once rounded RoPE's inverse frequencies to bf16 (a buffer): at position
     100,000 the angles were off by radians. The tables a bf16 model uses are the fp32 model's."""
