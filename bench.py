@@ -178,6 +178,7 @@ def loadavg():
 
 def step_worker(name, S):
     from model import Llama, LlamaConfig, flops_per_token
+    import chunked
     import offload
     recompute, mlp_chunks, loss_chunks, attention_chunks = STEP_VARIANTS[name]
     torch.manual_seed(seed)
@@ -185,7 +186,8 @@ def step_worker(name, S):
                       intermediate_size=intermediate_size, vocab_size=vocab_size,
                       recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
                       attention_chunks=attention_chunks)
-    model = offload.apply(Llama(cfg))
+    # the techniques as train.py applies them in one process: chunked.py's modules, then offload's
+    model = offload.apply(chunked.apply(Llama(cfg)))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
     idx = torch.randint(0, vocab_size, (batch_size, S + 1))
@@ -271,13 +273,15 @@ def moe_worker(name):
     """Training steps (forward + backward + AdamW) of train_tiny's model with variant `name`'s MLP:
     one warm-up step, then --reps timed ones."""
     from model import Llama, LlamaConfig
+    import chunked
     tiny = tiny_shape()
     E, k, fraction = MOE_VARIANTS[name]
     torch.manual_seed(seed)
     cfg = LlamaConfig(n_layer=tiny['n_layer'], n_head=tiny['n_head'], n_kv_head=tiny['n_kv_head'],
                       n_embd=tiny['n_embd'], intermediate_size=tiny['intermediate_size'] // fraction,
                       vocab_size=256, n_experts=E, experts_per_token=k)
-    model = Llama(cfg)
+    # (the experts' grouped GEMM and the chunked loss, as train.py runs them)
+    model = chunked.apply(Llama(cfg))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
     idx = torch.randint(0, 256, (tiny['batch_size'], tiny['seq_len'] + 1))

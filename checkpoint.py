@@ -47,7 +47,7 @@ import parallel
 
 # ------------------------------------------------------------------------- where each piece lies
 @functools.cache
-def _device_mesh(world, tp, shards, device_type, pp, cp, ep=1):
+def _device_mesh(world, tp, shards, device_type, pp, cp, ep):
     """All ranks as a DeviceMesh (pp, shards, tp/shards, dp·cp): a tensor split `shards` ways over
     the tp ranks, each piece held by tp/shards of them (kv heads when K < t; else shards = t). tp
     comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names are its
@@ -62,7 +62,7 @@ def _device_mesh(world, tp, shards, device_type, pp, cp, ep=1):
     ranks = ranks.unflatten(-1, (-1, ep)).transpose(-1, -2)
     return DeviceMesh(device_type, ranks, mesh_dim_names=('pp', 'tp', 'tp_copy', 'ep', 'edp'))
 
-def _placed(name, local, mesh, config, shape, fsdp_dim):
+def _placed(name, mesh, config, shape, fsdp_dim, local):
     """local (this rank's piece of the tensor `name`, whose full shape is shape) with its place in
     it: its tp shard and, under zero=2, 3, FSDP2's rows (or columns: fsdp_dim) of that shard over
     the dp·cp ranks."""
@@ -86,7 +86,7 @@ def _placed(name, local, mesh, config, shape, fsdp_dim):
     return DTensor.from_local(local, where, [Replicate(), on_tp, Replicate(), *on_dpcp],
                               shape=shape, stride=torch.empty(shape, device='meta').stride())
 
-def state_dict(model, optimizer, mesh, data_gen=None):
+def state_dict(model, optimizer, mesh, data_gen):
     """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""
     config = model.config
     with torch.device('meta'):
@@ -97,15 +97,16 @@ def state_dict(model, optimizer, mesh, data_gen=None):
         dim = p.placements[0].dim if isinstance(p, DTensor) else None
         # the vocabulary's padding rows left out, unless FSDP2 split the rows
         mine = slice(None) if dim == 0 else slice(rows)
-        weight = parallel.local(p.detach())[mine]
-        sd['model.' + n] = _placed(n, weight, mesh, config, shapes[n], dim)
+        # each of its tensors placed as the weight
+        place = functools.partial(_placed, n, mesh, config, shapes[n], dim)
+        sd['model.' + n] = place(parallel.local(p.detach())[mine])
         # bf16 weights: the fp32 rows the optimizer updates are the masters
         if p.dtype != x.dtype:
-            sd['master.' + n] = _placed(n, x[mine], mesh, config, shapes[n], dim)
+            sd['master.' + n] = place(x[mine])
         # exp_avg, exp_avg_sq: placed as the weight; step: one scalar
         for k, v in optimizer.state[x].items():
             if k != 'step':
-                v = _placed(n, v[mine], mesh, config, shapes[n], dim)
+                v = place(v[mine])
             sd[f'optim.{n}.{k}'] = v
     sd['rng.torch'] = torch.get_rng_state()
     if data_gen is not None:
@@ -145,8 +146,8 @@ def _saves(root):
         return []
     return sorted(int(k) for k in os.listdir(root) if k.isdigit())
 
-def _fsync_write(path, text):
-    with open(path, 'w') as f:
+def _fsync_write(directory, name, text):
+    with open(os.path.join(directory, name), 'w') as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -169,9 +170,8 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
         #    ones
         if mesh.rank == 0:
             args = {k: v for k, v in asdict(model.config).items() if k not in MEMORY_KNOBS}
-            _fsync_write(os.path.join(path, 'meta.json'),
-                         json.dumps({**scalars, 'model_args': args}))
-            _fsync_write(os.path.join(path, 'COMMITTED'), '')
+            _fsync_write(path, 'meta.json', json.dumps({**scalars, 'model_args': args}))
+            _fsync_write(path, 'COMMITTED', '')
             for k in done:
                 shutil.rmtree(os.path.join(root, f'{k:06d}'), ignore_errors=True)
         # 4. no rank returns before the checkpoint is committed
@@ -278,9 +278,9 @@ def load(path, model, optimizer, mesh, data_gen=None):
             else:
                 # the same key
                 first[key] = t
-        dcp.load(first, storage_reader=_Reader(path))
-        if second:
-            dcp.load(second, storage_reader=_Reader(path))
+        # (an empty second: no load)
+        for keys in filter(None, (first, second)):
+            dcp.load(keys, storage_reader=_Reader(path))
         torch.set_rng_state(sd['rng.torch'])
         if data_gen is not None:
             data_gen.set_state(sd['rng.data'])

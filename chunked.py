@@ -69,8 +69,12 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from model import MLP, Attention
+from moe import Experts, MoE
 
 
 # ----------------------------------------------------------------------------- how many chunks
@@ -441,3 +445,114 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
     Sa_tiles, hd_tiles = -(-Sa // 128) * 128, -(-c.head_dim // 32) * 32  # rounded up to its tiles
     accumulators = 4 * batch_size * Sa_tiles * a * (hd_tiles + 1)
     return accumulators + 2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim
+
+
+# ----------------------------------------------------------------------------- applied to a model
+# The functions above swapped into a built model as whole modules that hold the model's own
+# parameters under their own names (the state dict stays the model's), as torchtitan applies its
+# plans. After parallel.py's plan (a rank's heads are then its weights' rows), before offload.py's.
+
+def apply(model, ulysses=1, vocab_group=None):
+    """Put model.config's chunking knobs into model: each MLP's mini-sequences (mlp_chunks != 1),
+    the experts' grouped GEMM (chunked by mlp_chunks too), attention by head groups
+    (attention_chunks != 1; `ulysses`: the ranks Ulysses spreads a group's heads over), and the
+    chunked LM head + loss always (loss_chunks = 1 too: one chunk keeps no log-softmax, faster than
+    F.cross_entropy's path, with a third of its memory), vocabulary parallel over vocab_group
+    (the tensor-parallel ranks whose rows of the vocabulary the head holds)."""
+    c = model.config
+    for block in model.layers.values():
+        mlp = block.feed_forward
+        if isinstance(mlp, MLP) and c.mlp_chunks != 1:
+            block.feed_forward = ChunkedMLP(mlp, c)
+        if isinstance(mlp, MoE):
+            mlp.experts = GroupedExperts(mlp.experts, c)
+        attention = block.attention
+        heads = attention.wq.weight.shape[0] // attention.head_dim
+        kv_heads = attention.wk.weight.shape[0] // attention.head_dim
+        groups = attention_chunks(c, heads, kv_heads, ulysses)
+        if groups != 1:
+            block.attention = HeadGroups(attention, groups)
+    # (a pipeline stage before the last has no head)
+    if model.output is not None:
+        model.output = ChunkedHead(model.output.weight, c, vocab_group)
+    return model
+
+
+def _adopt(module, new):
+    """new (a module being made) takes module's children under their own names."""
+    for name, child in module.named_children():
+        new.add_module(name, child)
+
+
+class ChunkedMLP(MLP):
+    """model.MLP in mini-sequences: chunked_mlp on its weights, config.mlp_chunks of one
+    sequence's tokens (0: counted from its length at every forward)."""
+
+    def __init__(self, mlp, config):
+        nn.Module.__init__(self)
+        _adopt(mlp, self)
+        self.config = config
+
+    def forward(self, x):
+        x = self.enter_tp(x)
+        chunks = mlp_chunks(self.config, x.shape[-2])
+        y = chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
+        return self.leave_tp(y)
+
+
+class GroupedExperts(Experts):
+    """moe.Experts as one grouped GEMM a matmul (chunked_mlp given the offsets where each expert's
+    rows end), the rows as one sequence of T·k tokens in mlp_chunks mini-sequences."""
+
+    def __init__(self, experts, config):
+        nn.Module.__init__(self)
+        self.w1, self.w3, self.w2 = experts.w1, experts.w3, experts.w2
+        self.config = config
+
+    def forward(self, x, counts):
+        # where each expert's rows end, as grouped_mm takes them (int32)
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).int()
+        chunks = mlp_chunks(self.config, len(x))
+        return chunked_mlp(x, self.w1, self.w3, self.w2, chunks, offsets)
+
+
+class HeadGroups(Attention):
+    """model.Attention by head groups (head_groups above): group g's q, k, v, the core and its share
+    of wo, one group at a time. Sampling (a kv cache) runs all heads at once."""
+
+    def __init__(self, attention, groups):
+        nn.Module.__init__(self)
+        _adopt(attention, self)
+        self.window, self.head_dim, self.groups = attention.window, attention.head_dim, groups
+
+    def forward(self, x, cos, sin, docs=None, kv_cache=None):
+        if kv_cache is not None:
+            return super().forward(x, cos, sin, docs, kv_cache)
+        x = self.enter_tp(x)
+        return self.leave_tp(head_groups(self.group, self.groups, x, cos, sin, docs))
+
+    def group(self, x, cos, sin, docs, g, groups):
+        """Head group g of `groups`: its q, k, v, the core and its share of wo."""
+        q, k, v = self.qkv(x, cos, sin, g, groups)
+        return self.out(self.core(q, k, v, docs, self.window), g, groups)
+
+
+class ChunkedHead(nn.Module):
+    """The LM head (model.Head's weight, tied or not) with chunked_cross_entropy for its loss,
+    config.loss_chunks chunks (0: counted from the micro-batch's tokens); under tensor parallelism
+    (group) the weight holds this rank's rows of the vocabulary and the loss is vocabulary
+    parallel."""
+
+    def __init__(self, weight, config, group=None):
+        super().__init__()
+        self.weight = weight
+        self.chunks, self.vocab_size, self.group = config.loss_chunks, config.vocab_size, group
+
+    def forward(self, x, targets=None):
+        if targets is None:
+            if self.group is not None:
+                raise NotImplementedError("logits under tensor parallelism: sample in one process "
+                                          "(sample.py)")
+            return F.linear(x, self.weight)
+        return None, chunked_cross_entropy(x, self.weight, targets, self.chunks, group=self.group,
+                                           vocab_size=self.vocab_size)

@@ -86,6 +86,12 @@ def has_device(name):
              'cuda': torch.cuda.device_count()}
     return (dev.index or 0) < count.get(dev.type, 0)
 
+def pick_device(name):
+    """name, or for 'auto' the first of cuda, mps and cpu this machine has."""
+    if name == 'auto':
+        return next(n for n in ('cuda', 'mps', 'cpu') if has_device(n))
+    return name
+
 def writable(path):
     """Whether path is, or could be made, a directory we can write in; checked without creating
     it."""

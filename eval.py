@@ -33,6 +33,7 @@ token in bf16, are what it holds beyond the model.
 drawn at each evaluation by measure.write_curves.)
 """
 
+import math
 import os
 import random
 import re
@@ -47,6 +48,7 @@ import chunked
 import measure
 import train
 from configurator import configure, die
+from data.passkey.prompt import passkey_prompt
 from data.tokenizer import check_tokenizer, get_tokenizer
 from model import MEMORY_KNOBS, Llama
 from sample import generate
@@ -59,13 +61,6 @@ EVAL_KEYS = dict(
     passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0],  # where the key sits: a fraction of the filler
     passkey_trials=5,  # prompts per (length, depth), each with its own key; 0: no passkey test
 )
-# LongLoRA's needle and question, and its filler without ' is ' (its 'The grass is green...'): the
-# question's '... is' then matches nothing in the filler, only the needle. data/passkey/prepare.py
-# trains on the same prompts (and says why the needle says its key twice)
-FILLER = ('The grass grows green. The sky glows blue. The sun shines yellow. Here we go. '
-          'There and back again. ')
-NEEDLE = 'The pass key is {0}. Remember it. {0} is the pass key. '
-QUESTION = 'What is the pass key? The pass key is'
 # -----------------------------------------------------------------------------
 
 
@@ -93,9 +88,12 @@ def load_model(cfg, meta):
     by its tokenizer), run under the config's memory knobs."""
     knobs = {k: cfg[k] for k in MEMORY_KNOBS}
     if cfg['init_from'] == 'resume':
-        return checkpoint.load_model(cfg['path'], **knobs)[0]
-    check_tokenizer(meta, cfg['init_from'])
-    return Llama.from_pretrained(cfg['init_from'], **knobs)
+        model = checkpoint.load_model(cfg['path'], **knobs)[0]
+    else:
+        check_tokenizer(meta, cfg['init_from'])
+        model = Llama.from_pretrained(cfg['init_from'], **knobs)
+    # the knobs' modules, as train.py applies them in one process (the chunked loss among them)
+    return chunked.apply(model)
 
 
 # ----------------------------------------------------------------------------- loss by position
@@ -105,53 +103,39 @@ def loss_by_position(model, meta, autocast, dev):
     number, over evaluate()'s batches (from its seed: the same ones). Bucket k holds positions
     2^(k-1) to 2^k - 1 (position 0 alone in bucket 0): log-spaced, a position's bit length. With
     doc_mask a target's position is its input's place in its document: what of it the model saw.
-    Each target's loss comes from the final hidden states, the LM head on a chunk of the sequence
-    at a time (loss_chunks' chunks): only a chunk's fp32 logits exist at once, never [B, S, V]."""
-    # forward with targets returns the loss alone (no [B, S, V] logits); this hook keeps the final
-    # norm's output, the hidden states the LM head reads
-    hidden = []
-    hook = model.norm.register_forward_hook(lambda module, args, out: hidden.append(out))
+    Each target's loss comes from the final hidden states, the LM head on a chunk of the B·S
+    tokens at a time: only a chunk's fp32 logits exist at once, never [B, S, V]."""
     generator = torch.Generator().manual_seed(train.seed + 1)
     buckets, losses = [], []  # of every real target
     for _ in range(train.eval_iters):
         x, y, positions, docs = train.get_batch(meta, 'val', train.batch_size, generator, dev)
-        chunks = chunked.loss_chunks(model.config, y.numel())
-        loss = []  # [B, S / chunks] each
+        # tokens a chunk: loss_chunks' chunks of all B·S, at most MIN_CHUNK_TOKENS (with
+        # loss_chunks = 1 too: a long sequence's [B, S, V] fp32 logits never exist at once)
+        per_chunk = math.ceil(y.numel() / chunked.loss_chunks(model.config, y.numel()))
+        per_chunk = min(per_chunk, chunked.MIN_CHUNK_TOKENS)
+        loss = []  # [per_chunk] each
         with autocast:
-            model(x, y, positions, docs)
-            for h, targets in zip(hidden.pop().tensor_split(chunks, 1), y.tensor_split(chunks, 1)):
-                logits = model.output(h).float().transpose(1, 2)
+            # the final norm's output, the hidden states the LM head reads: the head runs here
+            # alone, once a chunk (the model's own loss would run it a second time)
+            hidden = model(x, positions=positions, docs=docs, head=False).flatten(0, 1)
+            for h, targets in zip(hidden.split(per_chunk), y.flatten().split(per_chunk)):
+                # this chunk's logits [per_chunk, V], the only ones that exist at a time (the
+                # head's weight, not its module: a technique may swap in a head that takes targets)
+                logits = F.linear(h, model.output.weight).float()
                 loss.append(F.cross_entropy(logits, targets, reduction='none'))
+                # freed before the next chunk's are made
+                del logits
         if positions is None:
             positions = torch.arange(train.seq_len, device=dev).expand_as(y)
         real = y != -100
-        losses.append(torch.cat(loss, 1)[real].double().cpu())
+        losses.append(torch.cat(loss).view_as(y)[real].double().cpu())
         # the bit length of each position: frexp's exponent (p = m 2^e, m in [0.5, 1); 0 for 0)
         buckets.append(torch.frexp(positions[real].double()).exponent.cpu())
-    hook.remove()
     buckets = torch.cat(buckets)
     return torch.bincount(buckets, torch.cat(losses)), torch.bincount(buckets)
 
 
 # ----------------------------------------------------------------------------- passkey retrieval
-def passkey_prompt(encode, length, depth, key):
-    """The token ids of a passkey prompt of `length` tokens: filler, the needle after a fraction
-    `depth` of the filler, the rest of the filler, the question. Each part is encoded alone and
-    the ids joined, so the length is exact in any tokenizer (the filler cut mid-word is fine)."""
-    bos = encode('')  # what encode puts before any text (a Llama's BOS), or nothing
-    # the filler is 94 bytes, about 20 tokens in GPT-2's or Llama 3's vocabulary: length / 10
-    # copies of it are enough
-    needle, question, filler = (encode(text)[len(bos):] for text in (
-        NEEDLE.format(key), QUESTION, FILLER * (length // 10 + 1)))
-    room = length - len(bos) - len(needle) - len(question)
-    if not 0 <= depth <= 1:
-        die(f"passkey depth {depth}: must be in [0, 1], a fraction of the filler before the key")
-    if room < 0:
-        die(f"passkey length {length}: the needle and question alone take {length - room} tokens")
-    before = round(depth * room)
-    return bos + filler[:before] + needle + filler[before:room] + question
-
-
 @torch.no_grad()
 def passkey(model, encode, decode, lengths, depths, trials, dev):
     """Accuracy [depths, lengths]: the share of `trials` prompts, each with its own key, whose
@@ -222,6 +206,6 @@ if __name__ == '__main__':
     try:
         main()
     # a damaged checkpoint, a Hugging Face directory's bad files, data made by another
-    # tokenizer: the user's, one line
+    # tokenizer, a passkey prompt too short: the user's, one line
     except (checkpoint.Error, ValueError) as e:
         die(e)

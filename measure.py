@@ -40,8 +40,8 @@ COLORS = {'params': '#4e79a7', 'grads': '#f28e2b', 'optimizer': '#e15759', 'acti
 
 
 class Tracker(ExitStack):
-    """The header's MemTracker: .breakdown() at the step's peak or any moment of it, .timeline()
-    (each moment's peak), and the anatomy (.at_peak, if anatomy). Entered, it enters MemTracker and
+    """The header's MemTracker: .breakdown() at the step's peak, .timeline() (each moment's
+    peak), and the anatomy (.at_peak, if anatomy). Entered, it enters MemTracker and
     its hooks (a hook's handle removes it); left, it leaves them, last first. masters: train.py's
     fp32 gradient holders when they are not the parameters; inputs: tensors made before the step
     that it uses (the batch)."""
@@ -59,7 +59,8 @@ class Tracker(ExitStack):
 
             def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
                 out = super().__torch_dispatch__(func, types, args, kwargs)
-                return self.look(func, out, args, kwargs)
+                self.look(func, out, args, kwargs)
+                return out
 
         # MemTracker's keys are the tensors' devices
         if device.type == 'cuda' and device.index is None:
@@ -156,7 +157,7 @@ class Tracker(ExitStack):
         recompute's too, or by the optimizer: transient; or grads); at a new peak of the step keep
         those alive."""
         if not self.anatomy:
-            return out
+            return
         where = max(self.mods.parents, key=lambda m: (m.count('.'), m))
         if self.mods.is_bw:
             where += ' (backward)'
@@ -173,7 +174,6 @@ class Tracker(ExitStack):
             self.top = self.moments[-1][1]
             self.moment = f"{func} in {where}"
             self.at_peak = sorted(self.alive(), key=lambda x: -x['bytes'])
-        return out
 
     def ours(self, *trees):
         """{storage id: tensor} of the tensors on our device in the trees (nested lists, tuples and
@@ -184,9 +184,9 @@ class Tracker(ExitStack):
     def alive(self):
         """What the step made and still holds, each {**info, 'bytes'}, but host memory (offload's
         buffers, even on a CPU)."""
-        grads = {id(p.grad.untyped_storage()) for p in self.params + self.masters
-                 if p.grad is not None}
-        host = {id(b.untyped_storage()) for b in offload.host_buffers()}
+        # (ours' keys: a storage on another device is never one the step made on ours)
+        grads = self.ours([p.grad for p in self.params + self.masters])
+        host = self.ours(offload.host_buffers())
         rows = []
         for k, (ref, info) in list(self.made.items()):
             storage = ref()
@@ -196,34 +196,39 @@ class Tracker(ExitStack):
                     rows[-1]['category'] = 'grads'
         return rows
 
-    def breakdown(self, moment=None):
-        """Our categories at a moment of the step, its peak's. Default: the step's peak, the moment
-        our device holds most, and its name (on a CPU standing in for it MemTracker's total counts
-        the host's tensors too: not the device's peak)."""
-        if moment is None:
-            return max(self.timeline(), key=lambda m: m['total'])
-        _, _, snap, host_grads, pool = moment
-        # MemTracker's categories on our device (a missing one: 0); its keys are str enums:
-        # 'Parameter' finds _MemRefType.PARAM
-        snap = Counter(snap)
+    def breakdown(self):
+        """Our categories at the step's peak, the moment our device holds most, and its name (on a
+        CPU standing in for it MemTracker's total counts the host's tensors too: not the device's
+        peak)."""
+        return peak(self.timeline())
+
+    def timeline(self):
+        """The step's moments in order, each {'moment': its name, category: bytes at its peak,
+        'host': the host memory of the step}."""
         masters, inputs = nbytes(self.state), nbytes(self.inputs)
         rows, adam = nbytes(self.on_host), nbytes(self.adam)
         # the pool, the rows and, by the step, every gradient's
         self.host = nbytes(offload.host_buffers()) + 2 * rows + adam
         # on a CPU MemTracker counted the host's tensors with ours: taken out
         cpu = self.device.type == 'cpu'
-        out = {'params': snap['Parameter'] + snap['Buffer'] - rows * cpu,
-               'grads': snap['Gradient'] + snap['Other'] - masters - inputs - host_grads * cpu,
-               'optimizer': snap['Optstate'] + masters - adam * cpu,
-               'activations': snap['Activation'] + inputs - pool * cpu,
-               'transient': snap['Temp'],
-               'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
-        return {**out, 'total': sum(out.values())}
+        out = []
+        for name, _, snap, host_grads, pool in self.moments:
+            # MemTracker's categories on our device (a missing one: 0); its keys are str enums:
+            # 'Parameter' finds _MemRefType.PARAM
+            snap = Counter(snap)
+            row = {'params': snap['Parameter'] + snap['Buffer'] - rows * cpu,
+                   'grads': snap['Gradient'] + snap['Other'] - masters - inputs - host_grads * cpu,
+                   'optimizer': snap['Optstate'] + masters - adam * cpu,
+                   'activations': snap['Activation'] + inputs - pool * cpu,
+                   'transient': snap['Temp'],
+                   'workspace': 0}  # kernels' workspace is no tensor: memory.py counts it
+            out.append({'moment': name, **row, 'total': sum(row.values()), 'host': self.host})
+        return out
 
-    def timeline(self):
-        """The step's moments in order, each {'moment': its name, category: bytes at its peak,
-        'host': the host memory of the step}."""
-        return [{'moment': m[0], **self.breakdown(m), 'host': self.host} for m in self.moments]
+
+def peak(timeline):
+    """The moment of a timeline (Tracker.timeline's) that holds most: the step's peak."""
+    return max(timeline, key=lambda moment: moment['total'])
 
 
 def nbytes(tensors):
@@ -257,11 +262,12 @@ def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
     (a real window's are known when it is drawn; attention runs what a packed window runs, varlen
     on CUDA, which saves the same for any number of documents), else None."""
     xy = torch.randint(0, vocab_size, (batch_size, seq_len + 1))
-    if not doc_mask:
-        return xy[:, :-1], xy[:, 1:], None, None
-    half = seq_len // 2
-    positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(batch_size, -1)
-    docs = (np.arange(batch_size)[:, None] * seq_len + [0, half]).ravel()
+    positions = docs = None
+    if doc_mask:
+        half = seq_len // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq_len - half)])
+        positions = positions.expand(batch_size, -1)
+        docs = (np.arange(batch_size)[:, None] * seq_len + [0, half]).ravel()
     return xy[:, :-1], xy[:, 1:], positions, docs
 
 
@@ -311,7 +317,7 @@ def extrapolate(fewer, more, n, blocks, stage=0):
     whole model."""
     first = stage * (n + 1)  # run n + 1's first block (run n's: stage * n)
     added = blocks - n - 1  # blocks beyond run n + 1's
-    ones = iter(m for m in fewer if m['moment'].endswith(f' block {stage * n + 1}'))
+    ones = (m for m in fewer if m['moment'].endswith(f' block {stage * n + 1}'))
     rest = iter(fewer)
     out = []
     for m in more:
@@ -330,37 +336,37 @@ def write_svg(path, timeline, measured, estimate, device):
     workspace no tensor shows) and labelled; the device's 80% line; the estimate's peak marked (a
     black dash at its total on the moments of its name). Hand-written SVG: any browser shows it."""
     top, width, height = 40, 1000, 320
+    bottom = top + height  # SVG's y grows downwards: a bar stands on the bottom
     scale = height / max(measured['total'], 0.8 * device)  # the 80% line at the top at most
     bar = width / len(timeline)
     keys = ' '.join(f'<tspan fill="{color}">&#9632; {k}</tspan>' for k, color in COLORS.items())
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 10}" '
-           f'height="{top + height + 170}" font-family="sans-serif" font-size="12">',
+           f'height="{bottom + 170}" font-family="sans-serif" font-size="12">',
            f'<text x="4" y="16">memory per rank at each moment of one step: {keys} &#8212; '
            f"the estimate's peak <tspan fill='red'>- - 80% of the device, {gib(device)}</tspan>"
            '</text>']
-    peak = max(timeline, key=lambda m: m['total'])
+    highest = peak(timeline)
     for i, m in enumerate(timeline):
-        if m is peak:
+        if m is highest:
             m = measured
-        x, y = i * bar, top + height
+        x, y = i * bar, bottom
         for k, color in COLORS.items():
             y -= scale * m[k]
             out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{0.9 * bar:.1f}" '
                        f'height="{scale * m[k]:.1f}" fill="{color}"><title>{m["moment"]}: {k} '
                        f'{gib(m[k])} of {gib(m["total"])}</title></rect>')
-        out.append(f'<text transform="translate({x + bar / 3:.1f},{top + height + 4}) '
+        out.append(f'<text transform="translate({x + bar / 3:.1f},{bottom + 4}) '
                    f'rotate(90)" font-size="7">{m["moment"]}</text>')
         if m is measured:
             out.append(f'<text x="{x}" y="{y - 6:.1f}">peak {gib(m["total"])}: {m["moment"]}'
                        '</text>')
         if m['moment'] == estimate.moment:
-            mark = top + height - scale * estimate.total
+            mark = bottom - scale * estimate.total
             out.append(f'<path d="M{x:.1f},{mark:.1f}h{bar:.1f}" stroke="black" '
                        'stroke-width="2"/>')
-    line = top + height - scale * 0.8 * device
+    line = bottom - scale * 0.8 * device
     out.append(f'<path d="M0,{line:.1f}h{width}" stroke="red" stroke-dasharray="6 3"/>')
-    with open(path, 'w') as f:
-        f.write('\n'.join(out + ['</svg>']) + '\n')
+    Path(path).write_text('\n'.join(out + ['</svg>']) + '\n')
 
 
 # ----------------------------------------------------------------------------- the run's curves

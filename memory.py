@@ -115,7 +115,7 @@ import json
 import math
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -126,7 +126,7 @@ import moe
 import offload
 import parallel
 # (the dry run's fake model and batch: train.py's)
-from measure import GiB, Tracker, anatomy, fake_batch, gib, to_fake, write_svg
+from measure import GiB, Tracker, anatomy, fake_batch, gib, peak, to_fake, write_svg
 from optim import STEP_CHUNK, optimizer_bytes
 from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
 
@@ -247,13 +247,17 @@ def kept_per_token(r, batch_size, cp_size, dtype):
     """k and R of a block, and of one that offload.py sends to host: offload.py's counts, then
     the layout's."""
     c, t, sequence = r.config, r.t, r.sequence
+
+    def per_token(config):
+        """offload.kept_bytes of one sequence, per token of this rank."""
+        return offload.kept_bytes(config, 1, sequence, dtype) / sequence / t
+
     # under sp the gathered inputs of wq|wk|wv and w1|w3 (every rank's tokens) replace two norm
     # outputs; an MoE keeps its own (moe.py)
     gathered_in = 2 * r.b * c.n_embd * (1 - 1 / t) + r.moe_kept
     # all a block saves: what recompute='none' keeps
-    everything = offload.kept_bytes(replace(c, recompute='none'), 1, sequence, dtype) / sequence / t
-    everything += gathered_in
-    kept = offload.kept_bytes(c, 1, sequence, dtype) / sequence / t
+    everything = per_token(replace(c, recompute='none')) + gathered_in
+    kept = per_token(c)
     if c.recompute == 'none':
         kept += gathered_in
     # offload.py's tokens: this rank's sequence shard
@@ -369,7 +373,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     lo, hi = pp_rank * c.n_layer // pp_size, (pp_rank + 1) * c.n_layer // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi - lo, first, last, F, M,
-             *moe.memory_terms(c, batch_size, sequence, b, tp_size, ep_size))
+             *moe.memory_terms(c, batch_size, sequence, b, tp_size, ep_size,
+                               chunked.mlp_chunks(c, batch_size * sequence * c.experts_per_token),
+                               chunked.mlp_chunks(c, sequence)))
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
     states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states, optimizer)
     kept = kept_per_token(r, batch_size, cp_size, dtype)
@@ -387,9 +393,9 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     if device_type == 'cuda' and b == 2:
         W = chunked.workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
     step = moments(r, states, kept, activations, W, graph)
-    peak = max(step, key=lambda moment: sum(step[moment]))
+    highest = max(step, key=lambda moment: sum(step[moment]))  # the step's peak
     host = kept.sent * kept.host + states.host
-    return Estimate(*step[peak], states.optimizer, peak, host, W)
+    return Estimate(*step[highest], states.optimizer, highest, host, W)
 
 
 # ----------------------------------------------------------------------- budget, verdict and table
@@ -449,8 +455,8 @@ def cost(c, base, batch_size, seq_len):
 def variants(c, batch_size, seq_len, host, layout):
     """Every recompute mode; chunks as configured, automatic or 4x that; offload at Memo's α
     and at 1."""
-    tp, cp = layout.get('tp_size', 1), layout.get('cp_size', 1)
-    cp_impl = layout.get('cp_impl', 'ulysses')
+    layout = {**estimate.__kwdefaults__, **layout}  # estimate's keywords, its defaults for the rest
+    tp, cp = layout['tp_size'], layout['cp_size']
     # one sequence's tokens on this rank; offload.py's: this rank's sequence shard
     sequence = seq_len // cp
     tokens = sequence // tp
@@ -461,7 +467,7 @@ def variants(c, batch_size, seq_len, host, layout):
         mlps.discard(0)
     losses = {c.loss_chunks, 0, min(batch_size * sequence, 4 * auto_loss)}
     # offload needs host memory and a block to send (KEEP_LAST stay), and no pp (it refuses offload)
-    may_offload = host and c.n_layer > offload.KEEP_LAST and layout.get('pp_size', 1) == 1
+    may_offload = host and c.n_layer > offload.KEEP_LAST and layout['pp_size'] == 1
     for rc, m, lc in itertools.product(('none', 'selective', 'full'), sorted(mlps), sorted(losses)):
         v = replace(c, recompute=rc, mlp_chunks=m, loss_chunks=lc, offload=0.0)
         yield v
@@ -472,7 +478,7 @@ def variants(c, batch_size, seq_len, host, layout):
             for a in sorted({round(alpha, 3), 1.0} - {0.0}):
                 w = replace(v, offload=a)
                 sent = offload.host_bytes(w, batch_size, tokens, torch.bfloat16)
-                broken = parallel.check_layout(w, tp * cp, tp, cp, cp_impl, seq_len)
+                broken = parallel.check_layout(w, tp * cp, tp, cp, layout['cp_impl'], seq_len)
                 if sent <= host and not broken:
                     yield w
 
@@ -517,6 +523,7 @@ def plan(config, budget, overhead, host, batch_size, seq_len, **layout):
 def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **layout):
     """The Suggestions that fit: each knob alone at its cheapest, else the plan; then zero=2; then
     tp or cp 2, 4 or 8 times larger (more GPUs) with the knobs it needs."""
+    layout = {**estimate.__kwdefaults__, **layout}  # estimate's keywords, its defaults for the rest
     fit = options(config, budget, overhead, host, batch_size, seq_len, layout)
     alone = {}  # (a knob,): the first (cheapest) option changing it alone
     for o in fit:
@@ -525,25 +532,24 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
     # no knob alone: the plan
     chosen = list(alone.values()) or fit[:1]
     out = [Suggestion(describe(o.changed), o.estimate, o.cost) for o in chosen]
-    if layout.get('dp', 1) * layout.get('cp_size', 1) > 1 and not layout.get('zero'):
+    if layout['dp'] * layout['cp_size'] > 1 and not layout['zero']:
         e = estimate(config, batch_size, seq_len, **{**layout, 'zero': 2})
         # a reduce-scatter and an all-gather: the all-reduce's traffic
         if fits(e, budget, overhead):
             out.append(Suggestion('--zero=2', e, 0.0))
-    if layout.get('optimizer_in_backward'):  # the step in backward: one GPU
+    if layout['optimizer_in_backward']:  # the step in backward: one GPU
         return out
-    device_type = layout.get('device_type', 'cuda')  # a new group brings NCCL's buffers
+    device_type = layout['device_type']  # a new group brings NCCL's buffers
     comm = overhead_bytes(device_type, 1 + (world == 1)) - overhead_bytes(device_type)
-    cp_impl = layout.get('cp_impl', 'ulysses')
     for key in ('tp_size', 'cp_size'):
         for factor in (2, 4, 8):
-            bigger = {**layout, key: layout.get(key, 1) * factor}
-            tp, cp = bigger.get('tp_size', 1), bigger.get('cp_size', 1)
-            if parallel.check_layout(config, world * factor, tp, cp, cp_impl, seq_len):
+            bigger = {**layout, key: layout[key] * factor}
+            tp, cp = bigger['tp_size'], bigger['cp_size']
+            if parallel.check_layout(config, world * factor, tp, cp, layout['cp_impl'], seq_len):
                 continue
             if (p := plan(config, budget, overhead + comm, host, batch_size, seq_len, **bigger)):
                 change = f"--{key}={bigger[key]} {describe(p.changed)}".strip()
-                out.append(Suggestion(change + f" ({world * factor} GPUs)", p.estimate, p.cost))
+                out.append(Suggestion(f"{change} ({world * factor} GPUs)", p.estimate, p.cost))
                 break
     return out
 
@@ -561,9 +567,10 @@ class Report:
     def __init__(self, config, cfg, world, rank, mesh, device, dtype):
         self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
         self.config, self.dry = config, cfg.get('dry_run')  # (the configured knobs: check's sets)
+        # logged: train.py's first log row has carried the measured bytes
         self.measured, self.logged = None, False
-        self.at = mesh.rank  # the dry run's rank, in its memory.json's name
-        self.name = f'memory.rank{self.at}.json' if self.at > 0 else 'memory.json'
+        at = mesh.rank  # the dry run's rank, in its memory.json's name
+        self.name = f'memory.rank{at}.json' if at > 0 else 'memory.json'
         # estimate's arguments: train.py's settings of the same names (batch_size, seq_len, zero,
         # ...), then the mesh's sizes and the weights' dtype over the settings' (dtype='auto'):
         # 'torch.bfloat16' is the setting's 'bfloat16'; a dry run's target is CUDA
@@ -576,7 +583,7 @@ class Report:
         groups = [mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.cp * mesh.dp, world]
         self.overhead = overhead_bytes(self.layout['device_type'], sum(n > 1 for n in groups))
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
-        where = f"rank {self.at} of {world}"
+        where = f"rank {at} of {world}"
         if world > 1:
             where += f" (dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp})"
         target = 'the target (dry run)' if self.dry else device
@@ -587,20 +594,19 @@ class Report:
         """The memory knobs the cheapest setting that fits changes ({}: the configured one, or
         none fits). Rank 0 plans and every rank takes its knobs: no rank's own free memory can
         make it differ."""
-        p = None
+        chosen = [{}]
         if self.rank == 0:
             p = plan(self.config, self.budget, self.overhead, self.host, **self.layout)
-        chosen = [p.changed if p else {}]
-        if self.world > 1 and not self.dry and torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(chosen, src=0)
-        if self.rank == 0:
             if p:
+                chosen = [p.changed]
                 print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
                       f"{gib(p.estimate.total)}, {100 * p.cost:+.1f}% step time")
             else:
                 unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
                 print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
                       + unknown)
+        if self.world > 1 and not self.dry and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(chosen, src=0)
         return chosen[0]
 
     def check(self, config):
@@ -715,27 +721,27 @@ class Report:
             yield
             return
         cuda, extra = self.device.type == 'cuda', {}
+        largest = self.cfg['dry_run_anatomy']  # the anatomy's N (0: none)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        tracker = nullcontext()
-        if not compiled:
-            tracker = Tracker(model, masters, optimizer, device=self.device,
-                              anatomy=self.cfg['dry_run_anatomy'],
-                              states_on_host=self.cfg['offload_states'])
-        with tracker as tr:
+        if compiled:
             yield
-        m = dict.fromkeys(ROWS)
-        if not compiled:
+            m = dict.fromkeys(ROWS)
+        else:
+            with Tracker(model, masters, optimizer, device=self.device,
+                         anatomy=largest,
+                         states_on_host=self.cfg['offload_states']) as tr:
+                yield
             m, extra['timeline'] = tr.breakdown(), tr.timeline()
-            if self.cfg['dry_run_anatomy']:
-                extra['anatomy'] = anatomy(tr, self.cfg['dry_run_anatomy'], m['total'])
+            if largest:
+                extra['anatomy'] = anatomy(tr, largest, m['total'])
         # its peak holds what kernels allocate beside the tensors: the total, the rest workspace
         if cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
+            allocated = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
-            extra['cuda'] = {'peak_allocated': peak, 'peak_reserved': reserved}
-            m['workspace'] = None if compiled else max(0, peak - m['total'])
-            m['total'] = max(m['total'] or 0, peak)
+            extra['cuda'] = {'peak_allocated': allocated, 'peak_reserved': reserved}
+            m['workspace'] = None if compiled else max(0, allocated - m['total'])
+            m['total'] = max(m['total'] or 0, allocated)
         self.report(m, **extra)
 
     def report(self, m, **extra):
@@ -753,7 +759,7 @@ class Report:
                 if row['moment'].startswith('backward: block') and not row['workspace']:
                     row['workspace'] = round(self.est.kernel)
                     row['total'] += row['workspace']
-            m = dict(max(extra['timeline'], key=lambda row: row['total']))
+            m = dict(peak(extra['timeline']))
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
         self.measured = m
         print(self.table(title, m, self.dry))
@@ -771,13 +777,14 @@ class Report:
         """The dry run's: its total, and its host memory where a budget is given."""
         ok = total + self.overhead <= FIT_FRACTION * self.budget
         host_ok = self.host is None or host <= self.host
-        verdict = (f"verdict: {'fits' if ok and host_ok else 'DOES NOT FIT'} on a "
+        fit = ok and host_ok
+        verdict = (f"verdict: {'fits' if fit else 'DOES NOT FIT'} on a "
                    f"{gib(self.budget)} device: dry run {gib(total)} + "
                    f"{gib(self.overhead)} overhead "
                    f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget)})")
         if not host_ok:
             verdict += f"; host {gib(host)} > {gib(self.host)}"
         print(verdict)
-        if not (ok and host_ok):
+        if not fit:
             print('\n'.join(self.suggest()))
-        return {'fits': ok and host_ok, 'verdict': verdict}
+        return {'fits': fit, 'verdict': verdict}

@@ -17,20 +17,19 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   residual stream (wo, w2) scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow
   with depth; norms at 1.
 
-The seams: what this file runs is decided where the model is built, `Llama(config, core, mesh)`. The
-attention core (`attention()` below, or what parallel.attention_core puts around it or in its place
-for the layout: varlen on CUDA, Ulysses, the ring) is handed to every Attention, which reads q, k, v
--> core -> output; the head counts come from the config and the mesh's tp. Techniques apply from
-outside by replacing whole modules, as torchtitan's plans do: parallel.parallelize shards the
-weights and puts Megatron's f and g in the places kept for them (NoCollective: enter_tp, leave_tp),
-offload.apply puts each block under its keep / recompute / offload policy (a module holding the
-block's own modules), FSDP2 wraps blocks. Nothing rebinds a method or a config field afterwards
-(tests/test_budget.py checks), so a new attention variant changes `attention()` and, for the
-ring, its cases in ring.py (the sliding window did). The memory
-knobs of LlamaConfig (mlp_chunks, loss_chunks, attention_chunks, recompute, offload) change how
-forward runs, never what it computes: the MLP, the LM head and attention's heads chunk (chunked.py)
-when theirs is not 1; with all of them off forward runs this file and rope.py only. With
-config.n_experts > 0 each block's MLP is moe.py's mixture of experts (Mixtral's block).
+The layers: this file is the Llama on one device (it imports rope.py and moe.py, nothing else of
+nanolong), and a technique applies to a built model from outside, replacing whole modules with the
+state-dict names kept, as torchtitan's plans do, in the order train.py shows: parallel.py shards
+the weights, puts Megatron's f and g in the places kept for them (NoCollective: enter_tp,
+leave_tp) and the layout's attention core in place of Core (Ulysses around it, the ring instead);
+chunked.py swaps in its mini-sequence MLP, its chunked loss as the head and its head groups as
+the attention; offload.py puts each block under its keep / recompute / offload policy; FSDP2 wraps
+blocks. The heads a rank computes are counted from its weights' shapes. Nothing rebinds a method
+or a config field afterwards (tests/test_budget.py checks), so a new attention variant changes
+`attention()` and, for the ring, its cases in ring.py (the sliding window did). LlamaConfig still
+carries the memory knobs (mlp_chunks, loss_chunks, attention_chunks, recompute, offload) that the
+techniques read; this file reads none of them. With config.n_experts > 0 each block's MLP is
+moe.py's mixture of experts (Mixtral's block).
 `Llama.from_pretrained()` reads a local HF Llama, Mistral, Ministral or Mixtral directory;
 `save_pretrained()` writes one that transformers loads back to the same logits (a Mistral when every
 layer is windowed, a Ministral when some are).
@@ -47,7 +46,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import chunked
 from moe import MoE
 # (FP32_CHUNK is read from here too: memory.py)
 from rope import (FP32_CHUNK, ROPE_SCALING_RULE, apply_rope, fp32_chunks, rope_frequencies,
@@ -139,11 +137,11 @@ class LlamaConfig:
 
 
 # ----------------------------------------------------------------------------- attention
-def attention(q, k, v, docs=None, window=0, varlen=False):
+def attention(q, k, v, docs=None, window=0, varlen=None):
     """The attention core: causal softmax(q kᵀ / sqrt(hd)) v over q [B, H, S, hd] and k, v
     [B, K, S, hd], K | H. With `docs` (doc_mask: the start of every document in the flattened B·S
     tokens, a host array, flash-attn's cu_seqlens) each document attends only to itself: one
-    varlen kernel for them all (train.py sets varlen on CUDA), else one call per document. With a
+    varlen kernel for them all (varlen; None: on CUDA), else one call per document. With a
     sliding `window` (> 0) a query sees the last `window` keys of its document, itself included:
     every row is then a document of the same two paths, varlen's window_size on CUDA, SDPA with
     the window's mask on a CPU. parallel.py's Ulysses calls this unchanged on the whole sequence
@@ -155,6 +153,8 @@ def attention(q, k, v, docs=None, window=0, varlen=False):
         # no documents, or one a row (each row begins one): the whole rows' causal attention, SDPA's
         # dense kernel (on one long document faster than varlen's: bench/RESULTS.md)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if varlen is None:
+        varlen = q.is_cuda
     if varlen:
         return one_kernel(q, k, v, docs, window)
     return per_document(q, k, v, docs, window)
@@ -214,6 +214,21 @@ def one_kernel(q, k, v, docs, window=0):
     return y.unflatten(0, (B, S)).transpose(1, 2)
 
 
+class Core(nn.Module):
+    """The attention core as a module each Attention holds: `attend` (q, k, v, docs, window), on one
+    device attention() above. A layout replaces the module whole (parallel.py: Ulysses around
+    attention(), the ring in its place, varlen's kernel for a dry run that stands in for CUDA);
+    sampling and evaluation build the same model, so they run the kernel training ran (varlen on
+    CUDA, one call a document on a CPU)."""
+
+    def __init__(self, attend=attention):
+        super().__init__()
+        self.attend = attend
+
+    def forward(self, q, k, v, docs=None, window=0):
+        return self.attend(q, k, v, docs, window)
+
+
 class NoCollective(nn.Module):
     """Where tensor parallelism puts a collective (Megatron's f before wq, wk, wv or w1, w3; g after
     wo or w2): parallel.py's plan replaces this module. In one process x itself, as a view: a step
@@ -225,29 +240,18 @@ class NoCollective(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: q, k, v -> core -> output. `core` is the attention core the layout
-    chose where the model was built (attention() above; parallel.attention_core: varlen on CUDA,
-    Ulysses' or the ring's under context parallelism); `mesh` (parallel.Mesh, None: one process)
-    says how many heads this rank computes: n_head / tp of them under tensor parallelism; `window`
-    is this layer's sliding window (0: none), which the core is handed with q, k, v."""
+    """Grouped-query attention: q, k, v -> core -> output. `core` is the attention core (Core
+    above: attention() on one device; a layout replaces the module); `window` is this layer's
+    sliding window (0: none), which the core is handed with q, k, v. The heads are counted from
+    the weights (view(B, S, -1, hd)), as torchtitan does: a plan that shards wq, wk, wv by heads
+    (tensor parallelism) changes nothing here."""
 
-    def __init__(self, config, core=attention, mesh=None, window=0):
+    def __init__(self, config, window=0):
         super().__init__()
         self.window = window
         h, H, K, hd = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
         self.head_dim = hd
-        self.core = core
-        tp = 1
-        ulysses = 1
-        if mesh is not None:
-            tp = mesh.tp
-            if mesh.cp_impl == 'ulysses':
-                ulysses = mesh.cp
-        # this rank's heads (kv heads replicated when fewer than tp ranks): picotron's
-        # num_attention_heads // tp_world_size. parallel.py's plan shards the weights to match
-        self.heads, self.kv_heads = H // tp, max(1, K // tp)
-        # head groups run one at a time (chunked.py; 1: all heads at once)
-        self.groups = chunked.attention_chunks(config, self.heads, self.kv_heads, ulysses)
+        self.core = Core()
         self.wq = nn.Linear(h, H * hd, bias=False)
         self.wk = nn.Linear(h, K * hd, bias=False)
         self.wv = nn.Linear(h, K * hd, bias=False)
@@ -258,20 +262,24 @@ class Attention(nn.Module):
         self.leave_tp = NoCollective()
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
-        x = self.enter_tp(x)
         if kv_cache is not None:
-            y = self.out(self.cached(x, cos, sin, kv_cache))
-        elif self.groups == 1:
-            y = self.out(self.core(*self.qkv(x, cos, sin), docs, self.window))
-        else:
-            # chunked.py: group g's q, k, v, core and its share of wo, one group at a time
-            y = chunked.head_groups(self.group, self.groups, x, cos, sin, docs)
-        return self.leave_tp(y)
+            return self.finish(self.cached(self.enter_tp(x), cos, sin, kv_cache))
+        return self.finish(self.core(*self.project(x, cos, sin), docs, self.window))
+
+    # forward's two ends, each a part any caller may run on a range of the tokens (offload.py's
+    # split runs the core once over two ranges' q, k, v)
+    def project(self, x, cos, sin):
+        """Tokens x -> their q, k, v: Megatron's f (nothing on one device), then qkv."""
+        return self.qkv(self.enter_tp(x), cos, sin)
+
+    def finish(self, a):
+        """The core's output a -> attention's output: wo, then Megatron's g."""
+        return self.leave_tp(self.out(a))
 
     def qkv(self, x, cos, sin, g=0, groups=1):
         """q [B, heads, S, hd] and k, v [B, kv heads, S, hd] of head group g of `groups` (by
-        default all heads), RoPE applied: group g's rows of wq, wk, wv (a kv head's query heads
-        are next to each other)."""
+        default all heads; chunked.py's head groups ask for one), RoPE applied: group g's rows of
+        wq, wk, wv (a kv head's query heads are next to each other)."""
         B, S, _ = x.shape
         q, k, v = (F.linear(x, w.weight.chunk(groups)[g]).view(B, S, -1, self.head_dim)
                    for w in (self.wq, self.wk, self.wv))
@@ -283,11 +291,6 @@ class Attention(nn.Module):
         columns of wo."""
         y = y.transpose(1, 2).flatten(2)
         return F.linear(y, self.wo.weight.chunk(groups, dim=1)[g])
-
-    def group(self, x, cos, sin, docs, g, groups):
-        """Head group g of `groups`: its q, k, v, the core and its share of wo (chunked.py)."""
-        q, k, v = self.qkv(x, cos, sin, g, groups)
-        return self.out(self.core(q, k, v, docs, self.window), g, groups)
 
     def cached(self, x, cos, sin, kv_cache):
         """Sampling: the new tokens' keys and values appended to the cache; a new token sees the
@@ -305,11 +308,10 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------- MLP
 class MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) · w3 x). With mlp_chunks != 1, chunked.py's mini-sequences of it."""
+    """SwiGLU: w2(silu(w1 x) · w3 x). (chunked.py's apply swaps in its mini-sequences of it.)"""
 
     def __init__(self, config):
         super().__init__()
-        self.config = config
         h, I = config.n_embd, config.intermediate_size
         self.w1 = nn.Linear(h, I, bias=False)  # gate
         self.w3 = nn.Linear(h, I, bias=False)  # up
@@ -320,12 +322,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = self.enter_tp(x)
-        if self.config.mlp_chunks == 1:
-            y = self.w2(F.silu(self.w1(x)) * self.w3(x))
-        else:
-            # (0: chunked.py counts them from one sequence's length)
-            chunks = chunked.mlp_chunks(self.config, x.shape[-2])
-            y = chunked.chunked_mlp(x, self.w1.weight, self.w3.weight, self.w2.weight, chunks)
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.leave_tp(y)
 
 
@@ -349,60 +346,67 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, core=attention, mesh=None, window=0):
+    def __init__(self, config, window=0):
         super().__init__()
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.attention = Attention(config, core, mesh, window)
+        self.attention = Attention(config, window)
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
-        # Mixtral's block: the same, its MLP a mixture of experts
-        self.feed_forward = MoE(config, mesh) if config.n_experts else MLP(config)
+        if config.n_experts:
+            # Mixtral's block: the same, its MLP a mixture of experts
+            self.feed_forward = MoE(config)
+        else:
+            self.feed_forward = MLP(config)
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, docs, kv_cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return self.with_mlp(self.with_attention(x, cos, sin, docs, kv_cache))
 
-    # The same block in three parts, for a caller that runs attention's core once over token
-    # ranges it cut (offload.py's split): qkv on each range, attention.core on all, rest on each.
-    # (All heads at once: by head groups offload cuts no tokens.)
-    def qkv(self, x, cos, sin):
-        """q, k, v of x's tokens (cos, sin: theirs)."""
-        return self.attention.qkv(self.attention.enter_tp(self.attention_norm(x)), cos, sin)
+    # the block's two residual halves (offload.py hooks the first's output)
+    def with_attention(self, x, cos, sin, docs=None, kv_cache=None):
+        """x + attention(RMSNorm(x))."""
+        return x + self.attention(self.attention_norm(x), cos, sin, docs, kv_cache)
 
-    def rest(self, x, a):
-        """The block's output for x's tokens, given their attention core's output a."""
-        x = x + self.attention.leave_tp(self.attention.out(a))
-        return x + self.feed_forward(self.ffn_norm(x))
+    def with_mlp(self, h):
+        """h + MLP(RMSNorm(h))."""
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 # ----------------------------------------------------------------------------- the model
-class Llama(nn.Module):
-    """The model for `config`, its attention `core` and this rank's place in the layout `mesh`
-    (parallel.Mesh; None: one process) chosen where it is built (train.py): the class says what it
-    computes. parallel.py's plan then shards its weights and replaces the tensor-parallel
-    places (enter_tp, leave_tp) with collectives; offload.py wraps its blocks."""
+class Head(nn.Linear):
+    """The LM head: logits x Wᵀ, or with targets (logits, mean cross-entropy over targets != -100),
+    as transformers computes them: the [B, S, V] logits in fp32. (chunked.py's apply swaps in its
+    loss, which never holds them.)"""
 
-    def __init__(self, config, core=attention, mesh=None):
+    def forward(self, x, targets=None):
+        logits = super().forward(x)
+        if targets is None:
+            return logits
+        # the mean over the targets that count (no target counting: 0, not 0 / 0)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction='sum')
+        return logits, loss / (targets != -100).sum().clamp(min=1)
+
+
+class Llama(nn.Module):
+    """The model for `config`, on one device: the class says what it computes. The techniques
+    apply to a built model from outside, in the order train.py shows: parallel.py's plan shards its
+    weights and replaces the tensor-parallel places (enter_tp, leave_tp) with collectives and the
+    attention cores with the layout's, chunked.py swaps in its mini-sequences, offload.py wraps its
+    blocks."""
+
+    def __init__(self, config):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
         # by index, not a list: a pipeline stage (parallel.py) drops the blocks it doesn't own, the
         # names stay
-        self.layers = nn.ModuleDict({str(i): Block(config, core, mesh, config.window(i))
+        self.layers = nn.ModuleDict({str(i): Block(config, config.window(i))
                                      for i in range(config.n_layer)})
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         # f before the LM head: under tensor parallelism each rank's rows of the vocabulary need
         # every token (nothing here: parallel.py's plan)
         self.enter_tp = NoCollective()
-        self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.output = Head(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # the tensor-parallel group the vocabulary is split over (chunked.py's loss)
-        self.vocab_group = None
-        # a pipeline stage returns its activations; the schedule applies the head (pipeline.py)
-        self.pipelined = False
-        if mesh is not None:
-            self.vocab_group = mesh.tp_group
-            self.pipelined = mesh.pp > 1
         for m in self.modules():  # (a tied matrix twice, as nanoGPT's self.apply does)
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
@@ -410,11 +414,15 @@ class Llama(nn.Module):
             if name.endswith(('wo.weight', 'w2.weight')):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None):
+    def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None, head=True):
         """idx [B, S] -> logits [B, S, V] (with kv_caches: the last token's, [B, 1, V]); with
         targets -> (logits or None, mean loss over targets != -100). `positions` [S] or [B, S] are
         the positions of idx's tokens (a shard of a longer sequence, the tokens after a kv cache,
-        each token's place in its document); they default to 0..S-1. `docs`: see attention()."""
+        each token's place in its document); they default to 0..S-1. `docs`: see attention().
+        head=False, or a pipeline stage without the head: the final norm's output [B, S, h], the
+        LM head's input (a stage without the final norm: its last block's), for a caller that
+        runs the head itself (pipeline.py's schedule, eval.py's loss by position). Always through
+        here, not a method beside it: FSDP2 gathers the model's own weights around forward."""
         if positions is None:
             positions = torch.arange(idx.shape[1], device=idx.device)
         # RoPE's tables from frequencies made here: a buffer would be rounded to bf16 by model.to().
@@ -428,34 +436,17 @@ class Llama(nn.Module):
             x = block(x, cos, sin, docs, kv_cache)
         if self.norm is not None:
             x = self.enter_tp(self.norm(x))
-        if self.pipelined:
+        if not head or self.output is None:
             return x
         if kv_caches is not None:  # sampling reads the last token's logits: not a prompt's [T, V]
             x = x[:, -1:]
-        return self.head(x, targets)
-
-    def head(self, x, targets=None):
-        """LM head: logits, or (None, loss) with targets: chunked.py's loss, which makes the
-        gradient in forward and never keeps the [B, S, V] logits, in loss_chunks chunks (1: one
-        chunk, which still keeps no log-softmax: faster than F.cross_entropy's path, with a third
-        of its memory). Under tensor parallelism (vocab_group set) output.weight holds this rank's
-        rows of the vocabulary, and the loss is vocabulary parallel."""
-        if targets is None:
-            if self.vocab_group is not None:
-                raise NotImplementedError("logits under tensor parallelism: sample in one process "
-                                          "(sample.py)")
-            return self.output(x)
-        # (0: chunked.py counts them from the micro-batch's tokens)
-        return None, chunked.chunked_cross_entropy(x, self.output.weight, targets,
-                                                   self.config.loss_chunks,
-                                                   group=self.vocab_group,
-                                                   vocab_size=self.config.vocab_size)
+        return self.output(x, targets)
 
     # ------------------------------------------------------------------------- Hugging Face
     @classmethod
-    def from_pretrained(cls, hf_dir, core=attention, mesh=None, **overrides):
+    def from_pretrained(cls, hf_dir, **overrides):
         """Load a local HF Llama, Mistral, Ministral or Mixtral directory: config.json +
-        model.safetensors, or shards with an index, into Llama(config, core, mesh), its sliding
+        model.safetensors, or shards with an index, into Llama(config), its sliding
         window the one transformers computes (_config_from_hf). `overrides` set LlamaConfig
         fields: the memory knobs; a new rope_theta or rope_scaling extends its context."""
         from safetensors.torch import load_file
@@ -471,7 +462,7 @@ class Llama(nn.Module):
             path = os.path.join(hf_dir, name)
             with _reading(path):
                 hf_state.update(load_file(path))
-        model = cls(config, core, mesh)
+        model = cls(config)
         state = {}
         for ours, theirs in _hf_names(config).items():
             with _reading(hf_dir):

@@ -1,6 +1,8 @@
 """
-Mixture of experts: Mixtral's MLP (a router and E SwiGLU experts, k of them per token), and expert
-parallelism over torchrun.
+Mixture of experts: Mixtral's MLP (a router and E SwiGLU experts, k of them per token), on one
+device. (Expert and tensor parallelism over torchrun are parallel.py's ParallelMoE, which replaces
+this module; the grouped GEMM and its mini-sequences are chunked.py's GroupedExperts, which replaces
+Experts: this file imports no technique.)
 
 model.py's Block takes this MoE for its MLP when config.n_experts > 0 (0: the dense Llama):
 
@@ -24,9 +26,11 @@ The tokens: the T·k (token, expert) pairs are sorted by expert (stable: token o
 the experts run on their rows of that one gathered [T·k, h] copy, and the outputs are weighted
 and summed back onto their tokens (index_add).
 
-The experts run as one (grouped GEMM: torchtitan's GroupedExperts, torch's F.grouped_mm; the idea
-of MegaBlocks, Gale et al. 2022, which computes all experts as one block-sparse product): each
-matmul of the SwiGLU, forward and backward, is one call over every expert's rows, the weights
+Here the experts run one after the other, each on its rows (the reference, as transformers
+loops); in training they run as one (chunked.py's GroupedExperts, a grouped GEMM: torchtitan's
+GroupedExperts, torch's F.grouped_mm; the idea of MegaBlocks, Gale et al. 2022, which computes
+all experts as one block-sparse product): each matmul of the SwiGLU, forward and backward, is
+one call over every expert's rows, the weights
 stacked [E, ...] and offsets (where each expert's rows end) telling each row its expert; not a
 Python loop of E small matmuls, whose calls cost more than their FLOPs at fine grain (many small
 experts: Qwen3-MoE, DeepSeek). The rows are chunked as the dense MLP chunks its S tokens, as one
@@ -78,9 +82,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-import chunked
-import parallel
-
 
 class Experts(nn.Module):
     """E SwiGLU MLPs, weights stacked: w1, w3 [E, I, h], w2 [E, h, I] (each expert's in nn.Linear's
@@ -88,7 +89,6 @@ class Experts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.config = config  # mlp_chunks, read at every forward
         E, h, I = config.n_experts, config.n_embd, config.intermediate_size
         self.w1 = nn.Parameter(torch.empty(E, I, h))  # gate
         self.w3 = nn.Parameter(torch.empty(E, I, h))  # up
@@ -100,21 +100,19 @@ class Experts(nn.Module):
 
     def forward(self, x, counts):
         """x [n, h]: each expert's tokens one after the other, counts[e] of expert e's."""
-        # where each expert's rows end, as grouped_mm takes them (int32)
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).int()
-        # the rows as one sequence of T·k tokens, chunked as the dense MLP chunks its S (header)
-        chunks = chunked.mlp_chunks(self.config, len(x))
-        return chunked.chunked_mlp(x, self.w1, self.w3, self.w2, chunks, offsets)
+        y = []
+        for e, rows in enumerate(x.split(counts)):
+            y.append(F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]),
+                              self.w2[e]))
+        return torch.cat(y)
 
 
 class MoE(nn.Module):
-    def __init__(self, config, mesh=None):
+    def __init__(self, config):
         super().__init__()
         self.config = config
         self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
         self.experts = Experts(config)
-        # this rank's parallel.Mesh (tp, ep, the dp·cp ranks of a micro-batch); None: alone
-        self.mesh = mesh
         # train.py: the aux loss's weight in the step's loss (1 / micro-batches, x fp16's scale)
         self.aux_weight = 1.0
         # for the log: the sum of the aux losses backward has seen (this rank's share), their count
@@ -124,21 +122,18 @@ class MoE(nn.Module):
     # host-side split sizes in the middle: eager inside a compiled model
     @torch.compiler.disable
     def forward(self, x):
-        c, mesh = self.config, self.mesh
-        tp = mesh is not None and mesh.tp > 1
         logits = self.router(x).float()
-        top, chosen = logits.topk(c.experts_per_token, dim=-1)
+        top, chosen = logits.topk(self.config.experts_per_token, dim=-1)
         weights = F.softmax(top, dim=-1).to(x.dtype)
-        if tp:
-            # every tp rank runs its slice of every expert on all tokens: gather them, with their
-            # weights (whose gradient is summed back, as x's) and choices
-            x, weights = parallel.enter_tp(x, mesh), parallel.enter_tp(weights, mesh)
-            if mesh.sequence_parallel:
-                chosen = parallel.all_gather(chosen, 1, mesh.tp_group)
         y = self.route(x, chosen, weights)
-        if tp:
-            y = parallel.leave_tp(y, mesh)
-        return _AuxLoss.apply(y, balance_loss(logits, chosen, c.n_experts, mesh), self)
+        aux = balance_loss(logits, chosen, self.config.n_experts, self.pair_counts(chosen))
+        return _AuxLoss.apply(y, aux, self)
+
+    def pair_counts(self, chosen):
+        """The (token, expert) pairs of each expert in the micro-batch (fp32: the aux loss's f)."""
+        flat = chosen.flatten()
+        ones = torch.ones_like(flat, dtype=torch.float32)
+        return torch.zeros(self.config.n_experts, device=flat.device).index_add_(0, flat, ones)
 
     def route(self, x, chosen, weights):
         """Each token's k experts' outputs, weighted and summed: like x."""
@@ -155,33 +150,9 @@ class MoE(nn.Module):
         return torch.zeros_like(tokens).index_add(0, token, y).view_as(x)
 
     def dispatch(self, x, counts):
-        """The experts' outputs for x [T·k, h], grouped by expert (counts[e] rows of expert e):
-        here, or under ep at the ranks that own them."""
-        mesh = self.mesh
-        if mesh is None or mesh.ep == 1:
-            return self.experts(x, counts)
-        ep, group = mesh.ep, mesh.ep_group
-        n = len(counts) // ep  # experts a rank holds
-        # rows for rank j: its experts' rows, next to each other
-        send = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
-        # theirs[j][e]: rows rank j sends our expert e
-        if isinstance(x, FakeTensor):
-            # the dry run (no values): every rank routes as we do, balanced
-            theirs = [counts[mesh.ep_rank * n:(mesh.ep_rank + 1) * n]] * ep
-        else:
-            sizes = torch.tensor(counts, device=x.device).view(ep, n)
-            theirs = parallel.all_to_all(sizes, group).tolist()
-        received = [sum(row) for row in theirs]
-        # from each rank come its rows for our experts, by expert: the order that groups them by
-        # expert (output_size: a length the dry run's fake tensors can't compute)
-        expert = torch.arange(n, device=x.device).repeat(ep)
-        rows = torch.tensor(theirs, device=x.device).flatten()
-        order = expert.repeat_interleave(rows, output_size=sum(received)).argsort(stable=True)
-        # (one expression: the rows as they came are freed once regrouped)
-        x = parallel.exchange(x, group, send, received)[order]
-        y = self.experts(x, [sum(column) for column in zip(*theirs)])[order.argsort()]
-        # back in the order they came, and to the ranks they came from
-        return parallel.exchange(y, group, received, send)
+        """The experts' outputs for x [T·k, h], grouped by expert (counts[e] rows of expert e): here
+        (under ep, parallel.py's ParallelMoE sends them to the ranks that own them)."""
+        return self.experts(x, counts)
 
 
 def expert_counts(chosen, n_experts):
@@ -194,15 +165,11 @@ def expert_counts(chosen, n_experts):
     return torch.bincount(chosen.flatten(), minlength=n_experts).tolist()
 
 
-def balance_loss(logits, chosen, n_experts, mesh):
-    """This rank's share of the header's aux loss, E · Σ_e f_e · P_e: f (counts, no gradient) and T
-    of the whole micro-batch, P summed over our tokens (the router's: under sp a tp rank's share of
-    the sequence, else the ranks' copies are equal and autograd takes one)."""
-    flat = chosen.flatten()
-    ones = torch.ones_like(flat, dtype=torch.float32)
-    counts = torch.zeros(n_experts, device=flat.device).index_add_(0, flat, ones)
-    if mesh is not None and mesh.dpcp_group is not None:
-        counts = parallel.all_reduce(counts, mesh.dpcp_group)
+def balance_loss(logits, chosen, n_experts, counts):
+    """This rank's share of the header's aux loss, E · Σ_e f_e · P_e: f (counts, the pairs of each
+    expert, no gradient) and T of the whole micro-batch, P summed over our tokens (the router's:
+    under sp a tp rank's share of the sequence, else the ranks' copies are equal and autograd takes
+    one)."""
     T = counts.sum() / chosen.shape[-1]
     probability = F.softmax(logits, dim=-1).flatten(0, -2).sum(0)
     return n_experts * (counts * probability).sum() / T ** 2
@@ -232,24 +199,25 @@ def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def memory_terms(config, batch, sequence, b, t=1, ep=1):
+def memory_terms(config, batch, sequence, b, t=1, ep=1, chunks=1, dense_chunks=1):
     """memory.py's terms for one layer's MoE (the header's; zeros for a dense model), b bytes an
     element, on a rank of `batch` sequences of `sequence` tokens, T = batch·sequence of them (under
     tp all t ranks' tokens, which the experts take): (the bytes it keeps per token beyond what
     offload.kept_bytes counts for a block, its backward's working set beyond what it keeps, the
     parameters of the experts the other ep ranks hold). The rows the rank's experts take when
-    balanced: n = T·k (under ep its E/ep experts' share of the T·k pairs of each ep rank)."""
+    balanced: n = T·k (under ep its E/ep experts' share of the T·k pairs of each ep rank).
+    `chunks`: the experts' mini-sequences over the n rows, `dense_chunks` a dense MLP's over one
+    sequence (chunked.mlp_chunks of each: memory.py asks)."""
     c, k, E = config, config.experts_per_token, config.n_experts
     if not E:
         return 0, 0, 0
     h, I = c.n_embd, c.intermediate_size / t
     T = batch * sequence
     n = T * k
-    chunks = chunked.mlp_chunks(c, n)
     # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the
     # router's fp32 probabilities (its rank's tokens) and the pairs' three int64 indices
     kept = 3 * b * h * k + 4 * (E + k) / t + 24 * k
-    if chunked.mlp_chunks(c, sequence) == 1:
+    if dense_chunks == 1:
         # offload.py counts a plain MLP's four [S, I] tensors: a block with an MoE has none
         kept -= 4 * b * I
     # the experts' backward: one chunk's three [n, I] buffers and a fourth (grouped_mm's dz, copied

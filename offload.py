@@ -29,9 +29,10 @@ there ('full', or 'none' with α = 1: parallel.check_layout says so).
 The last KEEP_LAST blocks are never offloaded, nor is a tensor under MIN_BYTES.
 
 The cut (`_Split`, its events numbered above it): all but the attention core works on each token
-alone, so the block's parts (model.py's Block.qkv, Attention.core, Block.rest) run in order: q, k, v
-of tokens [0, S-n) under torch's checkpoint and of [S-n, S) with what they save sent to host, the
-core once on both ranges' q, k, v, then the rest of each range; in backward the first range's
+alone, so the block's parts (model.py's Attention.project, Attention.core, Attention.finish,
+Block.with_mlp) run in order: q, k, v of tokens [0, S-n) under torch's checkpoint and of [S-n, S)
+with what they save sent to host, the core once on both ranges' q, k, v, then the rest of each
+range; in backward the first range's
 recompute takes its tokens of the core's output back from host instead of attending again. Ring
 attention merges its kernels in its own Function, whose output can't be taken back so: 'full' or α =
 1 only (parallel.check_layout). A weight's gradient is the sum of the two ranges' parts: in bf16
@@ -196,10 +197,6 @@ def apply(model):
         return model
     for i, block in list(model.layers.items()):
         model.layers[i] = Policy(block, c, int(i))
-        if c.offload > 0:
-            # on attention's last module, which every way through the block calls (the split's
-            # parts too)
-            block.attention.leave_tp.register_forward_hook(partial(_prefetch, int(i)))
     return model
 
 
@@ -224,17 +221,24 @@ class Policy(Block):
         # (blocks 0..k-1: `<`, as torch.compile may trace i as a symbolic int, which `in` can't
         # take)
         if self.i < len(offloaded_blocks(c)):
-            return _offload(self, super().forward, x, cos, sin, docs)
-        return _keep_or_recompute(super().forward, c.recompute, x, cos, sin, docs)
+            return _offload(self, self.hooked, x, cos, sin, docs)
+        return _keep_or_recompute(self.hooked, c.recompute, x, cos, sin, docs)
+
+    def hooked(self, x, cos, sin, docs):
+        """Block's forward, its attention half's output hooked for block i-1's prefetch."""
+        h = self.with_attention(x, cos, sin, docs)
+        if self.config.offload > 0:
+            _prefetch(self.i, h)
+        return self.with_mlp(h)
 
 
-def _prefetch(i, module, args, output):
-    """A forward hook on block i's attention output (its leave_tp): block i-1, if offloaded in the
-    forward under way, starts coming back once this output has its gradient, i.e. once block i's MLP
-    backward is done (its tensors don't add to that peak), before block i-1's backward needs them.
-    (A recompute in backward runs it too: a hook on a recomputed tensor never runs.)"""
+def _prefetch(i, h):
+    """On block i's attention half's output h: block i-1, if offloaded in the forward under way,
+    starts coming back once h has its gradient, i.e. once block i's MLP backward is done (its
+    tensors don't add to that peak), before block i-1's backward needs them. (A recompute in
+    backward runs this again: a hook on a recomputed tensor never runs.)"""
     previous = _offloaded.get(i - 1)
-    if previous is None or not output.requires_grad:
+    if previous is None or not h.requires_grad:
         return
     # The hook holds block i-1 weakly: a spent graph can outlive its step (MemTracker's hooks keep
     # them), and a strong reference would keep that block's tensors (RoPE's tables among them) too.
@@ -245,7 +249,7 @@ def _prefetch(i, module, args, output):
         if block is not None:
             block.fetch()
 
-    output.register_hook(fetch_previous)
+    h.register_hook(fetch_previous)
 
 
 def _keep_or_recompute(forward, recompute, *args):
@@ -289,18 +293,19 @@ def _offload(block, forward, x, cos, sin, docs):
     return y
 
 
-# The header's cut, as the events it performs, each a call of one of the block's parts (model.py's
-# Block.qkv, Attention.core, Block.rest), in this order, all under the block's hooks to host:
+# The header's cut, as the events it performs, each a call of the block's parts (model.py's
+# Attention.project, Attention.core, then `rest`: Attention.finish and Block.with_mlp), in this
+# order, all under the block's hooks to host:
 #
 # forward (`forward`)
-#   1. The first range, tokens [0, s0): its q, k, v (Block.qkv) under torch's checkpoint, which
-#      drops what they save (its input goes to host through our hooks) and makes them again in
-#      backward.
+#   1. The first range, tokens [0, s0): its q, k, v (the norm, Attention.project) under torch's
+#      checkpoint, which drops what they save (its input goes to host through our hooks) and makes
+#      them again in backward.
 #   2. The second range, tokens [s0, S): its q, k, v; what they save goes to host.
 #   3. The core once, on both ranges' q, k, v joined: every token. What it saves goes to host
 #      whole; its output `a` is packed once more, as `replay` (the tensor the core saved: no
 #      second copy, but under Ulysses, whose `a` is another tensor).
-#   4. The second range's rest (Block.rest: wo, the residual, the MLP) on its tokens of `a`: what
+#   4. The second range's rest (wo, the residual, the MLP) on its tokens of `a`: what
 #      it saves goes to host.
 #   5. The first range's rest on its tokens of `a`, under torch's checkpoint (its input: the
 #      first step's, sent once). The block's output: the first range's, then the second's.
@@ -344,7 +349,7 @@ class _Split:
         y2 = None
         if self.s0 < self.S:
             # 4.
-            y2 = self.block.rest(second, self.tokens(a, self.s0, self.S))
+            y2 = self.rest(second, self.tokens(a, self.s0, self.S))
         # 5.
         self.a = a
         y = checkpoint(self.rest_first, first, use_reentrant=False)
@@ -355,15 +360,24 @@ class _Split:
 
     def qkv(self, x, lo, hi):
         """Steps 1 and 2: q, k, v of tokens [lo, hi) of each run (x: theirs)."""
-        return self.block.qkv(x, self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi))
+        block = self.block
+        cos, sin = self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi)
+        return block.attention.project(block.attention_norm(x), cos, sin)
 
     def rest_first(self, x):
         """Step 5, and its recompute in backward (6): the first range's rest."""
         if self.a is not None:
-            return self.block.rest(x, self.tokens(self.a, 0, self.s0))
+            return self.rest(x, self.tokens(self.a, 0, self.s0))
         # 6. requiring grad as in forward, so that the ops after it save what they saved then
         a = self.tokens(self.saved.unpack(self.replay), 0, self.s0)
-        return self.block.rest(x, a.detach().requires_grad_(self.requires_grad))
+        return self.rest(x, a.detach().requires_grad_(self.requires_grad))
+
+    def rest(self, x, a):
+        """Steps 4 and 5: the block's output for x's tokens, given their core's output a (the
+        attention half's output hooked for the prefetch, as Policy.hooked does)."""
+        h = x + self.block.attention.finish(a)
+        _prefetch(self.block.i, h)
+        return self.block.with_mlp(h)
 
     def tokens(self, t, lo, hi):
         """Tokens lo..hi of every run of S tokens along dim -2 (under sequence parallelism a run

@@ -95,9 +95,9 @@ def optimizer_bytes(config, name, b, N, L):
     # the parameters of a block Muon steps (muon_steps'): attention's four matrices, a dense MLP's
     # three
     matrices = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size * (config.n_experts == 0)
-    muon = L * matrices * (name == 'muon')
+    # (under AdamW the difference of states is 0: no matrix term)
     adamw = STATE_BYTES['adamw']
-    return (adamw + 4 * (b == 2)) * N - (adamw - STATE_BYTES[name]) * muon
+    return (adamw + 4 * (b == 2)) * N - (adamw - STATE_BYTES[name]) * L * matrices
 
 
 def new_state(optimizer, group, x):
@@ -105,8 +105,7 @@ def new_state(optimizer, group, x):
     step reads it: on the device when fused)."""
     if isinstance(optimizer, torch.optim.Muon):
         return {'momentum_buffer': torch.zeros_like(x)}
-    on_device = group.get('fused') or group.get('capturable')
-    step = torch.zeros((), device=x.device if on_device else 'cpu')
+    step = torch.zeros((), device=x.device if group.get('fused') else 'cpu')
     return {'step': step, 'exp_avg': torch.zeros_like(x), 'exp_avg_sq': torch.zeros_like(x)}
 
 
@@ -208,9 +207,9 @@ class LossScaler:
             stops = self.found_inf * (self.factor <= 1)
             self.clean = (self.clean + 1) * (1 - self.found_inf)
             grow = self.clean >= SCALE_GROWTH
-            halved = torch.where(self.found_inf > 0, self.factor / 2, self.factor)
-            self.factor = torch.where(grow, halved * 2, halved).clamp(min=1.0)
-            self.clean = torch.where(grow, 0.0, self.clean)
+            # halved on an overflow (found_inf 1), doubled on growth (grow 1): powers of two, exact
+            self.factor = (self.factor / (1 + self.found_inf) * (1 + grow)).clamp(min=1.0)
+            self.clean = self.clean * ~grow
         self.skipped = (self.skipped + 1) * stops
 
     def state(self):
@@ -234,11 +233,11 @@ def stochastic_round(x, dtype):
 class AdamWInBackward(torch.optim.Optimizer):
     """Our AdamW, each parameter (bf16 or fp32: stepped in place) stepped by its gradient's hook
     as backward makes it, as torch's AdamW computes it; its state made by MasterWeights, which
-    wraps it. max_norm: grad_clip (each tensor clipped to its share, the header)."""
+    wraps it. max_norm: grad_clip (each tensor clipped to its share, the header). Each group
+    holds its weight decay (train.make_optimizer's); eps is torch's AdamW's."""
 
-    def __init__(self, groups, max_norm=math.inf, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=1e-2):
-        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    def __init__(self, groups, max_norm=math.inf, lr=1e-3, betas=(0.9, 0.999)):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=1e-8))
         self.max_norm = max_norm
         self.numel = sum(x.numel() for group in self.param_groups for x in group['params'])
         for group in self.param_groups:

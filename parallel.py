@@ -30,15 +30,16 @@ vocabulary, N parameters, b bytes per element. What each dimension saves, per ra
       layer's E experts, E/e a rank: the experts' states / e (then FSDP2's rows of them over the
       d/e ranks holding the same ones); each token's k rows go to their experts' ranks and back.
 
-The model is built for its mesh (Llama(config, core, mesh): each Attention computes n_head/t heads,
-the LM head's loss is vocabulary parallel over the tp group, a pipeline stage returns its
-activations) around the attention core attention_core chooses for c (Ulysses around model.attention,
-or the ring). Then parallelize(model, mesh), torchtitan's way, is the plan applied from outside: it
-shards the weights in place and puts Megatron's f and g (EnterTP, LeaveTP) in the places the
-model keeps for them (Attention's and the MLP's enter_tp / leave_tp, the LM head's input). A fork
-that changes model.attention runs under t and Ulysses as is. On one process (Mesh(): every group
-None) no collective runs: shard_batch returns the batch, parallelize and sync_grads change nothing,
-and clip_grad_norm_ is torch's.
+The model is built for one device (Llama(config)); the plan applies from outside, torchtitan's
+way, in calls train.py makes in order. parallelize(model, mesh) keeps this pipeline stage's blocks,
+shards the weights in place (each Attention then counts n_head/t heads from its weights) and puts
+Megatron's f and g (EnterTP, LeaveTP) in the places the model keeps for them (Attention's and the
+MLP's enter_tp / leave_tp, the LM head's input), and a mixture of experts' ParallelMoE (tp, ep).
+apply_cores(model, mesh) puts the layout's attention core in every Attention (Ulysses around
+model.Core, or the ring in its place). chunked.apply then makes the LM head's loss vocabulary
+parallel over the tp group. A fork that changes model.attention runs under t and Ulysses as is. On
+one process (Mesh(): every group None) no collective runs: shard_batch returns the batch,
+parallelize and sync_grads change nothing, and clip_grad_norm_ is torch's.
 
 What moves per block, forward (backward), B·S·h elements each unless said; every collective is one
 of the four functions below or ring.py's ring_shift (chunked.py's loss makes its own):
@@ -80,7 +81,10 @@ import torch.nn.functional as F
 from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch._subclasses.fake_tensor import FakeTensor
 
+from model import Core, attention
+from moe import MoE
 from ring import RingAttention, flash_error
 
 
@@ -487,13 +491,12 @@ def shard_batch(mesh, x, y, positions=None, docs=None):
 
 # ----------------------------------------------------------------------------- the model, parallel
 def parallelize(model, mesh):
-    """The plan: shard a full model (every rank built the same one, for this mesh and its
-    attention core) in place; names stay the model's. In order: pp keeps this stage's blocks; tp
+    """The plan: shard a full model (every rank built the same one, from the seed) in
+    place; names stay the model's. In order: pp keeps this stage's blocks; tp
     shards the weights and puts f, g in the model's places for them (attention, the MLP, the LM
-    head's input). (Context parallelism is the attention core's: attention_core.)"""
+    head's input); a mixture of experts becomes a ParallelMoE. (Context parallelism is the attention
+    core's: apply_cores.)"""
     c, t = model.config, mesh.tp
-    if model.pipelined != (mesh.pp > 1) or model.vocab_group is not mesh.tp_group:
-        raise ValueError("parallelize: build the model for this mesh: Llama(config, core, mesh)")
     if mesh.pp > 1:
         # this rank's stage: blocks [lo, hi), the embedding on the first, norm and LM head on the
         # last
@@ -524,6 +527,10 @@ def parallelize(model, mesh):
             piece = full.chunk(t, dim)[mesh.tp_rank]
         # (a tied LM head shares the parameter: its piece too)
         p.data = piece.clone()
+    for block in model.layers.values():
+        if isinstance(block.feed_forward, MoE):
+            # (before tp's shards: it gathers and reduces itself, its router on the rank's tokens)
+            block.feed_forward = ParallelMoE(block.feed_forward, mesh)
     if t > 1:
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
@@ -540,19 +547,83 @@ def parallelize(model, mesh):
     return model
 
 
-def attention_core(mesh, varlen=False):
-    """The attention core for this layout, chosen once where the model is built (Llama(config,
-    core, mesh)): model.attention (one varlen kernel for packed documents on CUDA: varlen), under
-    context parallelism Ulysses around it or the ring (ring.py) in its place."""
-    from model import attention  # (here: model.py imports moe.py, which imports this file)
-    core = attention
-    if varlen:
-        core = functools.partial(attention, varlen=True)
-    if mesh.cp == 1:
-        return core
-    if mesh.cp_impl == 'ulysses':
-        return functools.partial(ulysses, core, mesh.cp_group)
-    return functools.partial(RingAttention.apply, mesh.cp_group)
+def apply_cores(model, mesh, varlen=None):
+    """Every Attention's core for this layout: model.attention (one varlen kernel for packed
+    documents on CUDA, varlen None; True for a dry run that stands in for CUDA), under context
+    parallelism Ulysses around it or the ring (ring.py) in its place."""
+    attend = functools.partial(attention, varlen=varlen)
+    if mesh.cp > 1 and mesh.cp_impl == 'ulysses':
+        attend = functools.partial(ulysses, attend, mesh.cp_group)
+    if mesh.cp > 1 and mesh.cp_impl == 'ring':
+        attend = functools.partial(RingAttention.apply, mesh.cp_group)
+    for block in model.layers.values():
+        block.attention.core = Core(attend)
+    return model
+
+
+# ----------------------------------------------------------------------------- experts, parallel
+class ParallelMoE(MoE):
+    """moe.MoE over the layout (moe.py's header): under tp every rank runs its slice of every
+    expert on all tokens (gathered with their weights and choices, the output reduced); under ep
+    each expert's rows go to the rank that owns it and back (two all-to-alls); the balance loss's
+    counts are the micro-batch's, summed over the dp·cp ranks. Holds the MoE's own modules."""
+
+    def __init__(self, moe, mesh):
+        nn.Module.__init__(self)
+        self.router, self.experts = moe.router, moe.experts
+        self.config, self.mesh = moe.config, mesh
+        self.aux_weight, self.aux_loss, self.aux_count = 1.0, 0.0, 0
+
+    def route(self, x, chosen, weights):
+        """moe.MoE.route; under tp every rank runs its slice of every expert on all tokens: they
+        are gathered, with their weights (whose gradient is summed back, as x's) and choices, and
+        the outputs summed (Megatron's f and g)."""
+        mesh = self.mesh
+        if mesh.tp == 1:
+            return super().route(x, chosen, weights)
+        x, weights = enter_tp(x, mesh), enter_tp(weights, mesh)
+        if mesh.sequence_parallel:
+            chosen = all_gather(chosen, 1, mesh.tp_group)
+        return leave_tp(super().route(x, chosen, weights), mesh)
+
+    def pair_counts(self, chosen):
+        """The micro-batch's pairs of each expert: summed over the tp ranks' sequence shards (sp)
+        and over the dp·cp ranks."""
+        counts = super().pair_counts(chosen)
+        if self.mesh.tp > 1 and self.mesh.sequence_parallel:
+            counts = all_reduce(counts, self.mesh.tp_group)
+        if self.mesh.dpcp_group is not None:
+            counts = all_reduce(counts, self.mesh.dpcp_group)
+        return counts
+
+    def dispatch(self, x, counts):
+        """The experts' outputs for x [T·k, h], grouped by expert (counts[e] rows of expert e), at
+        the ep ranks that own them."""
+        mesh = self.mesh
+        if mesh.ep == 1:
+            return self.experts(x, counts)
+        ep, group = mesh.ep, mesh.ep_group
+        n = len(counts) // ep  # experts a rank holds
+        # rows for rank j: its experts' rows, next to each other
+        send = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
+        # theirs[j][e]: rows rank j sends our expert e
+        if isinstance(x, FakeTensor):
+            # the dry run (no values): every rank routes as we do, balanced
+            theirs = [counts[mesh.ep_rank * n:(mesh.ep_rank + 1) * n]] * ep
+        else:
+            sizes = torch.tensor(counts, device=x.device).view(ep, n)
+            theirs = all_to_all(sizes, group).tolist()
+        received = [sum(row) for row in theirs]
+        # from each rank come its rows for our experts, by expert: the order that groups them by
+        # expert (output_size: a length the dry run's fake tensors can't compute)
+        expert = torch.arange(n, device=x.device).repeat(ep)
+        rows = torch.tensor(theirs, device=x.device).flatten()
+        order = expert.repeat_interleave(rows, output_size=sum(received)).argsort(stable=True)
+        # (one expression: the rows as they came are freed once regrouped)
+        x = exchange(x, group, send, received)[order]
+        y = self.experts(x, [sum(column) for column in zip(*theirs)])[order.argsort()]
+        # back in the order they came, and to the ranks they came from
+        return exchange(y, group, received, send)
 
 
 def shard_states(model, mesh, zero, dtype, on_host=False):

@@ -79,8 +79,8 @@ class Pipeline(nn.Module):
         with self.autocast:
             if targets is None:  # contiguous: what a stage sends and receives is flat memory
                 docs = None if starts is None else np.flatnonzero(np.asarray(starts))
-                return self.model(x, positions=positions, docs=docs).contiguous()
-            loss = self.model.head(x, targets)[1] * ((targets != -100).sum() / self.count)
+                return self.model(x, positions=positions, docs=docs, head=False).contiguous()
+            loss = self.model.output(x, targets)[1] * ((targets != -100).sum() / self.count)
             return self.scaler.scale(loss)
 
     def step(self, micro_batches, count, scaler, fake=False):
@@ -92,20 +92,18 @@ class Pipeline(nn.Module):
         losses = []  # the last stage's, one per micro-batch
         if fake:
             self.fake_step(micro_batches, losses)
-            return sum(losses, torch.zeros((), device=micro_batches[0][0].device))
-        # the micro-batches as one batch, as torch's schedule takes it: it splits every input by
-        # rows, each micro-batch's positions and documents with its tokens
-        x = torch.cat([batch[0] for batch in micro_batches])
-        y = torch.cat([batch[1] for batch in micro_batches])
-        positions = torch.cat([_positions(batch[0], batch[2]) for batch in micro_batches])
-        kwargs = dict(positions=positions)
-        if micro_batches[0][3] is not None:  # doc_mask: a tensor, or the schedule won't split it
-            starts = [_starts(batch[0], batch[3], self.mesh.cp) for batch in micro_batches]
-            kwargs['starts'] = torch.from_numpy(np.concatenate(starts))
-        # x: the first stage's input (torch's schedule gives a later stage the one before's
-        # output); y: the last stage's targets
-        self.schedule.step(x, target=y, losses=losses, **kwargs)
-        return sum(losses, torch.zeros((), device=x.device))
+        else:
+            # the micro-batches as one batch, as torch's schedule takes it: it splits every input
+            # by rows, each micro-batch's positions and documents with its tokens
+            xs, ys, positions, docs = zip(*micro_batches)
+            kwargs = dict(positions=torch.cat([_positions(x, p) for x, p in zip(xs, positions)]))
+            if docs[0] is not None:  # doc_mask: a tensor, or the schedule won't split it
+                starts = [_starts(x, d, self.mesh.cp) for x, d in zip(xs, docs)]
+                kwargs['starts'] = torch.from_numpy(np.concatenate(starts))
+            # x: the first stage's input (torch's schedule gives a later stage the one before's
+            # output); y: the last stage's targets
+            self.schedule.step(torch.cat(xs), target=torch.cat(ys), losses=losses, **kwargs)
+        return sum(losses, torch.zeros((), device=micro_batches[0][0].device))
 
     def fake_step(self, micro_batches, losses):
         """The dry run's step (the header): this stage's forwards and backwards of the
@@ -147,7 +145,7 @@ class Pipeline(nn.Module):
         loss = torch.zeros((), device=x.device)
         if self.last:
             with self.autocast:
-                loss = self.model.head(out, y)[1].float()
+                loss = self.model.output(out, y)[1].float()
         else:
             dist.send(out, group_dst=rank + 1, group=group)
         return parallel.all_reduce(loss, group)  # the last stage's, on every stage

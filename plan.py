@@ -178,17 +178,15 @@ def step_seconds(c, layout, seq_len, target):
     def link(span):
         """A group's bytes/s: NVLink within a node, the network across (the grid is dp, pp, cp,
         tp: tp's ranks are neighbours, then cp's; FSDP2's and ep's span the job)."""
-        if span <= target.per_node:
-            return NVLINK
-        return NETWORK
+        return NVLINK if span <= target.per_node else NETWORK
 
     # a block's bytes on a rank (b = 2), a pass each: forward, backward, forward again
     bT, h, kv = 2 * B * seq_len / cp, c.n_embd, c.n_kv_head * c.head_dim
     passes = 2 + (c.recompute != 'none')
     attention_passes = 2 + (c.recompute != 'none' or c.attention_chunks != 1)
     exposed = 4 * passes * (t - 1) / t * h * bT / link(t)
-    if c.n_experts:
-        exposed += 2 * passes * (ep - 1) / ep * h * c.experts_per_token * bT / link(target.gpus)
+    # (a dense model's ep is 1: no term)
+    exposed += 2 * passes * (ep - 1) / ep * h * c.experts_per_token * bT / link(target.gpus)
     # Ulysses' all-to-alls wait; the ring's sends hide behind attention
     hidden = 0
     if layout['cp_impl'] == 'ring':
@@ -202,7 +200,7 @@ def step_seconds(c, layout, seq_len, target):
     hidden *= runs
     if layout['zero']:
         hidden += M * (2 * (1 + (layout['zero'] == 3)) + 4) * N * (d - 1) / d / link(target.gpus)
-    elif d > 1:
+    else:  # (nothing where d is 1)
         hidden += 8 * N * (d - 1) / d / link(target.gpus)
     if layout['offload_states']:
         hidden += M * 12 * N / d / PCIE
@@ -213,11 +211,9 @@ def step_seconds(c, layout, seq_len, target):
 def fastest(c, layout, seq_len, target, least=False):
     """The Plan of least step time of layout at seq_len, or None; of equal times the smallest,
     then the one of most chunks (headroom at the moments other than the estimate's peak)."""
-    def order(p):
-        # (the keys' values: memory.variants' largest is 4x the automatic count, 0)
-        return p.seconds, p.device, -p.config.loss_chunks - p.config.mlp_chunks
-
-    return min(plans(c, layout, seq_len, target, least), key=order, default=None)
+    # (the chunks' values: memory.variants' largest is 4x the automatic count, 0)
+    return min(plans(c, layout, seq_len, target, least), default=None,
+               key=lambda p: (p.seconds, p.device, -p.config.loss_chunks - p.config.mlp_chunks))
 
 
 def longest(c, layout, target, step):
@@ -241,12 +237,8 @@ def search(c, target, step, seq_len=None):
     """Every layout's best Plan: the longest (seq_len None), longest first, or the fastest at
     seq_len; of equal lengths the fastest first, then the one that needs least host memory and
     least GPU memory."""
-    found = []
-    for layout in layouts(c, target):
-        if seq_len:
-            found.append(fastest(c, layout, seq_len, target))
-        else:
-            found.append(longest(c, layout, target, step))
+    found = [fastest(c, layout, seq_len, target) if seq_len else longest(c, layout, target, step)
+             for layout in layouts(c, target)]
     return sorted(filter(None, found), key=lambda p: (-p.seq_len, p.seconds, p.host, p.device))
 
 

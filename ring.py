@@ -75,11 +75,9 @@ def ring_shift(x, group, hop, size):
             ops.append(dist.P2POp(dist.isend, x, group=group, group_peer=(r + hop) % n))
         if size:
             ops.append(dist.P2POp(dist.irecv, received, group=group, group_peer=(r - hop) % n))
-    works = []
-    if ops:
-        # one batch, so NCCL posts the send and the receive together (two separate calls deadlock
-        # a ring)
-        works = dist.batch_isend_irecv(ops)
+    # one batch, so NCCL posts the send and the receive together (two separate calls deadlock a
+    # ring); torch's batch can't be empty
+    works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait():
         for work in works:
@@ -91,16 +89,24 @@ def ring_shift(x, group, hop, size):
 def flash_error(device_type, dtype, head_dim):
     """None, or why ring attention's fused flash kernel can't run here (check_layout asks up
     front)."""
-    cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
     if device_type not in ('cuda', 'cpu'):
         return (f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} "
                 "(use cp_impl='ulysses')")
-    if device_type == 'cuda' and dtype not in (torch.float16, torch.bfloat16):
-        return (f"{cuda} bfloat16 or float16, not {dtype} "
-                "(use dtype='bfloat16' or cp_impl='ulysses')")
-    if device_type == 'cuda' and (head_dim > 256 or head_dim % 8):
-        return f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} (use cp_impl='ulysses')"
+    if device_type == 'cuda':
+        cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return (f"{cuda} bfloat16 or float16, not {dtype} "
+                    "(use dtype='bfloat16' or cp_impl='ulysses')")
+        if head_dim > 256 or head_dim % 8:
+            return (f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} "
+                    "(use cp_impl='ulysses')")
     return None
+
+
+def _indices(values, device):
+    """values (token indices, cu_seqlens) as the int32 tensor on `device` the kernels and index ops
+    take (int32: a ring plan's are kept from forward to backward, the size of a layer's tokens)."""
+    return torch.as_tensor(values, dtype=torch.int32, device=device)
 
 
 def _one(t, first, last):
@@ -153,9 +159,9 @@ def flash(q, k, v, cu_q, cu_k, window):
     if why := flash_error(q.device.type, q.dtype, q.shape[-1]):
         raise ValueError(why)
     if _cuda_kernel(q):
-        cu = [torch.as_tensor(c, dtype=torch.int32, device=q.device) for c in (cu_q, cu_k)]
-        longest = [int(np.diff(c).max()) for c in (cu_q, cu_k)]
-        saved = dict(cum_seq_q=cu[0], cum_seq_k=cu[1], max_q=longest[0], max_k=longest[1],
+        # cu_seqlens on the device, the longest documents, the window
+        saved = dict(cum_seq_q=_indices(cu_q, q.device), cum_seq_k=_indices(cu_k, q.device),
+                     max_q=int(np.diff(cu_q).max()), max_k=int(np.diff(cu_k).max()),
                      is_causal=window[1] == 0, window_size_left=window[0],
                      window_size_right=window[1])
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
@@ -182,13 +188,14 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, window, saved):
     grads = []
     for a, b, c, d, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
         # as flash's loop: one document at a time
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        doc_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out=_one(dout, a, b), query=_one(q, a, b), key=_one(k, c, d),
             value=_one(v, c, d), out=_one(out, a, b), logsumexp=lse[None, :, a:b], dropout_p=0.0,
             **how)
-        grads.append([g[0].transpose(0, 1) for g in (dq, dk, dv)])
-    dq, dk, dv = zip(*grads)
-    return torch.cat(dq), torch.cat(dk), torch.cat(dv)
+        # its dq, dk, dv, tokens first
+        grads.append([g[0].transpose(0, 1) for g in doc_grads])
+    # each of dq, dk, dv: the documents' one after the other
+    return tuple(torch.cat(g) for g in zip(*grads))
 
 
 def ring_step(docs, B, n, window, step, rank, world):
@@ -206,22 +213,22 @@ def ring_step(docs, B, n, window, step, rank, world):
     ends = np.append(docs[1:], B * S)
     source = (rank - step) % world
     parts = []
-    # a chunk's tokens: their row, their place in the chunk
-    row, offset = np.repeat(np.arange(B), n), np.tile(np.arange(n), B)
+    # a chunk's tokens (n a row): their row, their place in the chunk
+    row, offset = np.divmod(np.arange(B * n), n)
     for a, b in product([rank, 2 * world - 1 - rank], [source, 2 * world - 1 - source]):
         # our chunk a's queries, the visiting chunk b's keys
         if b > a:
             continue  # every key after every query
-        q_places = row * S + a * n + offset
-        k_places = row * S + b * n + offset
+        # each token's chunk's first place in the B whole sequences, then the token's own
+        a_start, b_start = row * S + a * n, row * S + b * n
+        q_places, k_places = a_start + offset, b_start + offset
         q_doc, k_doc = (np.searchsorted(docs, p, 'right') - 1 for p in (q_places, k_places))
         # a key is attended when a query of its document lies in [key, key + W), within chunk a;
         # a query attends when a key of its document lies in (query - W, query], within chunk b
-        a_row, b_row = row * S + a * n, row * S + b * n
-        k_kept = np.maximum(a_row, k_places) < np.minimum.reduce([ends[k_doc], a_row + n,
-                                                                  k_places + W])
-        q_kept = np.maximum.reduce([docs[q_doc], b_row, q_places - W + 1]) < np.minimum(
-            b_row + n, q_places + 1)
+        k_kept = np.maximum(a_start, k_places) < np.minimum.reduce([ends[k_doc], a_start + n,
+                                                                    k_places + W])
+        q_kept = np.maximum.reduce([docs[q_doc], b_start, q_places - W + 1]) < np.minimum(
+            b_start + n, q_places + 1)
         # each document's kept tokens are a run on both sides (a chunk cut by a document, then by
         # the window): flash's lining up of the last query with the last key is the places' when
         # right = (last query's place - last key's place) and left = W - 1 - right
@@ -256,14 +263,10 @@ def ring_plan(docs, B, n, window, group, device):
         parts, needed = ring_step(docs, B, n, window, step, rank, world)
         # what the rank `step` ahead attends of our tokens: what we send it
         _, sent = ring_step(docs, B, n, window, step, (rank + step) % world, world)
-        on_device = []
-        # (int32: kept from forward to backward, a layer's indices are the size of its tokens)
-        for rows, cols, cu_q, cu_k, w in parts:
-            rows = torch.as_tensor(rows, dtype=torch.int32, device=device)
-            cols = torch.as_tensor(np.searchsorted(needed, cols), dtype=torch.int32, device=device)
-            on_device.append((rows, cols, cu_q, cu_k, w))
-        sent = torch.as_tensor(sent, dtype=torch.int32, device=device)
-        plan.append((on_device, len(needed), sent))
+        # a part's visiting tokens: their places in what arrives (needed, in order)
+        on_device = [(_indices(rows, device), _indices(np.searchsorted(needed, cols), device),
+                      cu_q, cu_k, w) for rows, cols, cu_q, cu_k, w in parts]
+        plan.append((on_device, len(needed), _indices(sent, device)))
     return plan
 
 
@@ -273,12 +276,12 @@ def _visiting(kv, plan, group):
     these."""
     # step 0: our own tokens, each of which attends itself: all of kv, as it is
     arriving = ring_shift(kv, group, 0, kv.shape[1])
-    for step in range(len(plan)):
+    for step, (_, size, sent) in enumerate(plan[1:], 1):
+        # this step's k, v are here; post the transfer of the next's, then compute on these
         visiting = arriving()
-        if step + 1 < len(plan):
-            _, size, sent = plan[step + 1]
-            arriving = ring_shift(kv[:, sent], group, step + 1, size)
+        arriving = ring_shift(kv[:, sent], group, step, size)
         yield visiting
+    yield arriving()
 
 
 def _tokens_first(t):

@@ -147,7 +147,8 @@ def rope_tables(inv_freq, positions, scale=1.0):
         positions = positions[:, None]
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos() * scale, angles.sin() * scale
-    return torch.cat([cos, cos], dim=-1).float(), torch.cat([-sin, sin], dim=-1).float()
+    # both channels of a pair turn by its angle: cos for each half, sin with R's signs
+    return cos.tile(2).float(), torch.cat([-sin, sin], dim=-1).float()
 
 
 # ---------------------------------------------------------------------- fp32, a chunk at a time
@@ -161,9 +162,8 @@ def fp32_chunks(x):
 def rotate(x, cos, sin):
     """The formula: x·cos + R(x)·sin in fp32, cast to x's dtype (R's sign is in the sin table)."""
     xf = x.float()
-    # R(x) but for its signs: the halves of x swapped
-    first, second = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([second, first], dim=-1) * sin).to(x.dtype)
+    # R(x) but for its signs: the halves of x swapped, a roll by half the channels
+    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 def apply_rope(x, cos, sin):

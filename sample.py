@@ -75,11 +75,9 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     return torch.cat(out, 1)
 
 def main():
-    from configurator import configure, has_device
+    from configurator import configure, pick_device
     configure(globals())
-    dev = device
-    if device == 'auto':  # the first this machine has
-        dev = next(name for name in ('cuda', 'mps', 'cpu') if has_device(name))
+    dev = pick_device(device)  # 'auto': the first this machine has
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':

@@ -56,7 +56,8 @@ from tqdm import tqdm
 
 from model import Llama, LlamaConfig, MEMORY_KNOBS, flops_per_token, num_params, read_config
 import checkpoint
-from configurator import collective_failed, configure, die, has_device, writable
+import chunked
+from configurator import collective_failed, configure, die, has_device, pick_device, writable
 from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
 import pipeline
@@ -327,8 +328,9 @@ def aux_loss(model, mesh):
     for layer in layers:
         total = total + layer.aux_loss / max(1, layer.aux_count)
         layer.aux_loss, layer.aux_count = 0.0, 0
-    # each rank's layers and tokens' share (under sp a tp rank's tokens; else tp copies are equal)
-    sp = mesh.tp > 1 and mesh.sequence_parallel
+    # each rank's layers and tokens' share (under sp a tp rank's tokens; else tp copies are equal;
+    # a group of one rank is None)
+    sp = mesh.sequence_parallel
     for group in (mesh.dpcp_group, mesh.pp_group, mesh.tp_group if sp else None):
         if group is not None:
             total = parallel.all_reduce(total, group)
@@ -565,19 +567,20 @@ def device_and_dtype():
         # stands in for their CUDA devices
         os.environ.setdefault('WORLD_SIZE', str(tp_size * cp_size * pp_size))
         dev = torch.device('cpu')
-    elif device == 'auto':  # the first this machine has
-        dev = torch.device(next(name for name in ('cuda', 'mps', 'cpu') if has_device(name)))
-    else:
-        dev = torch.device(device)
-    if dtype == 'auto':  # bf16 on CUDA (a dry run's target), fp32 elsewhere
-        ptdtype = torch.bfloat16 if dev.type == 'cuda' or dry_run else torch.float32
-    else:
+    else:  # 'auto': the first this machine has
+        dev = torch.device(pick_device(device))
+    # 'auto': fp16 on a CUDA GPU without bf16, bf16 on the others (and a dry run's target), fp32
+    # elsewhere
+    ptdtype = torch.float32
+    if dtype != 'auto':
         ptdtype = getattr(torch, dtype)
-    if dtype == 'auto' and dev.type == 'cuda' and not torch.cuda.is_bf16_supported():
+    elif dev.type == 'cuda' and not torch.cuda.is_bf16_supported():
         ptdtype = torch.float16
         if os.environ.get('RANK', '0') == '0':  # the first line the run prints
             print(f"dtype='auto': float16 with loss scaling ({torch.cuda.get_device_name(dev)} "
                   f"has no bfloat16)")
+    elif dev.type == 'cuda' or dry_run:
+        ptdtype = torch.bfloat16
     if ptdtype == torch.float16 and optimizer_in_backward:
         die("optimizer_in_backward=True with dtype float16: a parameter's step can't wait for "
             "the step's overflow check (loss scaling); use dtype='bfloat16' or 'float32'")
@@ -633,31 +636,41 @@ def model_config(meta, cfg, world, dev, ptdtype):
     return config, ckpt
 
 
-def build_model(config, mesh, dev):
-    """The model of config, once config is final, for this rank's place in the mesh, around the
-    attention core the layout takes (parallel.attention_core): a Hugging Face directory's weights
-    read into it, else initialised from the seed (a checkpoint's weights load after sharding:
-    main). A dry run's is shapes only, on the meta device: no weights read, nothing allocated."""
-    # packed documents or sliding windows on CUDA: varlen's kernel (not one call per document, nor
-    # SDPA with an S x S mask); a dry run stands in for CUDA devices
-    varlen = (doc_mask or config.sliding_window > 0) and (dev.type == 'cuda' or dry_run)
-    core = parallel.attention_core(mesh, varlen)
+def build_model(config, dev):
+    """The model of config, once config is final, on one device: a Hugging Face directory's
+    weights read into it, else initialised from the seed (a checkpoint's weights load after
+    sharding: main). A dry run's is shapes only, on the meta device: no weights read, nothing
+    allocated."""
     with torch.device('meta') if dry_run else nullcontext():
         if init_from in ('scratch', 'resume') or dry_run:
-            return Llama(config, core, mesh)
+            return Llama(config)
         try:
             # config is config.json's with our knobs and RoPE: its every field over the file's
-            return Llama.from_pretrained(init_from, core, mesh, **asdict(config))
+            return Llama.from_pretrained(init_from, **asdict(config))
         except ValueError as e:  # a shard missing, a tensor of the wrong shape: the user's files
             die(e)
 
 
 def place_model(model, mesh, dev, ptdtype):
-    """This rank's share of the full model (every rank built the same one, from the seed), its
-    blocks' activation policy wrapped, on its device in its weights' dtype."""
-    if mesh.world > 1:  # sharded (and staged) for this rank; one process keeps it whole
+    """The techniques applied to the built model, in this order (each replaces or wraps whole
+    modules, the state-dict names kept), then this rank's share of it on its device in its weights'
+    dtype: every rank built the same full model, from the seed."""
+    # 1. sharded (and staged) for this rank; one process keeps it whole
+    if mesh.world > 1:
         parallel.parallelize(model, mesh)
-    # keep, recompute or offload each block's activations (every knob off: no block wrapped)
+    # 2. the layout's attention core: packed documents or sliding windows on CUDA take varlen's
+    # kernel (not one call per document, nor SDPA with an S x S mask); a dry run stands in for
+    # CUDA devices
+    varlen = None
+    if dry_run and (doc_mask or model.config.sliding_window > 0):
+        varlen = True
+    parallel.apply_cores(model, mesh, varlen)
+    # 3. the MLP's mini-sequences, the chunked loss (vocabulary parallel over tp), head groups
+    ulysses = 1
+    if mesh.cp_impl == 'ulysses':
+        ulysses = mesh.cp
+    chunked.apply(model, ulysses, mesh.tp_group)
+    # 4. keep, recompute or offload each block's activations (every knob off: no block wrapped)
     offload_policy.apply(model)
     # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
     weights_dtype = torch.float32 if zero > 1 else ptdtype
@@ -665,7 +678,8 @@ def place_model(model, mesh, dev, ptdtype):
         memory.to_fake(model, weights_dtype)
     else:
         model.to(device='cpu' if offload_states else dev, dtype=weights_dtype)
-    if zero > 1:  # FSDP2 shards the states over the dp x cp ranks, block by block via the GPU
+    # 5. FSDP2 shards the states over the dp x cp ranks, block by block via the GPU
+    if zero > 1:
         parallel.shard_states(model, mesh, zero, ptdtype, offload_states)
 
 
@@ -695,10 +709,13 @@ def dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
         print(f"(this stage's {blocks} blocks: measured with {n} and {n + 1}, each moment "
               f"extrapolated from what one more block adds to it; --dry_run_full=True measures "
               f"all {blocks})")
-        mem.report(dict(max(timeline, key=lambda m: m['total'])), timeline=timeline)
-    # the user's command (not a stage's run of it) under pp: rank 0 measured the first stage only
+        mem.report(dict(measure.peak(timeline)), timeline=timeline)
+    # the user's command (not a stage's run of it) under pp: rank 0 measured the first stage only.
+    # The last stage holds what rank 0's does not (the final norm, the LM head and the loss) and
+    # the fewest micro-batches in flight: the command again as the last rank (its table, verdict
+    # and memory.rank<r>.json)
     if mesh.pp > 1 and mesh.pp_rank == 0 and 'RANK' not in os.environ:
-        dry_run_last_stage(mesh)
+        rerun(mesh.world - 1, f"the last pipeline stage (rank {mesh.world - 1})")
 
 
 def measure_few_blocks(blocks, config, mesh, name):
@@ -707,24 +724,20 @@ def measure_few_blocks(blocks, config, mesh, name):
     Face directory's shape). name: its memory.json's."""
     fixed = [f'--{f.name}={getattr(config, f.name)!r}' for f in fields(config)]
     with tempfile.TemporaryDirectory() as tmp:
-        run = subprocess.run([sys.executable, *sys.argv, *fixed, '--init_from=scratch',
-                              f'--n_layer={blocks * mesh.pp}', '--auto_memory=False',
-                              '--dry_run_full=True', f'--out_dir={tmp}'],
-                             env={**os.environ, 'RANK': str(mesh.rank)}, stdout=subprocess.DEVNULL)
-        if run.returncode:  # (its error on our stderr)
-            die(f"the dry run of {blocks} blocks a stage failed")
+        rerun(mesh.rank, f"{blocks} blocks a stage",
+              [*fixed, '--init_from=scratch', f'--n_layer={blocks * mesh.pp}',
+               '--auto_memory=False', '--dry_run_full=True', f'--out_dir={tmp}'],
+              stdout=subprocess.DEVNULL)
         with open(os.path.join(tmp, name)) as f:
             return json.load(f)['timeline']
 
 
-def dry_run_last_stage(mesh):
-    """The last pipeline stage holds what rank 0's does not (the final norm, the LM head and the
-    loss) and the fewest micro-batches in flight: the user's command again as the last rank, in a
-    process of its own (its table, verdict and memory.rank<r>.json)."""
-    env = {**os.environ, 'RANK': str(mesh.world - 1)}
-    last = subprocess.run([sys.executable, *sys.argv], env=env)
-    if last.returncode:  # (its error on our stderr)
-        die(f"the dry run of the last pipeline stage (rank {mesh.world - 1}) failed")
+def rerun(rank, what, args=(), stdout=None):
+    """The user's command again, with args after its own, as rank `rank` in a process of its own;
+    one line stops us if it fails (its error is on our stderr), naming it by `what`."""
+    env = {**os.environ, 'RANK': str(rank)}
+    if subprocess.run([sys.executable, *sys.argv, *args], env=env, stdout=stdout).returncode:
+        die(f"the dry run of {what} failed")
 
 
 def catch_signals():
@@ -760,7 +773,7 @@ def main():
     mem = memory.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
-    model = build_model(config, mesh, dev)  # (a bad HF file: stopped before out_dir)
+    model = build_model(config, dev)  # (a bad HF file: stopped before out_dir)
     lock = make_out_dir(rank)  # (held while main runs)
     mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
     place_model(model, mesh, dev, ptdtype)
@@ -784,10 +797,14 @@ def main():
         print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
               f"{tokens_per_iter:,} tokens per step")
         start_wandb(cfg)
+
+    def save():
+        """A checkpoint of the run as it is now (every rank calls it); its directory."""
+        return checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
+                               best_val_loss=best_val_loss, config=cfg, loss_scale=scaler.state())
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
-    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True,
-               disable=None if rank == 0 else True)
+    bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=rank > 0 or None)
     # tokens/s: the steps since it0, over the time since t0; MFU: their documents' lengths
     t0, it0, lengths = time.perf_counter(), iter_num, []
     peak_memory(dev)  # (starts the peak the first row reports)
@@ -798,9 +815,7 @@ def main():
             val_loss = evaluate(model, meta, mesh, autocast, dev, pipe)
             best_val_loss = min(best_val_loss, val_loss)
             if always_save_checkpoint and iter_num > 0:
-                checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
-                                best_val_loss=best_val_loss, config=cfg,
-                                loss_scale=scaler.state())
+                save()
             t0 += time.perf_counter() - t_eval  # tokens/s counts training time only
         lr = get_lr(iter_num)
         for group in optimizer.param_groups:
@@ -834,9 +849,7 @@ def main():
         if world > 1:  # ranks may see a signal in different steps: they agree on log steps only
             stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item())
     bar.close()
-    path = checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
-                           best_val_loss=best_val_loss, config=cfg,
-                           loss_scale=scaler.state())
+    path = save()
     if rank == 0 and stop:
         print(f"stopped by a signal at iter {iter_num}; checkpoint saved in {path} (continue with "
               f"--init_from=resume)")

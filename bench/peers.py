@@ -156,9 +156,11 @@ def hf_model(name):
 
 
 def ours_model(name):
+    import chunked
     import offload
     from model import Llama
-    model = offload.apply(Llama.from_pretrained(model_dir, **OURS[name]))
+    # the techniques as train.py applies them in one process: chunked.py's modules, then offload's
+    model = offload.apply(chunked.apply(Llama.from_pretrained(model_dir, **OURS[name])))
 
     def loss(x, y):
         return model(x, y)[1]

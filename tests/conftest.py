@@ -101,3 +101,19 @@ def tiny_hf(tmp_path_factory):
                        env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return SimpleNamespace(hf=hf, data=str(root / 'data'), docs=docs)
+
+
+def apply_techniques(model, mesh=None):
+    """model with the techniques train.py applies, in its order (train.place_model, before the dtype
+    and FSDP2): this rank's shard and the layout's attention cores, chunked.py's modules, offload's
+    policy. mesh None: one process."""
+    import chunked
+    import offload
+    import parallel
+    mesh = mesh or parallel.Mesh()
+    if mesh.world > 1:
+        parallel.parallelize(model, mesh)
+    parallel.apply_cores(model, mesh)
+    ulysses = mesh.cp if mesh.cp_impl == 'ulysses' else 1
+    chunked.apply(model, ulysses, mesh.tp_group)
+    return offload.apply(model)

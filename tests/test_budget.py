@@ -212,15 +212,17 @@ def rebinds(src):
 
 
 def test_the_seam_guard_catches_what_it_names():
-    assert {'forward', 'core', 'qkv', 'rest', 'vocab_group', 'pipelined', 'mesh', 'config'} <= model_behaviour()
+    assert {'forward', 'qkv', 'project', 'finish', 'with_mlp', 'window', 'attend', 'config'} <= model_behaviour()
     caught = ['block.forward = partial(f, block.forward)', 'block.attention.attend = partial(ulysses, f)',
               'attention.ulysses = 2', 'model.config.recompute = "full"', 'setattr(self.config, k, v)',
-              'block.attention.core, x = f, 1', 'model.pipelined = True', 'c.offload += 0.5']
+              'block.attention.window, x = 4, 1', 'core.attend = f', 'c.offload += 0.5']
     for src in caught:
         assert rebinds(src), src
     # whole modules replaced by a plan, a class's own attributes, parameters made fake
     allowed = ['model.layers[i] = Policy(block, c, i)', 'm.enter_tp, m.leave_tp = EnterTP(mesh), LeaveTP(mesh)',
-               'model.norm = model.output = None', 'self.config = config', 'setattr(m, k, made[p])', 'ctx.group = g']
+               'model.norm = model.output = None', 'self.config = config', 'setattr(m, k, made[p])', 'ctx.group = g',
+               'block.attention.core = Core(attend)', 'block.feed_forward = ChunkedMLP(mlp, c)',
+               'model.output = ChunkedHead(model.output.weight, c, vocab_group)']
     for src in allowed:
         assert not rebinds(src), src
 
@@ -233,3 +235,63 @@ def test_no_file_outside_the_model_rebinds_its_behaviour(path):
     field of its config, nor setattr's a config."""
     bad = rebinds(open(path).read())
     assert not bad, bad
+
+
+# The layers, lowest first: a core file imports only from its own layer or below, and no import
+# makes a cycle. data/ imports nothing of the core.
+LAYERS = [['configurator', 'rope', 'ring'],
+          ['model', 'moe'],
+          ['chunked', 'offload', 'parallel'],
+          ['optim', 'checkpoint', 'pipeline', 'memory', 'measure'],
+          ['train', 'eval', 'plan', 'sample']]
+
+
+def core_imports(path):
+    """The core modules a file imports, anywhere in it (a function's lazy import too)."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names & MODULES
+
+
+def test_the_layers_have_no_import_upward_and_no_cycle():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    assert set(layer) == MODULES  # every core file has its layer
+    imports = {os.path.basename(p)[:-3]: core_imports(p) for p in CORE}
+    upward = [(a, b) for a, bs in imports.items() for b in bs if layer[b] > layer[a]]
+    assert not upward, upward
+    # a cycle: a module that reaches itself through what it imports
+    for start in imports:
+        seen, todo = set(), list(imports[start])
+        while todo:
+            name = todo.pop()
+            assert name != start, f"{start} imports itself through {sorted(seen)}"
+            if name not in seen:
+                seen.add(name)
+                todo.extend(imports[name])
+
+
+def test_data_imports_nothing_of_the_core():
+    paths = glob.glob(os.path.join(ROOT, 'data', '*.py')) + glob.glob(os.path.join(ROOT, 'data', '*', '*.py'))
+    for path in paths:
+        assert not core_imports(path), (path, core_imports(path))
+
+
+def test_import_model_loads_only_the_model_and_rope():
+    """model.py is the Llama on one device: importing it loads model, rope and moe of the core, and its
+    code (comments and docstrings aside) names no mesh, tensor-parallel size or process group."""
+    import subprocess
+    import sys
+    probe = ("import sys, model; print(' '.join(sorted(sys.modules)))")
+    loaded = subprocess.run([sys.executable, '-c', probe], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert set(loaded) & MODULES == {'model', 'moe', 'rope'}
+    for path in ('model.py', 'moe.py'):
+        src = open(os.path.join(ROOT, path)).read()
+        docs = docstring_lines(ast.parse(src))
+        names = {tok.string for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                 if tok.type == tokenize.NAME and tok.start[0] not in docs}
+        assert not names & {'mesh', 'tp', 'tp_group', 'vocab_group', 'pipelined', 'group', 'dist'}, path

@@ -32,6 +32,7 @@ import offload  # noqa: E402
 import optim  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
+from conftest import apply_techniques  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 # V = 37: padded vocabulary rows on tp 2 and 4; K = 2 kv heads: replicated on tp 4
@@ -43,10 +44,8 @@ def build(world, tp, zero, dtype, seed):
     config = LlamaConfig(**CONFIG)
     mesh = parallel.make_mesh(tp, 1, 'ulysses', config.n_kv_head) if world > 1 else parallel.Mesh()
     torch.manual_seed(seed)
-    model = Llama(config, mesh=mesh)
-    if world > 1:
-        parallel.parallelize(model, mesh)
-    offload.apply(model).to(torch.float32 if zero else dtype)  # FSDP2's fp32 rows are the masters
+    model = Llama(config)
+    apply_techniques(model, mesh).to(torch.float32 if zero else dtype)  # FSDP2's fp32 rows are the masters
     if zero:
         parallel.shard_states(model, mesh, zero, dtype)
     masters = optim.make_master_weights(model)

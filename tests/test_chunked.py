@@ -306,7 +306,7 @@ def test_auto_chunk_counts():
 
 
 # ----------------------------------------------------------------------------- attention by head groups
-from conftest import cuda, packed_batch  # noqa: E402
+from conftest import apply_techniques, cuda, packed_batch  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 import offload  # noqa: E402
 
@@ -316,7 +316,7 @@ GROUPED = dict(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=96
 def grouped_step(dtype=torch.float32, docs=False, **knobs):
     """Loss and every gradient of one forward + backward of a 2-block Llama (8 query heads, 4 kv heads)."""
     torch.manual_seed(0)
-    model = offload.apply(Llama(LlamaConfig(**GROUPED, **knobs)).to(dtype))
+    model = apply_techniques(Llama(LlamaConfig(**GROUPED, **knobs)).to(dtype))
     if docs:
         x, y, pos, starts = packed_batch([[5, 27], [32], [3, 3, 26]], GROUPED['vocab_size'])
     else:
@@ -358,7 +358,7 @@ def test_attention_by_head_groups_keeps_its_input_alone():
     kept, peak = {}, {}
     for G in (1, 4):
         torch.manual_seed(0)
-        attention = Llama(LlamaConfig(**GROUPED, attention_chunks=G)).layers['0'].attention
+        attention = apply_techniques(Llama(LlamaConfig(**GROUPED, attention_chunks=G))).layers['0'].attention
         x = torch.randn(B, S, h, requires_grad=True)
         cos, sin = torch.ones(S, hd), torch.zeros(S, hd)
         mt = MemTracker()
@@ -407,7 +407,7 @@ def test_attention_by_head_groups_on_cuda_holds_less_for_the_same_gradients():
     runs = []
     for groups in (1, 0):
         torch.manual_seed(0)
-        model = offload.apply(Llama(LlamaConfig(**shape, attention_chunks=groups)).cuda())
+        model = apply_techniques(Llama(LlamaConfig(**shape, attention_chunks=groups)).cuda())
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -1,5 +1,6 @@
-"""eval.py: the passkey prompt's construction, the position buckets against train.evaluate's val
-loss, eval.py end to end on a trained checkpoint and on a Hugging Face directory (its pictures
+"""eval.py: the passkey prompt's construction (data/passkey/prompt.py, which loads no core module),
+the position buckets against train.evaluate's val loss and the LM head run once a token, eval.py
+end to end on a trained checkpoint and on a Hugging Face directory (its pictures
 parsed as SVG), measure.write_curves on a torn log, and data/passkey/prepare.py's format."""
 import importlib.util
 import json
@@ -13,11 +14,13 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import eval as ev
 import measure
 import parallel
 import train
+from data.passkey.prompt import FILLER, NEEDLE, QUESTION, passkey_prompt
 from data.tokenizer import get_tokenizer, read_docs, read_meta
 from model import Llama, LlamaConfig
 
@@ -77,11 +80,11 @@ def test_passkey_prompt_has_its_length_and_the_key_at_its_depth(kind, tiny_hf):
         meta = {'tokenizer': 'hf', 'dir': tiny_hf.hf}
     encode, decode = get_tokenizer(meta)
     bos = encode('')
-    needle = encode(ev.NEEDLE.format(12345))[len(bos):]
-    question = encode(ev.QUESTION)[len(bos):]
+    needle = encode(NEEDLE.format(12345))[len(bos):]
+    question = encode(QUESTION)[len(bos):]
     for length in (len(bos) + len(needle) + len(question), 100, 333, 1000):
         for depth in (0.0, 0.3, 0.5, 1.0):
-            ids = ev.passkey_prompt(encode, length, depth, 12345)
+            ids = passkey_prompt(encode, length, depth, 12345)
             assert abs(len(ids) - length) <= 1
             assert ids[:len(bos)] == bos and ids[-len(question):] == question
             room = length - len(bos) - len(needle) - len(question)
@@ -89,17 +92,35 @@ def test_passkey_prompt_has_its_length_and_the_key_at_its_depth(kind, tiny_hf):
             start = needle_at(ids, needle)
             assert abs(start - len(bos) - depth * room) <= 1, (length, depth, start)
             text = decode(ids)
-            assert text.count('12345') == 2 and text.endswith(ev.QUESTION)
+            assert text.count('12345') == 2 and text.endswith(QUESTION)
 
 
-def test_a_prompt_too_short_for_the_needle_is_one_line(capsys):
+def test_a_prompt_too_short_for_the_needle_is_a_value_error():
+    """(eval.py's main says a ValueError in one line)"""
     encode, _ = get_tokenizer({'tokenizer': 'bytes'})
-    with pytest.raises(SystemExit):
-        ev.passkey_prompt(encode, 20, 0.5, 12345)
-    assert 'passkey length 20' in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        ev.passkey_prompt(encode, 200, 1.5, 12345)
-    assert 'passkey depth 1.5: must be in [0, 1]' in capsys.readouterr().err
+    with pytest.raises(ValueError, match='passkey length 20: the needle and question alone'):
+        passkey_prompt(encode, 20, 0.5, 12345)
+    with pytest.raises(ValueError, match=r'passkey depth 1.5: must be in \[0, 1\]'):
+        passkey_prompt(encode, 200, 1.5, 12345)
+
+
+def test_the_passkey_prompt_loads_no_core_module():
+    """data/passkey/prepare.py and its prompt import nothing from the repository's top level (the
+    core: model, train, eval, ...), nor torch: preparing the corpus needs neither."""
+    core = {name[:-3] for name in os.listdir(ROOT) if name.endswith('.py')}
+    assert {'eval', 'model', 'train', 'chunked'} <= core
+    code = ("import importlib.util, sys\n"
+            "spec = importlib.util.spec_from_file_location('prepare', 'data/passkey/prepare.py')\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "import data.passkey.prompt\n"
+            "print(' '.join(sys.modules))\n")
+    # (python -c puts the working directory, ROOT, on sys.path: a core module would import)
+    p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loaded = set(p.stdout.split())
+    assert 'data.passkey.prompt' in loaded and 'data.tokenizer' in loaded
+    assert not loaded & (core | {'torch'}), loaded & (core | {'torch'})
 
 
 def test_passkey_scores_the_first_number_of_the_answer(monkeypatch):
@@ -161,6 +182,41 @@ def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, t
     assert len(sums) == 7 and counts[:7].min() > 0
     if not doc_mask:  # each row's position p once a row: 2^(k-1) of them in bucket k
         assert counts.tolist() == [9, 9, 18, 36, 72, 144, 144]
+
+
+class HeadRows(TorchDispatchMode):
+    """The rows of every matrix product with `vocab` columns: the LM head's logits, whoever makes
+    them (model.output's F.linear, chunked.py's torch.mm into its buffer, anything else)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab = vocab
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        products = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        if func.overloadpacket in products and out.shape[-1] == self.vocab:
+            self.rows.append(out.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.parametrize('loss_chunks', [1, 3])
+def test_loss_by_position_runs_the_lm_head_once_a_token(loss_chunks, tmp_path, train_globals):
+    """Each target's logits are made once (not by the model's loss and then again for the
+    buckets), and at most a chunk's at a time, never all B·S tokens' (loss_chunks = 1 too): 3 rows
+    of 128 tokens, 384 > MIN_CHUNK_TOKENS = 256 of them."""
+    ev.read_config(['--init_from=scratch', '--dataset=stdlib', '--seq_len=128', '--batch_size=3',
+                    '--eval_iters=2', '--device=cpu', f'--out_dir={tmp_path}'])
+    meta = train.read_dataset(1, 0)
+    # (no other product in the model has 256 columns: n_embd 32, intermediate 64, 128 tokens)
+    model = Llama(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                              vocab_size=256, loss_chunks=loss_chunks)).eval()
+    with HeadRows(256) as head:
+        ev.loss_by_position(model, meta, nullcontext(), torch.device('cpu'))
+    # 2 batches of 3 x 128 tokens, each token's row of logits once
+    assert sum(head.rows) == 2 * 3 * 128, head.rows
+    assert max(head.rows) <= min(256, -(-3 * 128 // loss_chunks)), head.rows
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -230,6 +286,6 @@ def test_passkey_corpus_is_documents_of_prompt_and_answer(passkey_data):
         for a, n in zip(starts[:20], lengths[:20]):
             doc = decode(ids[a:a + n].tolist())
             key = re.search(r'The pass key is (\d{5})\. Remember it\.', doc).group(1)
-            assert doc.endswith(f'{ev.QUESTION} {key}.\n')
+            assert doc.endswith(f'{QUESTION} {key}.\n')
             # before the needle: the filler from its start
-            assert (ev.FILLER * 3).startswith(doc.split('The pass key is')[0])
+            assert (FILLER * 3).startswith(doc.split('The pass key is')[0])

@@ -20,6 +20,7 @@ import memory  # noqa: E402
 import offload  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
+from conftest import apply_techniques  # noqa: E402
 from model import Llama, LlamaConfig, num_params  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,7 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
     else:
         mode = nullcontext()
     with mode:
-        model = offload.apply(memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
+        model = apply_techniques(memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
         masters = optim.make_master_weights(model)
         opt = train.make_optimizer(model, masters, 'cpu')
         autocast = torch.autocast('cpu', dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()

@@ -432,6 +432,30 @@ def test_prefill_without_a_window_builds_no_mask(monkeypatch):
     assert calls.count((64, 64, 8)) == 2  # the two windowed layers' prefill
 
 
+def test_the_default_core_takes_varlen_on_cuda_and_the_document_loop_on_a_cpu(monkeypatch):
+    """Llama(config)'s core, as sample.py, eval.py and checkpoint loading build it, runs packed
+    documents as training ran them: one varlen kernel on CUDA (here fake CUDA tensors, a CPU build),
+    one SDPA call a document on a CPU."""
+    import model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    calls = []
+
+    def kernel(name):
+        def record(q, k, v, docs, window=0):
+            calls.append((name, q.device.type))
+            return q
+        return record
+
+    monkeypatch.setattr(model, 'one_kernel', kernel('varlen'))
+    monkeypatch.setattr(model, 'per_document', kernel('per document'))
+    core = Llama(LlamaConfig()).layers['0'].attention.core
+    docs = np.array([0, 3])
+    core(*[torch.empty(1, 4, 8, 32)] * 3, docs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        core(*[torch.empty(1, 4, 8, 32, device='cuda')] * 3, docs)
+    assert calls == [('per document', 'cpu'), ('varlen', 'cuda')]
+
+
 def test_rope_angles_stay_fp32_in_a_bf16_model():
     """model.to(bfloat16) once rounded RoPE's inverse frequencies to bf16 (a buffer): at position
     100,000 the angles were off by radians. The tables a bf16 model uses are the fp32 model's."""

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import offload  # noqa: E402
 import parallel  # noqa: E402
+from conftest import apply_techniques  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 from moe import Experts, MoE, moe_layers  # noqa: E402
 from test_parallel import (MODEL, RTOL, LR, TINY, assert_close_losses, free_port, gather_full,  # noqa: E402
@@ -153,8 +154,7 @@ EP_LAYOUTS = {
 def new_moe_model(overrides, mesh=None):
     torch.manual_seed(0)
     config = LlamaConfig(**{**CONFIG, **{k: v for k, v in overrides.items() if k != 'bias'}})
-    mesh = mesh or parallel.Mesh()
-    model = Llama(config, parallel.attention_core(mesh), mesh)
+    model = Llama(config)
     if 'bias' in overrides:
         for block in model.layers.values():
             biased(block.feed_forward, overrides['bias'])
@@ -176,7 +176,7 @@ def _ep_worker(rank, world, port, names, out_dir):
     for name in names:
         _, tp, cp, cp_impl, sp, zero, ep, overrides = EP_LAYOUTS[name]
         mesh = parallel.make_mesh(tp, cp, cp_impl, CONFIG['n_kv_head'], sp, ep=ep)
-        model = offload.apply(parallel.parallelize(new_moe_model(overrides, mesh), mesh))
+        model = apply_techniques(new_moe_model(overrides), mesh)
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32)
         loss, norm, grads, weights = one_step(model, mesh, model.config, zero)
@@ -199,7 +199,7 @@ def ep_results(tmp_path_factory):
 def test_expert_parallel_step_equals_one_process(ep_results, name):
     *_, zero, ep, overrides = EP_LAYOUTS[name]
     loss, norm, grads, weights = ep_results[name]
-    model = offload.apply(new_moe_model(overrides))
+    model = apply_techniques(new_moe_model(overrides))
     ref_loss, ref_norm, ref_grads, ref_weights = one_step(model, parallel.Mesh(), model.config, zero)
     assert abs(loss - ref_loss) <= RTOL * ref_loss, (loss, ref_loss)
     assert abs(norm - ref_norm) <= RTOL * ref_norm, (norm, ref_norm)
@@ -275,7 +275,7 @@ def test_recompute_and_offload_take_the_moe_block_as_a_block(knobs):
     """Each knob gives the plain model's loss and gradients (the aux loss's included): its recompute runs the
     router and the experts again, and the aux loss's gradient is handed to backward once."""
     def step(overrides):
-        model = offload.apply(new_moe_model(overrides))
+        model = apply_techniques(new_moe_model(overrides))
         x, y = torch.randint(0, 37, (2, 16), generator=torch.Generator().manual_seed(0)).unbind(0)
         loss = model(x[None], y[None])[1]
         loss.backward()

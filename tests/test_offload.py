@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memory
 import offload
-from conftest import cuda
+from conftest import apply_techniques, cuda
 from model import Llama, LlamaConfig, rope_frequencies, rope_tables
 
 B, S, V = 2, 37, 61  # an odd length: no chunk count or token fraction divides it
@@ -63,7 +63,7 @@ def rel(a, b):
 
 def same_model(cfg, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    return offload.apply(Llama(cfg).to(dtype))
+    return apply_techniques(Llama(cfg).to(dtype))
 
 
 _reference = {}
@@ -143,7 +143,7 @@ def test_formula_by_hand():
 def test_every_knob_off_wraps_no_block():
     """The default path is model.py's: with nothing to keep, recompute or offload, apply wraps no
     block; any knob on wraps every block."""
-    plain = offload.apply(Llama(config()))
+    plain = apply_techniques(Llama(config()))
     assert not any(isinstance(block, offload.Policy) for block in plain.layers.values())
     for knobs in (dict(recompute='full'), dict(recompute='selective'), dict(offload=0.5)):
         model = Llama(config(**knobs))
@@ -175,7 +175,7 @@ def kept_after_forward(cfg, dtype, mlp_chunks):
     """Bytes of the tensors one block's forward created (its input included) that are still alive
     when it has returned, but its output: what the block keeps for backward, measured."""
     torch.manual_seed(0)
-    model = offload.apply(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype))
+    model = apply_techniques(Llama(dataclasses.replace(cfg, n_layer=1)).to(dtype))
     block = model.layers['0']  # wrapped, unless every knob is off
     cos, sin = rope_tables(rope_frequencies(cfg)[0], torch.arange(S))
     x0 = torch.randn(B, S, cfg.n_embd, dtype=dtype, requires_grad=True)
@@ -391,7 +391,7 @@ def test_fake_tensors_run_without_host_memory():
     cfg = config(recompute='none', offload=0.5, mlp_chunks=3, loss_chunks=4)
     before = offload.stats()
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = offload.apply(Llama(cfg))
+        model = apply_techniques(Llama(cfg))
         idx = torch.randint(0, V, (B, S))
         _, loss = model(idx, idx)
         loss.backward()
@@ -492,7 +492,7 @@ def test_offload_on_cuda_streams_is_exact_and_sends_to_pinned_host_memory(recomp
     plain = Llama(config()).cuda()
     idx, targets = (t.cuda() for t in batch())
     want = step(plain, idx, targets)
-    model = offload.apply(Llama(config(recompute=recompute, offload=1.0)).cuda())
+    model = apply_techniques(Llama(config(recompute=recompute, offload=1.0)).cuda())
     model.load_state_dict(plain.state_dict())
     got = step(model, idx, targets)
     torch.cuda.synchronize()

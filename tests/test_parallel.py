@@ -32,7 +32,7 @@ import pipeline  # noqa: E402
 import ring  # noqa: E402
 import train  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
-from conftest import cuda  # noqa: E402
+from conftest import apply_techniques, cuda  # noqa: E402
 from test_chunked import CountMatmuls  # noqa: E402
 
 RTOL = 1e-5
@@ -104,10 +104,9 @@ def model_config(overrides):
 
 
 def new_model(overrides, mesh=None):
-    """Llama from seed 0 for mesh (None: one process) around its attention core."""
+    """Llama from seed 0 (the same on every rank), before the techniques apply."""
     torch.manual_seed(0)
-    mesh = mesh or parallel.Mesh()
-    return Llama(model_config(overrides), parallel.attention_core(mesh), mesh)
+    return Llama(model_config(overrides))
 
 
 def global_batch(vocab_size=MODEL['vocab_size']):
@@ -163,7 +162,7 @@ def one_step(model, mesh, config, zero, docs=None):
 def reference(overrides, zero):
     # one process, all heads at once: a layout with attention_chunks equals attention_chunks=1
     overrides = {k: v for k, v in overrides.items() if k != 'attention_chunks'}
-    model = offload.apply(new_model(overrides))
+    model = apply_techniques(new_model(overrides))
     return one_step(model, parallel.Mesh(), model.config, zero, doc_lens(overrides))
 
 
@@ -208,7 +207,7 @@ def per_block_counts(mesh, overrides):
         layers = {'n_layer': n_layer}
         if overrides.get('layer_types'):
             layers['layer_types'] = overrides['layer_types'][:n_layer]
-        model = offload.apply(parallel.parallelize(new_model({**overrides, **layers}, mesh), mesh))
+        model = apply_techniques(new_model({**overrides, **layers}), mesh)
         x, y = global_batch(model.config.vocab_size)
         x, y, *pos = parallel.shard_batch(mesh, x, y)
         return count_collectives(lambda: model(x, y, *pos)[1].backward())
@@ -255,7 +254,7 @@ def _worker(rank, world, port, names, out_dir):
         _, tp, cp, cp_impl, sp, zero, overrides = LAYOUTS[name]
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
-        model = offload.apply(parallel.parallelize(new_model(overrides, mesh), mesh))
+        model = apply_techniques(new_model(overrides), mesh)
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32, overrides.get('host', False))
         matmuls = eval_matmuls(model, mesh)
@@ -316,7 +315,7 @@ def test_eval_does_no_gradient_work(results, name):
     *_, overrides = LAYOUTS[name]
     if name in GROUPS:  # as many head groups as the layout ran (each group: its own matmuls)
         overrides = {**overrides, 'attention_chunks': GROUPS[name]}
-    assert results[name]['eval'] == eval_matmuls(new_model(overrides), parallel.Mesh())
+    assert results[name]['eval'] == eval_matmuls(apply_techniques(new_model(overrides)), parallel.Mesh())
 
 
 # per block, forward + backward (parallel.py's header); the ring calls ring_shift once a step (step 0's hop is its own
@@ -399,7 +398,7 @@ def _offload_worker(rank, world, port, out_dir):
                 continue
             mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head)
             torch.manual_seed(0)
-            model = offload.apply(parallel.parallelize(Llama(config, parallel.attention_core(mesh), mesh), mesh))
+            model = apply_techniques(Llama(config), mesh)
             before = offload.stats()
             loss, _, grads, _ = one_step(model, mesh, config, zero=0)
             moved = {k: offload.stats()[k] - before[k] for k in ('bytes_to_host', 'bytes_to_device')}
@@ -413,7 +412,7 @@ def _offload_worker(rank, world, port, out_dir):
                              recompute='selective', offload=alpha, loss_chunks=4)
         torch.manual_seed(0)
         mesh = parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)
-        model = offload.apply(parallel.parallelize(Llama(config, mesh=mesh), mesh))
+        model = apply_techniques(Llama(config), mesh)
         x = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(1))
         tracker = memory.Tracker(model, inputs=[x])
         with tracker:
@@ -872,7 +871,7 @@ def test_the_lm_head_peak_under_tp_is_what_the_estimate_says(tmp_path):
 def _rope_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group('gloo')
-    model = offload.apply(new_model(dict(recompute='full')))
+    model = apply_techniques(new_model(dict(recompute='full')))
     parallel.shard_states(model, parallel.make_mesh(1, 1), 3, torch.bfloat16)
     seen = []
     model.layers['0'].register_forward_pre_hook(lambda m, args: seen.append((args[1].dtype, args[2].dtype)))
@@ -949,7 +948,7 @@ def _pp_worker(rank, world, port, names, out_dir):
         _, pp, tp, cp, cp_impl, zero, schedule, overrides = PP_LAYOUTS[name]
         config = model_config(overrides)
         mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, pp=pp)
-        model = offload.apply(parallel.parallelize(new_model(overrides, mesh), mesh))
+        model = apply_techniques(new_model(overrides), mesh)
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32)
         pipe = pipeline.Pipeline(model, mesh, schedule, PP_M, nullcontext(), torch.device('cpu'))
@@ -973,7 +972,7 @@ def test_a_pipeline_step_equals_single_process(pp_results, name):
     """torch's schedule over our stages (pipeline.Pipeline), with tp, Ulysses or the ring, FSDP2: every stage's loss
     and gradient norm are one process's, and the stages' gradients together are its gradients, each once."""
     overrides = {k: v for k, v in PP_LAYOUTS[name][-1].items() if k != 'attention_chunks'}  # all heads at once
-    ref_loss, ref_norm, ref_grads, ref_val = pp_step(offload.apply(new_model(overrides)), parallel.Mesh(),
+    ref_loss, ref_norm, ref_grads, ref_val = pp_step(apply_techniques(new_model(overrides)), parallel.Mesh(),
                                                      model_config(overrides), docs='docs' in overrides)
     grads = {}
     for loss, norm, stage_grads, val in pp_results[name]:

@@ -1,6 +1,6 @@
 """
 A corpus of the passkey task, so a small model can learn retrieval (and eval.py can measure it):
-each document is one of eval.py's passkey prompts (filler, "The pass key is NNNNN. Remember it.
+each document is one of prompt.py's passkey prompts (filler, "The pass key is NNNNN. Remember it.
 NNNNN is the pass key." at a random depth, more filler, "What is the pass key? The pass key is")
 followed by its answer, " NNNNN.\n". Lengths are drawn uniformly up to --seq_len tokens, the depth
 uniformly in [0, 1], the key uniformly from 10000-99999: the only tokens that can't be predicted
@@ -14,10 +14,11 @@ distance. With the key said once, train_tiny's Llama retrieved nothing at step 1
 val loss was still flat at step 1,500; with it twice, it retrieves by step 1,250 (README, "Extend
 the context on a laptop").
 
-The prompts are eval.py's own (passkey_prompt): the model trains on the very format it is tested
-on. Byte-level by default (vocab 256: a tiny model on a CPU), or any tiktoken encoding. Documents
-are packed one after the other with their starts in {split}.docs.npy: train with --doc_mask=True, so
-each document attends to itself only and its positions start at 0, as a prompt's do in eval.py.
+The prompts are prompt.py's (passkey_prompt), eval.py's too: the model trains on the very format
+it is tested on. Byte-level by default (vocab 256: a tiny model on a CPU), or any tiktoken
+encoding. Documents are packed one after the other with their starts in {split}.docs.npy: train
+with --doc_mask=True, so each document attends to itself only and its positions start at 0, as a
+prompt's do in eval.py.
 
     python data/passkey/prepare.py --seq_len=256                  # 10.8M tokens in 5 seconds
     python train.py --dataset=passkey --seq_len=256 --doc_mask=True ...
@@ -33,9 +34,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from data.passkey.prompt import NEEDLE, QUESTION, passkey_prompt  # noqa: E402
 from data.tokenizer import (dtype_for, get_encoding, get_tokenizer, write_docs,  # noqa: E402
                             write_meta, write_split)
-from eval import NEEDLE, QUESTION, passkey_prompt  # noqa: E402
 
 
 def documents(encode, n, seq_len, rng):
