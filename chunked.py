@@ -104,8 +104,8 @@ def mlp_chunks(config, n_tokens):
     """config.mlp_chunks, with 0 resolved from one sequence's n_tokens and the whole intermediate
     size (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input).
     The one place a count is chosen: model.py, offload.py and memory.py all ask here."""
-    auto = auto_mlp_chunks(int(n_tokens), config.n_embd, config.intermediate_size)
-    return config.mlp_chunks or auto
+    return config.mlp_chunks or auto_mlp_chunks(int(n_tokens), config.n_embd,
+                                                 config.intermediate_size)
 
 def attention_chunks(config, heads, kv_heads, ulysses=1):
     """config.attention_chunks, with 0 resolved for this rank's `heads` query and `kv_heads` kv
@@ -113,13 +113,13 @@ def attention_chunks(config, heads, kv_heads, ulysses=1):
     ranks a query head of every group, and a kv head (its own, or one it shares)."""
     if config.attention_chunks:
         return config.attention_chunks
-    most = 1
-    for g in range(2, kv_heads + 1):
+    # the most groups first
+    for g in range(kv_heads, 1, -1):
         kv = kv_heads // g  # kv heads in a group
         spread = heads // g % ulysses == 0 and (kv % ulysses == 0 or ulysses % kv == 0)
         if kv_heads % g == 0 and spread:
-            most = g
-    return most
+            return g
+    return 1
 
 def loss_chunks(config, n_tokens):
     """config.loss_chunks, with 0 resolved from the n_tokens of one micro-batch (all its rows)."""
@@ -153,12 +153,10 @@ def _acc_mm_(acc, a, b, offsets=None):
     a's rows of group e @ b[e]."""
     if acc is None:
         return
-    if offsets is not None:
-        acc.add_(_mm(a, b, offsets))
-    elif a.dtype == acc.dtype:
+    if offsets is None and a.dtype == acc.dtype:
         acc.addmm_(a, b)
     else:
-        acc.add_(torch.mm(a, b))
+        acc.add_(_mm(a, b, offsets))
 
 def _mm(a, b, offsets, out=None):
     """a @ b (into out if given); given offsets (int32, group e's rows of a end at offsets[e]),
@@ -211,7 +209,7 @@ class _ChunkedMLP(torch.autograd.Function):
     def backward(ctx, gy):
         (x, w1, w3, w2), n, offsets = ctx.saved_tensors, ctx.n, ctx.offsets
         # weight gradients accumulate over the chunks in fp32 (see _acc_mm_); None: not needed
-        g1, g3, g2 = (torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need else None
+        g1, g3, g2 = (w.new_zeros(w.shape, dtype=torch.float32) if need else None
                       for w, need in zip((w1, w3, w2), ctx.needs_input_grad[1:4]))
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         with torch.autocast(x.device.type, enabled=False):
@@ -279,7 +277,7 @@ def chunked_mlp(x, w1, w3, w2, chunks, offsets=None):
 # of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its
 # gradient.
 
-def _ce_chunks(x, weight, targets, n, ignore_index, grad_x, grad_w, group, vocab_size):
+def _ce_chunks(x, weight, targets, n, grad_x, grad_w, group, vocab_size):
     """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N], n tokens a chunk ->
     (loss sum, count, dx·count, dW·count); dx, dW None where not wanted."""
     N, rows = x.shape[0], weight.shape[0]
@@ -288,7 +286,8 @@ def _ce_chunks(x, weight, targets, n, ignore_index, grad_x, grad_w, group, vocab
     first = rank * rows
     real = max(0, min(rows, vocab_size - first))
     want_grad = real > 0 and (grad_x or grad_w)
-    valid = targets != ignore_index
+    # (-100: the target F.cross_entropy ignores by default, as HF's labels mark padding)
+    valid = targets != -100
     # the targets whose logit this rank holds; the others point at row 0, masked below
     ours = valid & (targets >= first) & (targets < first + real)
     target_rows = torch.where(ours, targets - first, 0).unsqueeze(1)
@@ -302,7 +301,8 @@ def _ce_chunks(x, weight, targets, n, ignore_index, grad_x, grad_w, group, vocab
     dx = torch.zeros_like(x) if grad_x else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
     for s in range(0, N, n):
-        chunk = slice(s, min(s + n, N))
+        # (a slice past N ends at N)
+        chunk = slice(s, s + n)
         xc = x[chunk]
         logits = buf[:len(xc)]
         if real:
@@ -350,17 +350,15 @@ def _ce_chunks(x, weight, targets, n, ignore_index, grad_x, grad_w, group, vocab
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, n, ignore_index, group, vocab_size, grad_enabled):
+    def forward(ctx, x, weight, targets, n, group, vocab_size, grad_enabled):
         grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
         with torch.autocast(x.device.type, enabled=False):
-            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, n, ignore_index,
-                                                 grad_x, grad_w, group, vocab_size)
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, n, grad_x, grad_w, group,
+                                                 vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
         # from, and saved-tensor hooks (offload.py) must not move them to the host
         ctx.count, ctx.dx, ctx.dW = count, dx, dW
-        ctx.lift = 1.0
-        if weight.dtype == torch.float16:
-            ctx.lift = LIFT
+        ctx.lift = LIFT if weight.dtype == torch.float16 else 1.0
         return loss_sum / count.clamp(min=1)
 
     @staticmethod
@@ -376,18 +374,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # then adopt dW as W.grad without a copy, or cast the fp32 dW to W's dtype), and nothing
         # outlives this backward
         ctx.count = ctx.dx = ctx.dW = None
-        if dx is not None:
-            dx.mul_(scale)
-        if dW is not None:
-            dW.mul_(scale)
-        return dx, dW, None, None, None, None, None, None
+        for grad in (dx, dW):
+            if grad is not None:
+                grad.mul_(scale)
+        return dx, dW, None, None, None, None, None
 
 
-def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=None,
-                          vocab_size=None):
+def chunked_cross_entropy(x, weight, targets, chunks, group=None, vocab_size=None):
     """Mean cross-entropy of F.linear(x, weight) (fp32 logits) against targets, over the targets
-    that are not ignore_index: sum / max(count, 1), so an all-ignored batch gives 0. x [N, h] or
-    [B, S, h], weight [V, h] (the LM head, possibly the tied embedding), targets [N] or [B, S].
+    that are not -100 (F.cross_entropy's ignore_index): sum / max(count, 1), so an all-ignored
+    batch gives 0. x [N, h] or [B, S, h], weight [V, h] (the LM head, possibly the tied
+    embedding), targets [N] or [B, S].
     ceil(N / chunks) tokens' fp32 logits at a time. chunks = 0 picks auto_loss_chunks; chunks = 1
     is model.py's plain path: all N at once, in one buffer that becomes their gradient (no
     log-softmax kept, no gradient of the same size made in backward: F.cross_entropy on the
@@ -398,10 +395,10 @@ def chunked_cross_entropy(x, weight, targets, chunks, ignore_index=-100, group=N
     x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
     vocab_size = vocab_size or weight.shape[0]
     chunks = chunks or auto_loss_chunks(x.shape[0], x.shape[1], vocab_size)
-    n = max(1, math.ceil(x.shape[0] / max(chunks, 1)))
+    n = max(1, math.ceil(x.shape[0] / chunks))
     # eval under no_grad: logits only (needs_input_grad doesn't see no_grad)
     x, weight = _autocast(x, weight)
-    return _ChunkedCrossEntropy.apply(x, weight, targets, n, ignore_index, group, vocab_size,
+    return _ChunkedCrossEntropy.apply(x, weight, targets, n, group, vocab_size,
                                       torch.is_grad_enabled())
 
 
@@ -533,8 +530,8 @@ class HeadGroups(Attention):
 
     def group(self, x, cos, sin, docs, g, groups):
         """Head group g of `groups`: its q, k, v, the core and its share of wo."""
-        q, k, v = self.qkv(x, cos, sin, g, groups)
-        return self.out(self.core(q, k, v, docs, self.window), g, groups)
+        a = self.core(*self.qkv(x, cos, sin, g, groups), docs, self.window)
+        return self.out(a, g, groups)
 
 
 class ChunkedHead(nn.Module):

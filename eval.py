@@ -34,7 +34,6 @@ drawn at each evaluation by measure.write_curves.)
 """
 
 import math
-import os
 import random
 import re
 from pathlib import Path
@@ -179,9 +178,9 @@ def main():
     dev, ptdtype, autocast = train.device_and_dtype()
     meta = train.read_dataset(1, 0)
     encode, decode = get_tokenizer(meta)
-    model = load_model(cfg, meta)
-    model.to(dev, ptdtype).eval()
-    os.makedirs(train.out_dir, exist_ok=True)
+    model = load_model(cfg, meta).to(dev, ptdtype).eval()
+    out = Path(train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
 
     sums, counts = loss_by_position(model, meta, autocast, dev)
     print(f"val loss {sums.sum() / counts.sum():.4f} (evaluate()'s), by position:")
@@ -189,7 +188,7 @@ def main():
     means = (sums / counts).tolist()
     for k, mean in enumerate(means):
         print(f'{2 ** k // 2:>9} to {2 ** k - 1:<9} {mean:.4f}')
-    measure.write_lines(Path(train.out_dir, 'positions.svg'),
+    measure.write_lines(out / 'positions.svg',
                         [('val loss by bit length of the position', [list(enumerate(means))])])
 
     if cfg['passkey_trials']:
@@ -199,7 +198,7 @@ def main():
         print('passkey accuracy', 'depth \\ length', *lengths, sep='\t')
         for depth, row in zip(depths, accuracy.tolist()):
             print('', depth, *[f'{a:.0%}' for a in row], sep='\t')
-        write_heatmap(Path(train.out_dir, 'passkey.svg'), accuracy, lengths, depths)
+        write_heatmap(out / 'passkey.svg', accuracy, lengths, depths)
 
 
 if __name__ == '__main__':

@@ -170,33 +170,32 @@ def window_mask(n_q, n_k, window, device):
 
 # a loop whose length changes with every batch: eager inside a compiled model
 @torch.compiler.disable
-def per_document(q, k, v, docs, window=0):
+def per_document(q, k, v, docs, window):
     """One causal SDPA call per document: exact on every device and kernel, and no S x S mask; each
     call saves for backward what one whole-window call would save of its tokens. The reference,
     and the CPU's way. (FlexAttention's document mask is one fused kernel on CUDA but has no CPU
     backward in torch 2.13.)"""
     B, S = q.shape[0], q.shape[2]
     lengths = np.diff(np.append(docs, B * S)).tolist()
-    # each document's q, k, v [heads, its tokens, hd] from one split of the flattened rows (views;
-    # a document lies in one row). Not a slice per document: each slice's backward makes a zero
-    # gradient of the whole window (1,000 documents: 4x slower than no mask, bench/RESULTS.md)
-    q_docs, k_docs, v_docs = (t.transpose(0, 1).flatten(1, 2).split(lengths, dim=1)
-                              for t in (q, k, v))
+    # each document's q, k, v [1, heads, its tokens, hd] from one split of the flattened rows
+    # (views; a document lies in one row). Not a slice per document: each slice's backward makes a
+    # zero gradient of the whole window (1,000 documents: 4x slower than no mask, bench/RESULTS.md)
+    splits = (t.transpose(0, 1).flatten(1, 2)[None].split(lengths, dim=2) for t in (q, k, v))
     y = []
-    for q_doc, k_doc, v_doc in zip(q_docs, k_docs, v_docs):
-        T = q_doc.shape[1]
+    for q_doc, k_doc, v_doc in zip(*splits):
+        T = q_doc.shape[2]
         mask = None
         if T > window > 0:  # (a document within its window is plain causal)
             mask = window_mask(T, T, window, q.device)
-        y.append(F.scaled_dot_product_attention(q_doc[None], k_doc[None], v_doc[None], mask,
-                                                is_causal=mask is None, enable_gqa=True))
+        y.append(F.scaled_dot_product_attention(q_doc, k_doc, v_doc, mask, is_causal=mask is None,
+                                                enable_gqa=True))
     # [1, H, B·S, hd], the documents one after the other -> [B, H, S, hd]
     return torch.cat(y, dim=2).unflatten(2, (B, S)).squeeze(0).transpose(0, 1)
 
 
 # the documents' lengths change with every batch: eager inside a compiled model
 @torch.compiler.disable
-def one_kernel(q, k, v, docs, window=0):
+def one_kernel(q, k, v, docs, window):
     """Every document of the batch in one call of torch's variable-length flash attention
     (varlen_attn, CUDA only): one kernel launch per layer where per_document makes one per
     document, kv heads not expanded, saving what SDPA's flash saves (q, k, v, out, an fp32
@@ -225,7 +224,7 @@ class Core(nn.Module):
         super().__init__()
         self.attend = attend
 
-    def forward(self, q, k, v, docs=None, window=0):
+    def forward(self, q, k, v, docs, window=0):
         return self.attend(q, k, v, docs, window)
 
 
@@ -246,7 +245,7 @@ class Attention(nn.Module):
     the weights (view(B, S, -1, hd)), as torchtitan does: a plan that shards wq, wk, wv by heads
     (tensor parallelism) changes nothing here."""
 
-    def __init__(self, config, window=0):
+    def __init__(self, config, window):
         super().__init__()
         self.window = window
         h, H, K, hd = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
@@ -282,8 +281,7 @@ class Attention(nn.Module):
         wq, wk, wv (a kv head's query heads are next to each other)."""
         B, S, _ = x.shape
         q, k, v = (F.linear(x, w.weight.chunk(groups)[g]).view(B, S, -1, self.head_dim)
-                   for w in (self.wq, self.wk, self.wv))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                   .transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, y, g=0, groups=1):
@@ -346,7 +344,7 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, window=0):
+    def __init__(self, config, window):
         super().__init__()
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
         self.attention = Attention(config, window)
@@ -409,10 +407,10 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         for m in self.modules():  # (a tied matrix twice, as nanoGPT's self.apply does)
             if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+                nn.init.normal_(m.weight, std=0.02)
         for name, p in self.named_parameters():
             if name.endswith(('wo.weight', 'w2.weight')):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def forward(self, idx, targets=None, positions=None, docs=None, kv_caches=None, head=True):
         """idx [B, S] -> logits [B, S, V] (with kv_caches: the last token's, [B, 1, V]); with
@@ -592,9 +590,10 @@ def _config_from_hf(hf):
     # HF's defaults for the keys it may leave out
     hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, **hf}
     hf['num_key_value_heads'] = hf.get('num_key_value_heads') or n_head
-    fields = {ours: hf[theirs] for ours, theirs in HF_CONFIG.items()}
+    names = HF_CONFIG
     if model_type == 'mixtral':
-        fields.update({ours: hf[theirs] for ours, theirs in HF_MOE_CONFIG.items()})
+        names = HF_CONFIG | HF_MOE_CONFIG
+    fields = {ours: hf[theirs] for ours, theirs in names.items()}
     rope_scaling = None if rope['rope_type'] == 'default' else rope
     return LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling,
                        sliding_window=window, layer_types=layer_types)

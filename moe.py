@@ -90,20 +90,16 @@ class Experts(nn.Module):
     def __init__(self, config):
         super().__init__()
         E, h, I = config.n_experts, config.n_embd, config.intermediate_size
-        self.w1 = nn.Parameter(torch.empty(E, I, h))  # gate
-        self.w3 = nn.Parameter(torch.empty(E, I, h))  # up
-        self.w2 = nn.Parameter(torch.empty(E, h, I))  # down
         # model.py's init: N(0, 0.02), the projection into the residual stream scaled by depth
-        nn.init.normal_(self.w1, std=0.02)
-        nn.init.normal_(self.w3, std=0.02)
-        nn.init.normal_(self.w2, std=0.02 / math.sqrt(2 * config.n_layer))
+        down_std = 0.02 / math.sqrt(2 * config.n_layer)
+        self.w1 = nn.Parameter(torch.empty(E, I, h).normal_(std=0.02))  # gate
+        self.w3 = nn.Parameter(torch.empty(E, I, h).normal_(std=0.02))  # up
+        self.w2 = nn.Parameter(torch.empty(E, h, I).normal_(std=down_std))  # down
 
     def forward(self, x, counts):
         """x [n, h]: each expert's tokens one after the other, counts[e] of expert e's."""
-        y = []
-        for e, rows in enumerate(x.split(counts)):
-            y.append(F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]),
-                              self.w2[e]))
+        y = [F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
+             for e, rows in enumerate(x.split(counts))]
         return torch.cat(y)
 
 

@@ -51,7 +51,7 @@ none: the model runs as model.py writes it, and nothing here runs.
 """
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from types import SimpleNamespace
 
@@ -221,7 +221,7 @@ class Policy(Block):
         # (blocks 0..k-1: `<`, as torch.compile may trace i as a symbolic int, which `in` can't
         # take)
         if self.i < len(offloaded_blocks(c)):
-            return _offload(self, self.hooked, x, cos, sin, docs)
+            return _offload(self, x, cos, sin, docs)
         return _keep_or_recompute(self.hooked, c.recompute, x, cos, sin, docs)
 
     def hooked(self, x, cos, sin, docs):
@@ -272,9 +272,9 @@ def _keep_attention(ctx, op, *args, **kwargs):
 
 # eager under torch.compile too: saved-tensor hooks, side streams
 @torch.compiler.disable
-def _offload(block, forward, x, cos, sin, docs):
-    """Block i's forward (a Policy and Block's `forward` of it), its saved tensors sent to host
-    (the header's table, α > 0)."""
+def _offload(block, x, cos, sin, docs):
+    """Block i's forward (a Policy's: Block's forward, hooked), its saved tensors sent to host (the
+    header's table, α > 0)."""
     c = block.config
     # cos, sin and the weights are shared by every block: they stay
     keep = [t.untyped_storage() for t in (cos, sin, *block.parameters())]
@@ -285,7 +285,7 @@ def _offload(block, forward, x, cos, sin, docs):
         if c.recompute == 'full' or n == S:
             # 'full': torch's checkpoint saves the block's input only, through our hooks, to host;
             # 'none' with α = 1: no token is recomputed, all the block saves goes to host
-            y = _keep_or_recompute(forward, c.recompute, x, cos, sin, docs)
+            y = _keep_or_recompute(block.hooked, c.recompute, x, cos, sin, docs)
         else:
             y = _Split(block, saved, cos, sin, docs, S, S - n).forward(x)
     saved.send()
@@ -392,14 +392,21 @@ class _Split:
 
 
 # ------------------------------------------------------------ one block's tensors, to host and back
+# (eq=False: an object with a life, weakly referenced in _offloaded, compared by identity)
+@dataclass(eq=False)
 class Offloaded:
     """One block's saved tensors: pack (its forward), send (the forward's end), fetch (block i+1's
     backward), wait and unpack (its own backward)."""
-
-    def __init__(self, dev, index, keep):
-        self.dev, self.index, self.keep = dev, index, keep
-        self.tensors, self.uses = [], []  # device tensors: to send (forward), then back (backward)
-        self.host, self.buffer, self.back, self.ready = None, None, None, False
+    dev: SimpleNamespace    # _device's
+    index: int              # the block's
+    keep: list              # storages that stay where they are (cos, sin, the weights)
+    # device tensors: to send (forward), then back (backward); how many saves of each are left
+    tensors: list = field(default_factory=list)
+    uses: list = field(default_factory=list)
+    host: list = None       # their copies in `buffer`, from send to fetch
+    buffer: object = None   # the pool's _Buffer, from send to fetch
+    back: object = None     # the event after the copies back
+    ready: bool = False     # whether its backward has begun (wait)
 
     def pack(self, t):
         if t.nbytes < MIN_BYTES or t.untyped_storage() in self.keep:
@@ -491,11 +498,14 @@ def _align(nbytes, to=512):  # every carved tensor starts aligned, for any dtype
     return -(-nbytes // to) * to
 
 
+# (eq=False: the pool's lists find a buffer by identity)
+@dataclass(eq=False)
 class _Buffer:
-    """One allocation of the pool; `ready`: the last host->device copy out of it has passed."""
-
-    def __init__(self, data):
-        self.data, self.nbytes, self.ready = data, data.numel(), None
+    """One allocation of the pool, nbytes uint8s; `ready`: the last host->device copy out of it has
+    passed."""
+    data: torch.Tensor
+    nbytes: int
+    ready: object = None
 
 
 class HostPool:
@@ -508,16 +518,15 @@ class HostPool:
         self.allocations = 0
 
     def take(self, nbytes):
-        big_enough = [buf for buf in self.idle if buf.nbytes >= nbytes]
-        if big_enough:
-            buf = big_enough[0]
-            self.idle.remove(buf)
-        else:
-            if self.idle:  # a longer sequence than before: give back a buffer that is now too small
-                self.release(self.idle.pop())
-            buf = _Buffer(self.allocate(nbytes))
-            self.buffers.append(buf)
-            self.allocations += 1
+        for buf in self.idle:
+            if buf.nbytes >= nbytes:  # the first big enough
+                self.idle.remove(buf)
+                return buf
+        if self.idle:  # a longer sequence than before: give back a buffer that is now too small
+            self.release(self.idle.pop())
+        buf = _Buffer(self.allocate(nbytes), nbytes)
+        self.buffers.append(buf)
+        self.allocations += 1
         return buf
 
     def allocate(self, nbytes):

@@ -174,7 +174,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
          f"{c.recompute!r}: offload.py cuts attention by tokens, not heads; use recompute='full', "
          "or offload=1 with recompute='none'"),
     ]
-    if cp > 1 and cp_impl == 'ulysses':
+    if cp_impl == 'ulysses':  # (each rule holds at cp_size 1)
         kv_group = kv_heads // groups
         rules += [
             (groups > 1 and (heads // groups % cp or kv_group % cp and cp % kv_group),
@@ -201,7 +201,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
              f"recompute='full'{instead}"),
         ]
     rules += [
-        (tp > 1 and tokens % tp,
+        (tokens % tp,
          f"seq_len / cp_size = {tokens} is not divisible by tp_size={tp} (sequence parallelism)"),
         (schedule not in ('1f1b', 'gpipe'),
          f"pp_schedule must be '1f1b' or 'gpipe', got {schedule!r}"),
@@ -271,24 +271,28 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
                 ours = made
         return ours
 
+    def fsdp_mesh(group):
+        """FSDP2's DeviceMesh over our group. It needs a group of one rank too (offload_states on
+        its own): then a group per rank (new_subgroups is collective too)."""
+        return DeviceMesh.from_group(group or dist.new_subgroups(1)[0], device_type)
+
     mesh.tp_group = group(grid.reshape(-1, tp))
     mesh.cp_group = group(grid.transpose(2, 3).reshape(-1, cp))
-    mesh.pp_group = group(grid.permute(0, 2, 3, 1).reshape(-1, pp))
+    mesh.pp_group = group(grid.movedim(1, 3).reshape(-1, pp))
     # the ranks holding the same weights: one pp stage, one tp shard
     dpcp = grid.permute(1, 3, 0, 2).reshape(pp * tp, -1)
     mesh.dpcp_group = group(dpcp)
-    # FSDP2 needs a group of one rank too (offload_states on its own): then a group per rank
-    mesh.dpcp_mesh = DeviceMesh.from_group(mesh.dpcp_group or dist.new_subgroups(1)[0], device_type)
+    mesh.dpcp_mesh = fsdp_mesh(mesh.dpcp_group)
     mesh.edp_group = mesh.dpcp_group
     if ep > 1:
         # ep neighbours of a dpcp row share out the experts; every ep-th of the row holds the same
         mesh.ep = ep
-        mesh.ep_rank = int((dpcp == rank).nonzero()[0, 1]) % ep
+        # (our place in the dpcp row: dp_rank·cp + cp_rank)
+        mesh.ep_rank = (mesh.dp_rank * cp + mesh.cp_rank) % ep
         mesh.ep_group = group(dpcp.reshape(-1, ep))
         edp = dpcp.reshape(pp * tp, -1, ep).transpose(1, 2)
-        mesh.edp_group = group(edp.reshape(-1, edp.shape[-1]))
-        mesh.edp_mesh = DeviceMesh.from_group(mesh.edp_group or dist.new_subgroups(1)[0],
-                                              device_type)
+        mesh.edp_group = group(edp.flatten(0, 1))
+        mesh.edp_mesh = fsdp_mesh(mesh.edp_group)
     if n_kv_head is not None and n_kv_head < tp:
         # kv head j lives on tp ranks j·g .. j·g + g-1, g = t/K
         mesh.kv_group = group(grid.reshape(-1, tp // n_kv_head))
@@ -471,9 +475,10 @@ def shard_batch(mesh, x, y, positions=None, docs=None):
     our rows' whole sequences. One process: the batch as it is."""
     S, n = x.shape[1], len(x) // mesh.dp  # n rows per dp rank
     first = mesh.dp_rank * n
-    x, y = x[first:first + n], y[first:first + n]
+    rows = slice(first, first + n)
+    x, y = x[rows], y[rows]
     if positions is not None:
-        positions = positions[first:first + n]
+        positions = positions[rows]
     if docs is not None:  # counted from our first row
         docs = docs - first * S
         docs = docs[(docs >= 0) & (docs < n * S)]
@@ -497,19 +502,18 @@ def parallelize(model, mesh):
     head's input); a mixture of experts becomes a ParallelMoE. (Context parallelism is the attention
     core's: apply_cores.)"""
     c, t = model.config, mesh.tp
-    if mesh.pp > 1:
-        # this rank's stage: blocks [lo, hi), the embedding on the first, norm and LM head on the
-        # last
-        lo = mesh.pp_rank * c.n_layer // mesh.pp
-        hi = (mesh.pp_rank + 1) * c.n_layer // mesh.pp
-        for i in list(model.layers):
-            if not lo <= int(i) < hi:
-                del model.layers[i]
-        if lo > 0:
-            model.tok_embeddings = None
-        if hi < c.n_layer:
-            model.norm = model.output = None
-    for name, p in list(model.named_parameters()):
+    # this rank's stage: blocks [lo, hi), the embedding on the first, norm and LM head on the last
+    # (pp = 1: one stage, all of them)
+    lo = mesh.pp_rank * c.n_layer // mesh.pp
+    hi = (mesh.pp_rank + 1) * c.n_layer // mesh.pp
+    for i in list(model.layers):
+        if not lo <= int(i) < hi:
+            del model.layers[i]
+    if lo > 0:
+        model.tok_embeddings = None
+    if hi < c.n_layer:
+        model.norm = model.output = None
+    for name, p in model.named_parameters():
         if '.experts.' in name:  # this ep rank's experts (of all: one process)
             p.data = p.data.chunk(mesh.ep)[mesh.ep_rank].clone()
         spec = shard_spec(name, c, t)
@@ -527,23 +531,22 @@ def parallelize(model, mesh):
             piece = full.chunk(t, dim)[mesh.tp_rank]
         # (a tied LM head shares the parameter: its piece too)
         p.data = piece.clone()
+    # Megatron's f and g in the model's places for them (t > 1); a mixture of experts becomes a
+    # ParallelMoE, which gathers and reduces itself (its router runs on the rank's own tokens)
     for block in model.layers.values():
+        hooked = [block.attention]
         if isinstance(block.feed_forward, MoE):
-            # (before tp's shards: it gathers and reduces itself, its router on the rank's tokens)
             block.feed_forward = ParallelMoE(block.feed_forward, mesh)
-    if t > 1:
-        if model.tok_embeddings is not None:
-            model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
-        # Megatron's f and g in the model's places for them (an MoE gathers and
-        # reduces itself: its router runs on the rank's own tokens)
-        for block in model.layers.values():
-            hooked = [block.attention]
-            if not c.n_experts:
-                hooked.append(block.feed_forward)
+        else:
+            hooked.append(block.feed_forward)
+        if t > 1:
             for m in hooked:
                 m.enter_tp, m.leave_tp = EnterTP(mesh), LeaveTP(mesh)
-        # f before the LM head
+    if t > 1:
+        # f before the LM head; the embedding by vocabulary rows
         model.enter_tp = EnterTP(mesh)
+        if model.tok_embeddings is not None:
+            model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
     return model
 
 
@@ -674,7 +677,7 @@ def all_reduce_buckets(grads, group):
             if len(bucket) == 1:
                 all_reduce(bucket[0], group)
             else:
-                flat = all_reduce(torch.cat([b.reshape(-1) for b in bucket]), group)
+                flat = all_reduce(torch.cat([b.flatten() for b in bucket]), group)
                 for b, piece in zip(bucket, flat.split([b.numel() for b in bucket])):
                     b.copy_(piece.view_as(b))
             bucket = []
@@ -690,12 +693,13 @@ def sync_grads(named_params, mesh, config):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [(n, local(p.grad)) for n, p in named_params]
-    if mesh.tp > 1 and mesh.sequence_parallel:
-        # the norms and MoE's router, whole on every tp rank
-        whole = [g for n, g in grads if shard_spec(n, config, mesh.tp) is None]
-        all_reduce_buckets(whole, mesh.tp_group)
-    kv_heads = [g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))]
-    all_reduce_buckets(kv_heads, mesh.kv_group)
+    if mesh.sequence_parallel:
+        # the norms and MoE's router, whole on every tp rank (t = 1: all, and no group)
+        all_reduce_buckets([g for n, g in grads if shard_spec(n, config, mesh.tp) is None],
+                           mesh.tp_group)
+    # replicated kv heads: over their copies (K >= t: no group)
+    kv_heads = ('wk.weight', 'wv.weight')
+    all_reduce_buckets([g for n, g in grads if n.endswith(kv_heads)], mesh.kv_group)
     # zero=2, 3: FSDP2 reduce-scattered them over dp·cp in backward
     if not isinstance(named_params[0][1], DTensor):
         all_reduce_buckets([g for n, g in grads if '.experts.' not in n], mesh.dpcp_group)
@@ -724,7 +728,8 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     # ep ranks' experts are others (FSDP2's rows of them too: summed over dp·cp)
     fsdp = isinstance(named_params[0][1], DTensor)
     if mesh.ep_group is not None and not fsdp:
-        experts = all_reduce(torch.as_tensor(experts, dtype=torch.float32), mesh.ep_group)
+        # (a tensor: under ep every block is an MoE, every stage holds one)
+        experts = all_reduce(experts, mesh.ep_group)
     squares = squares + experts
     for group in (mesh.tp_group, mesh.pp_group, mesh.dpcp_group if fsdp else None):
         if group is not None:
