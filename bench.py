@@ -9,7 +9,7 @@ it, with the command, machine, torch version, date and load averages, to bench/R
                  recompute          recompute='full', mlp_chunks=1, loss_chunks=1
                  chunked+recompute  recompute='full', mlp_chunks=0, loss_chunks=0 (automatic)
                  +heads             that, and attention_chunks=0 (one head group at a time)
-               with the model's and the hardware's GFLOP/s (model.flops_per_token: attention's
+               with the model's and the hardware's GFLOP/s (model.flops_per_token, knobs.hardware_flops: attention's
                groups run their forward again in backward, counted in the hardware's)
   --mode=loss  the LM head + loss alone, forward + backward, N=8192 tokens, D=256, V=128,256:
                ours chunked_cross_entropy (automatic chunks: 256 tokens each here, and 384-token
@@ -177,17 +177,18 @@ def loadavg():
 # ----------------------------------------------------------------------------- workers (one process each)
 
 def step_worker(name, S):
-    from model import Llama, LlamaConfig, flops_per_token
+    from knobs import Knobs, hardware_flops
+    from model import Llama, flops_per_token
     import chunked
     import offload
     recompute, mlp_chunks, loss_chunks, attention_chunks = STEP_VARIANTS[name]
     torch.manual_seed(seed)
-    cfg = LlamaConfig(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                      intermediate_size=intermediate_size, vocab_size=vocab_size,
-                      recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
-                      attention_chunks=attention_chunks)
+    cfg = Knobs(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                intermediate_size=intermediate_size, vocab_size=vocab_size,
+                recompute=recompute, mlp_chunks=mlp_chunks, loss_chunks=loss_chunks,
+                attention_chunks=attention_chunks)
     # the techniques as train.py applies them in one process: chunked.py's modules, then offload's
-    model = offload.apply(chunked.apply(Llama(cfg)))
+    model = offload.apply(chunked.apply(Llama(cfg), cfg), cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
     idx = torch.randint(0, vocab_size, (batch_size, S + 1))
@@ -213,9 +214,8 @@ def step_worker(name, S):
     loss = step(x, y)
     dt = time.perf_counter() - t0
     tok_s = batch_size * S / dt
-    model_flops, hardware_flops = flops_per_token(cfg, S)
     return dict(peak=peak_rise(base), base=base, time=dt, tok_s=tok_s, loss=loss,
-                mflops=model_flops * tok_s, hflops=hardware_flops * tok_s)
+                mflops=flops_per_token(cfg, S) * tok_s, hflops=hardware_flops(cfg, S) * tok_s)
 
 
 def loss_worker(name):
@@ -272,16 +272,17 @@ def tiny_shape():
 def moe_worker(name):
     """Training steps (forward + backward + AdamW) of train_tiny's model with variant `name`'s MLP:
     one warm-up step, then --reps timed ones."""
-    from model import Llama, LlamaConfig
+    from knobs import Knobs
+    from model import Llama
     import chunked
     tiny = tiny_shape()
     E, k, fraction = MOE_VARIANTS[name]
     torch.manual_seed(seed)
-    cfg = LlamaConfig(n_layer=tiny['n_layer'], n_head=tiny['n_head'], n_kv_head=tiny['n_kv_head'],
-                      n_embd=tiny['n_embd'], intermediate_size=tiny['intermediate_size'] // fraction,
-                      vocab_size=256, n_experts=E, experts_per_token=k)
+    cfg = Knobs(n_layer=tiny['n_layer'], n_head=tiny['n_head'], n_kv_head=tiny['n_kv_head'],
+                n_embd=tiny['n_embd'], intermediate_size=tiny['intermediate_size'] // fraction,
+                vocab_size=256, n_experts=E, experts_per_token=k)
     # (the experts' grouped GEMM and the chunked loss, as train.py runs them)
-    model = chunked.apply(Llama(cfg))
+    model = chunked.apply(Llama(cfg), cfg)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as train.py
     idx = torch.randint(0, 256, (tiny['batch_size'], tiny['seq_len'] + 1))

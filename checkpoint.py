@@ -31,7 +31,6 @@ import pickle
 import shutil
 import sys
 import warnings
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,8 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from model import MEMORY_KNOBS, Llama, LlamaConfig
+from knobs import architecture
+from model import Llama, LlamaConfig
 import parallel
 
 
@@ -169,7 +169,7 @@ def save(out_dir, model, optimizer, mesh, data_gen=None, **scalars):
         #    meta.json, then COMMITTED (from now on the checkpoint loads), then removes the older
         #    ones
         if mesh.rank == 0:
-            args = {k: v for k, v in asdict(model.config).items() if k not in MEMORY_KNOBS}
+            args = architecture(model.config)  # (the knobs are free to change on resume)
             _fsync_write(path, 'meta.json', json.dumps({**scalars, 'model_args': args}))
             _fsync_write(path, 'COMMITTED', '')
             for k in done:
@@ -286,11 +286,11 @@ def load(path, model, optimizer, mesh, data_gen=None):
             data_gen.set_state(sd['rng.data'])
         return meta(path)
 
-def load_model(path, **knobs):
+def load_model(path):
     """The full model of a checkpoint of any layout, in this one process (sample.py, export)."""
     with _one_line(f"cannot load {path}"):
         m = meta(path)
-        model = Llama(LlamaConfig(**m['model_args'], **knobs))
+        model = Llama(LlamaConfig(**m['model_args']))
         saved = _Reader(path).read_metadata().state_dict_metadata
         # a bf16 run's fp32 masters where it saved them
         sd = {('master.' if 'master.' + n in saved else 'model.') + n: p.detach()

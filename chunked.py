@@ -449,14 +449,15 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
 # parameters under their own names (the state dict stays the model's), as torchtitan applies its
 # plans. After parallel.py's plan (a rank's heads are then its weights' rows), before offload.py's.
 
-def apply(model, ulysses=1, vocab_group=None):
-    """Put model.config's chunking knobs into model: each MLP's mini-sequences (mlp_chunks != 1),
-    the experts' grouped GEMM (chunked by mlp_chunks too), attention by head groups
-    (attention_chunks != 1; `ulysses`: the ranks Ulysses spreads a group's heads over), and the
-    chunked LM head + loss always (loss_chunks = 1 too: one chunk keeps no log-softmax, faster than
-    F.cross_entropy's path, with a third of its memory), vocabulary parallel over vocab_group
-    (the tensor-parallel ranks whose rows of the vocabulary the head holds)."""
-    c = model.config
+def apply(model, knobs, ulysses=1, vocab_group=None):
+    """Put the chunking knobs of `knobs` (a knobs.Knobs: model.config's architecture with them)
+    into model: each MLP's mini-sequences (mlp_chunks != 1), the experts' grouped GEMM (chunked by
+    mlp_chunks too), attention by head groups (attention_chunks != 1; `ulysses`: the ranks Ulysses
+    spreads a group's heads over), and the chunked LM head + loss always (loss_chunks = 1 too: one
+    chunk keeps no log-softmax, faster than F.cross_entropy's path, with a third of its memory),
+    vocabulary parallel over vocab_group (the tensor-parallel ranks whose rows of the vocabulary
+    the head holds)."""
+    c = knobs
     for block in model.layers.values():
         mlp = block.feed_forward
         if isinstance(mlp, MLP) and c.mlp_chunks != 1:

@@ -33,8 +33,8 @@ def die(msg):
     mistake: rank 0 alone says it, once every rank has come here (wait_for_every_rank: else torchrun
     could kill it before it does)."""
     if os.environ.get('RANK', '0') == '0':
-        # one line, whatever msg holds
-        print('error: ' + ' '.join(str(msg).splitlines()), file=sys.stderr, flush=True)
+        # one line, whatever msg holds: its lines joined by spaces
+        print('error:', *str(msg).splitlines(), file=sys.stderr, flush=True)
     wait_for_every_rank('died')
     sys.exit(2)
 
@@ -67,7 +67,7 @@ def collective_failed(e, timeout_s):
     here = os.path.dirname(os.path.abspath(__file__))
     ours = [f.name for f in frames[::-1] if f.filename.startswith(here) and f.name[0] != '<']
     # gloo's message, without its source line: its first sentence
-    why = str(e).strip().split('] ', 1)[-1].replace('. ', '\n').partition('\n')[0]
+    why = str(e).strip().partition('] ')[-1].replace('. ', '\n').partition('\n')[0]
     print(f"error: rank {os.environ.get('RANK', 0)}: {frames[-1].name} "
           f"(from {' < '.join(ours[:3])}) failed: {why} "
           f"(timeout_s={timeout_s}: a rank died or stopped responding)",
@@ -106,7 +106,7 @@ def fit(value, default, raw):
     if default is None:
         return value  # nothing to check against: the key takes anything
     if isinstance(default, bool):  # before int, as bool is an int; repr makes a file's 1 '1'
-        return _BOOLS.get(raw if raw is not None else repr(value))
+        return _BOOLS.get(raw or repr(value))
     if isinstance(default, float) and type(value) is int:
         return float(value)  # --learning_rate=1 means 1.0
     if isinstance(default, str) and raw is not None:
@@ -147,7 +147,8 @@ def load(path, g, defaults):
 def configure(g, argv=None):
     """Apply the config files and --key=value of argv (the command line's) to the globals g; returns
     the config: {key: value} of every key."""
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = sys.argv[1:]
     # the defaults, before any override: every later value is checked against these types. The
     # keys are the script's own settings: its names in lower case holding plain values (not
     # _private, an imported module or function, or a constant in upper case: MEMORY_KNOBS)

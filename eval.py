@@ -49,7 +49,8 @@ import train
 from configurator import configure, die
 from data.passkey.prompt import passkey_prompt
 from data.tokenizer import check_tokenizer, get_tokenizer
-from model import MEMORY_KNOBS, Llama
+from knobs import KNOBS, with_knobs
+from model import Llama
 from sample import generate
 
 # -----------------------------------------------------------------------------
@@ -85,14 +86,13 @@ def read_config(argv=None):
 def load_model(cfg, meta):
     """The checkpoint's model, or the Hugging Face directory's (refused unless the data was made
     by its tokenizer), run under the config's memory knobs."""
-    knobs = {k: cfg[k] for k in MEMORY_KNOBS}
     if cfg['init_from'] == 'resume':
-        model = checkpoint.load_model(cfg['path'], **knobs)[0]
+        model = checkpoint.load_model(cfg['path'])[0]
     else:
         check_tokenizer(meta, cfg['init_from'])
-        model = Llama.from_pretrained(cfg['init_from'], **knobs)
+        model = Llama.from_pretrained(cfg['init_from'])
     # the knobs' modules, as train.py applies them in one process (the chunked loss among them)
-    return chunked.apply(model)
+    return chunked.apply(model, with_knobs(model.config, **{k: cfg[k] for k in KNOBS}))
 
 
 # ----------------------------------------------------------------------------- loss by position
@@ -110,7 +110,8 @@ def loss_by_position(model, meta, autocast, dev):
         x, y, positions, docs = train.get_batch(meta, 'val', train.batch_size, generator, dev)
         # tokens a chunk: loss_chunks' chunks of all B·S, at most MIN_CHUNK_TOKENS (with
         # loss_chunks = 1 too: a long sequence's [B, S, V] fp32 logits never exist at once)
-        per_chunk = math.ceil(y.numel() / chunked.loss_chunks(model.config, y.numel()))
+        knobs = with_knobs(model.config, loss_chunks=train.loss_chunks)
+        per_chunk = math.ceil(y.numel() / chunked.loss_chunks(knobs, y.numel()))
         per_chunk = min(per_chunk, chunked.MIN_CHUNK_TOKENS)
         loss = []  # [per_chunk] each
         with autocast:

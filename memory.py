@@ -128,7 +128,8 @@ import parallel
 # (the dry run's fake model and batch: train.py's)
 from measure import GiB, Tracker, anatomy, fake_batch, gib, peak, to_fake, write_svg
 from optim import STEP_CHUNK, optimizer_bytes
-from model import FP32_CHUNK, MEMORY_KNOBS, flops_per_token, num_params
+from knobs import KNOBS, hardware_flops
+from model import FP32_CHUNK, flops_per_token, num_params
 
 CATEGORIES = ('params', 'grads', 'optimizer', 'activations', 'transient', 'workspace')
 ROWS = CATEGORIES + ('total',)  # the table's and memory.json's
@@ -433,7 +434,7 @@ def fits(est, budget, overhead=0):
     return est.total + overhead <= FIT_FRACTION * budget
 
 # ----------------------------------------------------------------------------- the planner
-# What a knob costs, as a fraction of the step's compute (model.flops_per_token): recompute the
+# What a knob costs, as a fraction of the step's compute (knobs.hardware_flops): recompute the
 # FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
 # nothing under 'full', which re-runs them anyway); loss_chunks nothing; offload
 # offload.extra_time. The machine: 40% of an H100's 989 TFLOP/s, PCIe at 25 GB/s each way.
@@ -444,8 +445,8 @@ def cost(c, base, batch_size, seq_len):
     """Extra step time of config c over base (the same model, other knobs), as a fraction of
     the compute."""
     def extra(c):
-        mfu, hfu = flops_per_token(c, seq_len)
-        time = (hfu - mfu) / mfu  # recompute
+        mfu = flops_per_token(c, seq_len)
+        time = (hardware_flops(c, seq_len) - mfu) / mfu  # recompute
         if chunked.mlp_chunks(c, seq_len) > 1 and c.recompute != 'full':
             time += 4 * c.n_layer * c.n_embd * c.intermediate_size / mfu
         # offload (none with α = 0)
@@ -483,7 +484,7 @@ def variants(c, batch_size, seq_len, host, layout):
                     yield w
 
 def knobs(c, base):
-    return {k: getattr(c, k) for k in MEMORY_KNOBS if getattr(c, k) != getattr(base, k)}
+    return {k: getattr(c, k) for k in KNOBS if getattr(c, k) != getattr(base, k)}
 
 def describe(changes):
     # strings quoted; a number's repr is its str

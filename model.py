@@ -26,10 +26,10 @@ chunked.py swaps in its mini-sequence MLP, its chunked loss as the head and its 
 the attention; offload.py puts each block under its keep / recompute / offload policy; FSDP2 wraps
 blocks. The heads a rank computes are counted from its weights' shapes. Nothing rebinds a method
 or a config field afterwards (tests/test_budget.py checks), so a new attention variant changes
-`attention()` and, for the ring, its cases in ring.py (the sliding window did). LlamaConfig still
-carries the memory knobs (mlp_chunks, loss_chunks, attention_chunks, recompute, offload) that the
-techniques read; this file reads none of them. With config.n_experts > 0 each block's MLP is
-moe.py's mixture of experts (Mixtral's block).
+`attention()` and, for the ring, its cases in ring.py (the sliding window did). LlamaConfig is
+the architecture alone, what a config.json holds; the memory knobs (mlp_chunks, loss_chunks,
+attention_chunks, recompute, offload) are knobs.py's, which the techniques read. With
+config.n_experts > 0 each block's MLP is moe.py's mixture of experts (Mixtral's block).
 `Llama.from_pretrained()` reads a local HF Llama, Mistral, Ministral or Mixtral directory;
 `save_pretrained()` writes one that transformers loads back to the same logits (a Mistral when every
 layer is windowed, a Ministral when some are).
@@ -50,9 +50,6 @@ from moe import MoE
 # (FP32_CHUNK is read from here too: memory.py)
 from rope import (FP32_CHUNK, ROPE_SCALING_RULE, apply_rope, fp32_chunks, rope_frequencies,
                   rope_scaling_ok, rope_tables)
-
-
-MEMORY_KNOBS = ('mlp_chunks', 'loss_chunks', 'attention_chunks', 'recompute', 'offload')
 
 
 # ----------------------------------------------------------------------------- config
@@ -79,31 +76,20 @@ class LlamaConfig:
     # None windows every layer, else one 'sliding_attention' or 'full_attention' a layer
     sliding_window: int = 0
     layer_types: list | None = None
-    # memory knobs: how forward runs, not what it computes
-    mlp_chunks: int = 1     # mini-sequences of the MLP; 1 = off, 0 = automatic (chunked.py)
-    loss_chunks: int = 1    # chunks of the LM head + loss; 1 = off, 0 = automatic (chunked.py)
-    attention_chunks: int = 1  # head groups attention runs one at a time; 1 = off, 0 = automatic
-    recompute: str = 'none'  # 'none' | 'full' | 'selective' (offload.py)
-    offload: float = 0.0    # Memo's alpha: fraction of kept activations sent to host (offload.py)
 
     def __post_init__(self):
         # every field's rule, as one line naming it: train.py stops on it before anything is
         # allocated
         at_least = dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1,
-                        vocab_size=1, mlp_chunks=0, loss_chunks=0, attention_chunks=0,
-                        n_experts=0, experts_per_token=1, sliding_window=0)
+                        vocab_size=1, n_experts=0, experts_per_token=1, sliding_window=0)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
-                automatic = " (0: automatic)" if key.endswith('chunks') else ""
-                raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}{automatic}")
+                raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}")
         theta = self.rope_theta
         rules = [
             ('rope_theta', type(theta) in (int, float) and theta > 0, 'must be a number > 0'),
             ('rope_scaling', rope_scaling_ok(self.rope_scaling), ROPE_SCALING_RULE),
             ('norm_eps', self.norm_eps > 0, 'must be > 0'),
-            ('offload', 0 <= self.offload <= 1, 'must be in [0, 1]'),
-            ('recompute', self.recompute in ('none', 'full', 'selective'),
-             "must be 'none', 'full' or 'selective'"),
             ('n_embd', self.n_embd % self.n_head == 0,
              f"must be divisible by n_head={self.n_head}"),
             ('n_head', self.n_head % self.n_kv_head == 0,
@@ -113,8 +99,6 @@ class LlamaConfig:
             ('experts_per_token', self.n_experts == 0 or self.experts_per_token <= self.n_experts,
              f"must be <= n_experts={self.n_experts}"),
             ('router_aux_loss_coef', self.router_aux_loss_coef >= 0, 'must be >= 0'),
-            ('attention_chunks', self.n_kv_head % max(1, self.attention_chunks) == 0,
-             f"must divide n_kv_head={self.n_kv_head} (a group: kv heads with their query heads)"),
             ('layer_types', self.layer_types is None or (
                 len(self.layer_types) == self.n_layer
                 and set(self.layer_types) <= {'sliding_attention', 'full_attention'}),
@@ -446,7 +430,8 @@ class Llama(nn.Module):
         """Load a local HF Llama, Mistral, Ministral or Mixtral directory: config.json +
         model.safetensors, or shards with an index, into Llama(config), its sliding
         window the one transformers computes (_config_from_hf). `overrides` set LlamaConfig
-        fields: the memory knobs; a new rope_theta or rope_scaling extends its context."""
+        fields: a new rope_theta or rope_scaling extends its context (the memory knobs: knobs.py,
+        applied by the techniques)."""
         from safetensors.torch import load_file
 
         config = read_config(hf_dir, **overrides)
@@ -658,26 +643,18 @@ def attention_pairs(lengths, window=0):
 
 
 def flops_per_token(config, *lengths):
-    """(model FLOPs, hardware FLOPs) per trained token, the work the kernels do: 6·N + 12·h·P/T a
-    token, N the non-embedding parameters plus the LM head, P the (query, key) pairs of the L
-    layers (attention_pairs) in T tokens. Attention trains 12·h FLOPs a pair (q·k and p·v, 2·h each
+    """The model FLOPs per trained token (what MFU counts): 6·N + 12·h·P/T a token, N the
+    non-embedding parameters plus the LM head, P the (query, key) pairs of the L layers
+    (attention_pairs) in T tokens. Attention trains 12·h FLOPs a pair (q·k and p·v, 2·h each
     forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·h·(S + 1), half of
     the 12·L·h·S that PaLM's appendix, Megatron's paper and torchtitan count (every query seeing
     every key), as FlashAttention's benchmarks (causal: half) and Megatron-LM's code (seq_len / 2)
     count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)
     of the batch's sequences, each counting its own pairs; flops_per_token(config, S): one of S.
-    Recompute re-runs forward: +2·N + 4·h·P/T per token for 'full' (the MLP and the projections
-    for 'selective', the attention kernel not); attention by head groups its forward again: the
-    projections wq, wk, wv, wo and the kernel, +2·L·h·(2h + 2kv) + 4·h·P/T."""
+    What the memory knobs run again on top: knobs.hardware_flops."""
     c, N = config, num_params(config, active=True)
     pairs = sum(attention_pairs(lengths, c.window(i)) for i in range(c.n_layer))
-    attn = 12 * c.n_embd * pairs / sum(lengths)
-    recompute = {'none': 0, 'full': 2 * N + attn / 3,
-                 'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]
-    if c.attention_chunks != 1:
-        kv = c.n_kv_head * c.head_dim
-        recompute += 2 * c.n_layer * c.n_embd * (2 * c.n_embd + 2 * kv) + attn / 3
-    return 6 * N + attn, 6 * N + attn + recompute
+    return 6 * N + 12 * c.n_embd * pairs / sum(lengths)
 
 
 # ----------------------------------------------------------------------------- RMSNorm in fp32

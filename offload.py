@@ -186,11 +186,12 @@ def extra_time(config, batch, seq_len, flops_per_s, bandwidth):
 
 
 # ------------------------------------------------------------------------ the policy, per block
-def apply(model):
-    """Put each block under the policy of model.config's knobs (as torchtitan applies
-    checkpointing): model.layers[i] becomes a Policy holding the block's own modules. Apply once
-    the knobs are final (train.py builds the model after auto_memory), and once."""
-    c = model.config
+def apply(model, knobs):
+    """Put each block under the policy of `knobs`' recompute and offload (a knobs.Knobs), as
+    torchtitan applies checkpointing: model.layers[i] becomes a Policy holding the block's own
+    modules. Apply once the knobs are final (train.py builds the model after auto_memory), and
+    once."""
+    c = knobs
     # nothing to keep, recompute or offload (the default): no block is wrapped, the model runs as
     # model.py writes it (the wrapper would only call the block's own forward)
     if c.recompute == 'none' and c.offload == 0:

@@ -83,7 +83,8 @@ import train
 from configurator import configure, die
 from measure import GiB
 from memory import FIT_FRACTION, PCIE, cost, estimate, overhead_bytes, variants
-from model import MEMORY_KNOBS, LlamaConfig, flops_per_token, num_params
+from knobs import KNOBS, Knobs
+from model import flops_per_token, num_params
 
 NVLINK, NETWORK = 450e9, 50e9
 EFFICIENCY = 0.473  # fitted (the header): tests/test_plan.py
@@ -172,7 +173,7 @@ def step_seconds(c, layout, seq_len, target):
     B = target.settings['batch_size']
     plain = replace(c, recompute='none', mlp_chunks=1, loss_chunks=1, attention_chunks=1,
                     offload=0.0)
-    flops = flops_per_token(c, seq_len)[0] * B * seq_len * M / (t * cp * pp)
+    flops = flops_per_token(c, seq_len) * B * seq_len * M / (t * cp * pp)
     compute = flops * (1 + cost(c, plain, B, seq_len)) / (target.peak * EFFICIENCY)
 
     def link(span):
@@ -249,7 +250,7 @@ def tokens_per_s(p, target):
 
 def keys(p):
     """Plan p's keys: the layout (train.py's keys, and dp), then the memory knobs."""
-    return {**p.layout, **{k: getattr(p.config, k) for k in MEMORY_KNOBS}}
+    return {**p.layout, **{k: getattr(p.config, k) for k in KNOBS}}
 
 
 def command(p, argv):
@@ -351,8 +352,7 @@ def main():
     target = Target(n, per_node, cfg['gpu_gb'] * GiB, (cfg['host_gb'] or 256 * per_node) * GiB,
                     cfg['peak_tflops'] * 1e12, settings)
     try:
-        c = LlamaConfig(**{f.name: cfg[f.name] for f in fields(LlamaConfig)
-                           if cfg[f.name] is not None})
+        c = Knobs(**{f.name: cfg[f.name] for f in fields(Knobs) if cfg[f.name] is not None})
     except ValueError as e:
         die(e)
     step = cfg['step'] or 8192 * n

@@ -41,14 +41,13 @@ FP32_CHUNK = 1 << 26
 
 # ----------------------------------------------------------------------------- rope_scaling
 # rope_scaling's types, as transformers names them: each one's required fields, then its optional
-# ones
+# ones (names apart by spaces)
 ROPE_SCALINGS = {
-    'default': ([], []),
-    'linear': (['factor'], []),
-    'llama3': ('factor low_freq_factor high_freq_factor original_max_position_embeddings'.split(),
-               []),
-    'yarn': ('factor original_max_position_embeddings'.split(),
-             'attention_factor beta_fast beta_slow mscale mscale_all_dim truncate'.split()),
+    'default': ('', ''),
+    'linear': ('factor', ''),
+    'llama3': ('factor low_freq_factor high_freq_factor original_max_position_embeddings', ''),
+    'yarn': ('factor original_max_position_embeddings',
+             'attention_factor beta_fast beta_slow mscale mscale_all_dim truncate'),
 }
 # the table above, as LlamaConfig's error message says it
 ROPE_SCALING_RULE = (
@@ -67,9 +66,9 @@ def rope_scaling_ok(scaling):
     kind = scaling.get('rope_type')
     if not isinstance(kind, str) or kind not in ROPE_SCALINGS:
         return False
-    need, may = ROPE_SCALINGS[kind]
+    need, may = (set(fields.split()) for fields in ROPE_SCALINGS[kind])
     given = set(scaling) - {'rope_type'}
-    if not set(need) <= given <= set(need + may):
+    if not need <= given <= need | may:
         return False
     for key in given:
         value = scaling[key]
@@ -78,11 +77,10 @@ def rope_scaling_ok(scaling):
         elif value is None:
             # an optional field left to transformers' default
             ok = key in may
-        elif key == 'original_max_position_embeddings':
-            ok = type(value) is int and value > 0
         else:
-            # (a bool is no number here)
-            ok = type(value) in (int, float) and value > 0
+            # a number > 0 (a bool is no number here), the original context an int
+            numbers = (int,) if key == 'original_max_position_embeddings' else (int, float)
+            ok = type(value) in numbers and value > 0
         if not ok:
             return False
     return True
@@ -96,7 +94,7 @@ def rope_frequencies(config):
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     scaling = config.rope_scaling or {}
-    kind, factor = scaling.get('rope_type', 'default'), scaling.get('factor')
+    kind, factor = scaling.get('rope_type'), scaling.get('factor')
     # llama3 and yarn: the context the checkpoint was trained at
     old_len = scaling.get('original_max_position_embeddings')
     if kind == 'linear':
@@ -107,10 +105,11 @@ def rope_frequencies(config):
         low, high = scaling['low_freq_factor'], scaling['high_freq_factor']
         wavelen = 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        return torch.where(medium, between, scaled), 1.0
+        # wavelengths up to old_len / high kept, those up to old_len / low on the ramp, longer
+        # ones / factor
+        kept_or_ramped = torch.where(wavelen >= old_len / high, between, inv_freq)
+        return torch.where(wavelen > old_len / low, inv_freq / factor, kept_or_ramped), 1.0
     if kind == 'yarn':
         # YaRN: divide by `factor` the dimensions turning fewer than beta_slow times over the
         # original context, keep those turning more than beta_fast times, ramp in between; cos and
@@ -145,7 +144,7 @@ def rope_tables(inv_freq, positions, scale=1.0):
     sign (-sin for the first half): R is then a swap of the halves."""
     if positions.dim() == 2:
         positions = positions[:, None]
-    angles = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    angles = positions.double()[..., None] * inv_freq.to(positions.device)
     cos, sin = angles.cos() * scale, angles.sin() * scale
     # both channels of a pair turn by its angle: cos for each half, sin with R's signs
     return cos.tile(2).float(), torch.cat([-sin, sin], dim=-1).float()

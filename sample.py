@@ -68,7 +68,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
             logits = logits.float() / temperature
             if top_k:  # (as nanoGPT's)
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float('Inf')
+                logits[logits < v[:, [-1]]] = -torch.inf
             nxt = torch.multinomial(torch.softmax(logits, -1), 1)
         out.append(nxt)
         positions = torch.tensor([t], device=p.device)  # the next pass: the new token alone
@@ -91,12 +91,12 @@ def main():
     # data made by a Hugging Face tokenizer keeps a copy of its tokenizer.json beside meta.json
     if name:
         data_dir = Path(__file__).resolve().parent / 'data' / name
-        meta = json.loads((data_dir / 'meta.json').read_text())
-        encode, decode = get_tokenizer({**meta, 'dir': data_dir})
+        meta = {**json.loads((data_dir / 'meta.json').read_text()), 'dir': data_dir}
     elif Path(init_from, 'tokenizer.json').is_file():
-        encode, decode = get_tokenizer({'tokenizer': 'hf', 'dir': init_from})
+        meta = {'tokenizer': 'hf', 'dir': init_from}
     else:
         sys.exit("error: --dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
+    encode, decode = get_tokenizer(meta)
     model.to(dev).eval()
 
     prompt = Path(start[5:]).read_text(encoding='utf-8') if start.startswith('FILE:') else start

@@ -47,14 +47,15 @@ import tempfile
 import time
 from collections import namedtuple
 from contextlib import nullcontext, suppress
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import Llama, LlamaConfig, MEMORY_KNOBS, flops_per_token, num_params, read_config
+from knobs import KNOBS, Knobs, architecture, hardware_flops, with_knobs
+from model import Llama, flops_per_token, num_params, read_config
 import checkpoint
 import chunked
 from configurator import collective_failed, configure, die, has_device, pick_device, writable
@@ -172,7 +173,8 @@ host_memory_budget_gb = 0.0  # GiB of host memory for offloaded activations; 0: 
 auto_memory = False
 # -----------------------------------------------------------------------------
 # what each training key allows, checked before anything is read, allocated or written (the
-# model's keys: model.LlamaConfig; the rules between the layout keys: parallel.check_layout):
+# model's keys: knobs.Knobs, a model.LlamaConfig and the memory knobs; the rules between the layout
+# keys: parallel.check_layout):
 # (keys, what they allow, the check of one value)
 _RULES = [
     ('batch_size seq_len gradient_accumulation_steps eval_interval log_interval eval_iters '
@@ -598,14 +600,14 @@ def model_config(meta, cfg, world, dev, ptdtype):
     model_args (resume) or a Hugging Face directory's config.json (its weights are read by
     build_model), checked against the layout and the data; returns (config, checkpoint or
     None)."""
-    knobs = {k: cfg[k] for k in MEMORY_KNOBS}  # how forward runs: free to change on resume
+    knobs = {k: cfg[k] for k in KNOBS}  # how forward runs: free to change on resume
     # the model's keys that were given (None: not given)
-    given = {f.name: cfg[f.name] for f in fields(LlamaConfig) if cfg[f.name] is not None}
+    given = {f.name: cfg[f.name] for f in fields(Knobs) if cfg[f.name] is not None}
     ckpt = None
     if init_from != 'resume' and not (overwrite or dry_run) and checkpoint.latest(out_dir):
         die(f"{out_dir} holds a checkpoint: --init_from=resume continues it, --overwrite=True "
             f"starts a new run (the old checkpoint stays until the new run saves one)")
-    # a ValueError here is the user's input (LlamaConfig's rules, a HF directory's files), not a
+    # a ValueError here is the user's input (Knobs' rules, a HF directory's files), not a
     # bug of ours
     if dry_run and init_from not in ('scratch', 'resume'):
         print(f"dry run: no weights read; the model's shape is {init_from}/config.json's where it "
@@ -613,15 +615,15 @@ def model_config(meta, cfg, world, dev, ptdtype):
     try:
         if init_from == 'resume':
             ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
-            config = LlamaConfig(**ckpt['model_args'], **knobs)
+            config = Knobs(**ckpt['model_args'], **knobs)
         elif init_from == 'scratch' or not os.path.isdir(init_from):  # (a dry run's: the config's)
-            config = LlamaConfig(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
+            config = Knobs(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
         else:
             # its architecture, but a rope_theta or rope_scaling given: a new one extends the
             # model's context. The tokenizer first: another tokenizer's ids are nonsense to it
             check_tokenizer(meta, init_from)
-            config = read_config(init_from, **{k: v for k, v in given.items()
-                                               if k in knobs or 'rope' in k})
+            rope = {k: v for k, v in given.items() if 'rope' in k}
+            config = with_knobs(read_config(init_from, **rope), **knobs)
     except ValueError as e:
         die(e)
     # this layout's rules (parallel.check_layout), on every rank, before anything is allocated
@@ -646,12 +648,12 @@ def build_model(config, dev):
             return Llama(config)
         try:
             # config is config.json's with our knobs and RoPE: its every field over the file's
-            return Llama.from_pretrained(init_from, **asdict(config))
+            return Llama.from_pretrained(init_from, **architecture(config))
         except ValueError as e:  # a shard missing, a tensor of the wrong shape: the user's files
             die(e)
 
 
-def place_model(model, mesh, dev, ptdtype):
+def place_model(model, config, mesh, dev, ptdtype):
     """The techniques applied to the built model, in this order (each replaces or wraps whole
     modules, the state-dict names kept), then this rank's share of it on its device in its weights'
     dtype: every rank built the same full model, from the seed."""
@@ -669,9 +671,9 @@ def place_model(model, mesh, dev, ptdtype):
     ulysses = 1
     if mesh.cp_impl == 'ulysses':
         ulysses = mesh.cp
-    chunked.apply(model, ulysses, mesh.tp_group)
+    chunked.apply(model, config, ulysses, mesh.tp_group)
     # 4. keep, recompute or offload each block's activations (every knob off: no block wrapped)
-    offload_policy.apply(model)
+    offload_policy.apply(model, config)
     # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
     weights_dtype = torch.float32 if zero > 1 else ptdtype
     if dry_run:
@@ -776,7 +778,7 @@ def main():
     model = build_model(config, dev)  # (a bad HF file: stopped before out_dir)
     lock = make_out_dir(rank)  # (held while main runs)
     mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
-    place_model(model, mesh, dev, ptdtype)
+    place_model(model, config, mesh, dev, ptdtype)
     masters = optim.make_master_weights(model, optimizer_in_backward)
     optimizer = make_optimizer(model, masters, dev.type, mesh)
     scaler = optim.LossScaler(ptdtype == torch.float16, dev, (ckpt or {}).get('loss_scale'))
@@ -832,7 +834,7 @@ def main():
         if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not stop:
             continue
         tokens_per_s = (iter_num - it0) * tokens_per_iter / (time.perf_counter() - t0)
-        mfu_flops, hfu_flops = flops_per_token(config, *lengths)
+        mfu_flops, hfu_flops = flops_per_token(config, *lengths), hardware_flops(config, *lengths)
         # loss.item(): the step's only host sync; mfu None: no trusted peak; flops_per_token: the
         # model's, mfu's count (model.flops_per_token: causal attention's pairs, S(S + 1)/2)
         row = {'iter': iter_num - 1, 'loss': loss.item(), 'lr': lr, 'tokens_per_s': tokens_per_s,

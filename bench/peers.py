@@ -158,9 +158,12 @@ def hf_model(name):
 def ours_model(name):
     import chunked
     import offload
+    from knobs import with_knobs
     from model import Llama
     # the techniques as train.py applies them in one process: chunked.py's modules, then offload's
-    model = offload.apply(chunked.apply(Llama.from_pretrained(model_dir, **OURS[name])))
+    model = Llama.from_pretrained(model_dir)
+    knobs = with_knobs(model.config, **OURS[name])
+    model = offload.apply(chunked.apply(model, knobs), knobs)
 
     def loss(x, y):
         return model(x, y)[1]

@@ -40,6 +40,7 @@ import optim  # noqa: E402
 import train  # noqa: E402
 from configurator import configure  # noqa: E402
 import chunked  # noqa: E402
+from knobs import Knobs  # noqa: E402
 from model import Llama, LlamaConfig  # noqa: E402
 
 # -----------------------------------------------------------------------------
@@ -124,8 +125,9 @@ def nanogpt_step():
 
 train.seq_len, train.learning_rate, train.weight_decay, train.beta1, train.beta2, train.zero = S, 1e-3, 0.1, 0.9, 0.99, 0
 # chunked.apply: the chunked LM head + loss, as train.py applies it to every run
-llama = chunked.apply(Llama(LlamaConfig(n_layer=LAYERS, n_head=HEADS, n_kv_head=HEADS, n_embd=WIDTH,
-                                        intermediate_size=344, vocab_size=V, tie_embeddings=True)))
+llama_config = LlamaConfig(n_layer=LAYERS, n_head=HEADS, n_kv_head=HEADS, n_embd=WIDTH,
+                           intermediate_size=344, vocab_size=V, tie_embeddings=True)
+llama = chunked.apply(Llama(llama_config), Knobs(**vars(llama_config)))
 llama_run = torch.compile(llama) if compile != 'none' else llama
 masters = optim.make_master_weights(llama)
 llama_opt = train.make_optimizer(llama, masters, 'cpu')

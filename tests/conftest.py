@@ -103,10 +103,11 @@ def tiny_hf(tmp_path_factory):
     return SimpleNamespace(hf=hf, data=str(root / 'data'), docs=docs)
 
 
-def apply_techniques(model, mesh=None):
+def apply_techniques(model, mesh=None, knobs=None):
     """model with the techniques train.py applies, in its order (train.place_model, before the dtype
     and FSDP2): this rank's shard and the layout's attention cores, chunked.py's modules, offload's
-    policy. mesh None: one process."""
+    policy, under `knobs` (a knobs.Knobs; None: model.config, built as one). mesh None: one
+    process."""
     import chunked
     import offload
     import parallel
@@ -115,5 +116,6 @@ def apply_techniques(model, mesh=None):
         parallel.parallelize(model, mesh)
     parallel.apply_cores(model, mesh)
     ulysses = mesh.cp if mesh.cp_impl == 'ulysses' else 1
-    chunked.apply(model, ulysses, mesh.tp_group)
-    return offload.apply(model)
+    knobs = knobs or model.config
+    chunked.apply(model, knobs, ulysses, mesh.tp_group)
+    return offload.apply(model, knobs)

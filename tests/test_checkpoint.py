@@ -33,7 +33,8 @@ import optim  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from conftest import apply_techniques  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama  # noqa: E402
 
 # V = 37: padded vocabulary rows on tp 2 and 4; K = 2 kv heads: replicated on tp 4
 CONFIG = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=37)
@@ -41,7 +42,7 @@ B, S = 4, 16
 
 
 def build(world, tp, zero, dtype, seed):
-    config = LlamaConfig(**CONFIG)
+    config = Knobs(**CONFIG)
     mesh = parallel.make_mesh(tp, 1, 'ulysses', config.n_kv_head) if world > 1 else parallel.Mesh()
     torch.manual_seed(seed)
     model = Llama(config)
@@ -227,7 +228,7 @@ def test_a_checkpoint_crafted_to_run_code_is_refused_and_runs_nothing(tmp_path, 
 
 def test_train_and_sample_refuse_a_crafted_checkpoint_in_one_line(tmp_path):
     out, marker = str(tmp_path / 'out'), tmp_path / 'ran'
-    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=256))
+    model = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=256))
     params = list(model.parameters())
     opt = optim.MasterWeights(list(model.named_parameters()), params, params, [torch.optim.AdamW(params)],
                               parallel.Mesh(), model.config)

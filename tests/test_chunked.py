@@ -307,7 +307,8 @@ def test_auto_chunk_counts():
 
 # ----------------------------------------------------------------------------- attention by head groups
 from conftest import apply_techniques, cuda, packed_batch  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama  # noqa: E402
 import offload  # noqa: E402
 
 GROUPED = dict(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=96, vocab_size=97)
@@ -316,7 +317,7 @@ GROUPED = dict(n_layer=2, n_head=8, n_kv_head=4, n_embd=64, intermediate_size=96
 def grouped_step(dtype=torch.float32, docs=False, **knobs):
     """Loss and every gradient of one forward + backward of a 2-block Llama (8 query heads, 4 kv heads)."""
     torch.manual_seed(0)
-    model = apply_techniques(Llama(LlamaConfig(**GROUPED, **knobs)).to(dtype))
+    model = apply_techniques(Llama(Knobs(**GROUPED, **knobs)).to(dtype))
     if docs:
         x, y, pos, starts = packed_batch([[5, 27], [32], [3, 3, 26]], GROUPED['vocab_size'])
     else:
@@ -358,7 +359,7 @@ def test_attention_by_head_groups_keeps_its_input_alone():
     kept, peak = {}, {}
     for G in (1, 4):
         torch.manual_seed(0)
-        attention = apply_techniques(Llama(LlamaConfig(**GROUPED, attention_chunks=G))).layers['0'].attention
+        attention = apply_techniques(Llama(Knobs(**GROUPED, attention_chunks=G))).layers['0'].attention
         x = torch.randn(B, S, h, requires_grad=True)
         cos, sin = torch.ones(S, hd), torch.zeros(S, hd)
         mt = MemTracker()
@@ -378,23 +379,23 @@ def test_attention_by_head_groups_keeps_its_input_alone():
 
 def test_attention_chunks_counts_and_refusals():
     from chunked import attention_chunks
-    c = LlamaConfig(n_head=32, n_kv_head=8, n_embd=4096, attention_chunks=0)
+    c = Knobs(n_head=32, n_kv_head=8, n_embd=4096, attention_chunks=0)
     assert attention_chunks(c, 32, 8) == 8        # one process: a kv head and its 4 query heads a group
     assert attention_chunks(c, 32, 8, 8) == 4     # Ulysses over 8: 8 query heads a group, one per rank
     assert attention_chunks(c, 16, 4, 2) == 4     # tp 2 (4 kv heads a rank), Ulysses 2: 4 query heads
     assert attention_chunks(c, 4, 1) == 1         # tp 8: one kv head a rank
-    assert attention_chunks(LlamaConfig(n_head=32, n_kv_head=8, n_embd=4096, attention_chunks=2), 32, 8, 8) == 2
+    assert attention_chunks(Knobs(n_head=32, n_kv_head=8, n_embd=4096, attention_chunks=2), 32, 8, 8) == 2
     with pytest.raises(ValueError, match=r"attention_chunks=3: must divide n_kv_head=4"):
-        LlamaConfig(**GROUPED, attention_chunks=3)
+        Knobs(**GROUPED, attention_chunks=3)
     # offload.py's token-wise cut runs attention once on every token: refused, as the layout rules are
     from parallel import check_layout
-    split = check_layout(LlamaConfig(**GROUPED, attention_chunks=2, offload=0.5), 1, 1, 1)
+    split = check_layout(Knobs(**GROUPED, attention_chunks=2, offload=0.5), 1, 1, 1)
     assert split.startswith("attention_chunks=2 with offload=0.5 and recompute='none': offload.py cuts attention")
-    assert 'by tokens, not heads' in check_layout(LlamaConfig(**GROUPED, attention_chunks=0, offload=1.0,
+    assert 'by tokens, not heads' in check_layout(Knobs(**GROUPED, attention_chunks=0, offload=1.0,
                                                               recompute='selective'), 1, 1, 1)
     # the block whole: 'none' with α = 1, or 'full'
-    assert check_layout(LlamaConfig(**GROUPED, attention_chunks=4, offload=1.0), 1, 1, 1) is None
-    assert check_layout(LlamaConfig(**GROUPED, attention_chunks=4, offload=0.5, recompute='full'), 1, 1, 1) is None
+    assert check_layout(Knobs(**GROUPED, attention_chunks=4, offload=1.0), 1, 1, 1) is None
+    assert check_layout(Knobs(**GROUPED, attention_chunks=4, offload=0.5, recompute='full'), 1, 1, 1) is None
 
 
 @cuda
@@ -407,7 +408,7 @@ def test_attention_by_head_groups_on_cuda_holds_less_for_the_same_gradients():
     runs = []
     for groups in (1, 0):
         torch.manual_seed(0)
-        model = apply_techniques(Llama(LlamaConfig(**shape, attention_chunks=groups)).cuda())
+        model = apply_techniques(Llama(Knobs(**shape, attention_chunks=groups)).cuda())
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

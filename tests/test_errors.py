@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_bpe
-from model import Llama, LlamaConfig
+from knobs import Knobs
+from model import Llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ['config/train_tiny.py', '--device=cpu', '--max_iters=2', '--batch_size=2', '--seq_len=32', '--compile=False']
@@ -171,7 +172,7 @@ def spoiled_inputs(d):
     dataset(os.path.join(d, 'other_hf'), tokenizer='hf', tokenizer_sha256='0' * 64)
     ok = os.path.join(d, 'hf_ok')
     torch.manual_seed(0)
-    Llama(LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256)
+    Llama(Knobs(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256)
           ).save_pretrained(ok)
     hf_dir(os.path.join(d, 'hf_bad_json'), ok)
     with open(os.path.join(d, 'hf_bad_json', 'config.json'), 'w') as f:
@@ -327,7 +328,7 @@ def test_help_lists_the_settings_only():
     p = subprocess.run([sys.executable, 'train.py', '--help'], cwd=ROOT, capture_output=True, text=True, timeout=300)
     keys = [line[4:].partition('=')[0] for line in p.stdout.splitlines() if line.startswith('  --')]
     assert p.returncode == 0 and {'seq_len', 'out_dir', 'auto_memory'} <= set(keys), p.stdout
-    assert {f.name for f in fields(LlamaConfig)} <= set(keys)  # the model's own keys
+    assert {f.name for f in fields(Knobs)} <= set(keys)  # the model's own keys
     assert [k for k in keys if not k.islower()] == []
 
 

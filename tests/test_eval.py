@@ -22,7 +22,8 @@ import parallel
 import train
 from data.passkey.prompt import FILLER, NEEDLE, QUESTION, passkey_prompt
 from data.tokenizer import get_tokenizer, read_docs, read_meta
-from model import Llama, LlamaConfig
+from knobs import Knobs
+from model import Llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=2', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64',
@@ -159,7 +160,7 @@ def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, t
                           f'--out_dir={tmp_path}'])
     meta = train.read_dataset(1, 0)
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+    model = Llama(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
                               vocab_size=256, loss_chunks=cfg['loss_chunks'])).eval()
     dev = torch.device('cpu')
     sums, counts = ev.loss_by_position(model, meta, nullcontext(), dev)
@@ -207,11 +208,11 @@ def test_loss_by_position_runs_the_lm_head_once_a_token(loss_chunks, tmp_path, t
     buckets), and at most a chunk's at a time, never all B·S tokens' (loss_chunks = 1 too): 3 rows
     of 128 tokens, 384 > MIN_CHUNK_TOKENS = 256 of them."""
     ev.read_config(['--init_from=scratch', '--dataset=stdlib', '--seq_len=128', '--batch_size=3',
-                    '--eval_iters=2', '--device=cpu', f'--out_dir={tmp_path}'])
+                    '--eval_iters=2', '--device=cpu', f'--loss_chunks={loss_chunks}', f'--out_dir={tmp_path}'])
     meta = train.read_dataset(1, 0)
     # (no other product in the model has 256 columns: n_embd 32, intermediate 64, 128 tokens)
-    model = Llama(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
-                              vocab_size=256, loss_chunks=loss_chunks)).eval()
+    model = Llama(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                        vocab_size=256)).eval()
     with HeadRows(256) as head:
         ev.loss_by_position(model, meta, nullcontext(), torch.device('cpu'))
     # 2 batches of 3 x 128 tokens, each token's row of logits once

@@ -21,7 +21,8 @@ import offload  # noqa: E402
 import optim  # noqa: E402
 import train  # noqa: E402
 from conftest import apply_techniques  # noqa: E402
-from model import Llama, LlamaConfig, num_params  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama, num_params  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2 ** 30
@@ -68,7 +69,7 @@ def errors(est, measured):
 
 
 def cfg(L=2, h=64, H=4, K=2, I=None, V=384, **knobs):
-    return LlamaConfig(n_layer=L, n_head=H, n_kv_head=K, n_embd=h, intermediate_size=I or 3 * h,
+    return Knobs(n_layer=L, n_head=H, n_kv_head=K, n_embd=h, intermediate_size=I or 3 * h,
                        vocab_size=V, **knobs)
 
 
@@ -191,7 +192,7 @@ LLAMA2_7B = dict(n_layer=32, n_head=32, n_kv_head=32, n_embd=4096, intermediate_
 def test_dry_run_of_llama2_7b_on_one_gpu_at_128k_tokens(tmp_path):
     """config/llama2_7b_one_gpu.py: Llama-2-7B's shape at 131,072 tokens on one 80 GB GPU fits, by dry run, with the
     step in backward (6 bytes per parameter); at Megatron's 18 no length does (model states alone: 113 GiB)."""
-    c = LlamaConfig(**LLAMA2_7B)
+    c = Knobs(**LLAMA2_7B)
     assert not memory.fits(memory.estimate(c, 1, 1024), 80 * GiB)
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), os.path.join(ROOT, 'config', 'llama2_7b_one_gpu.py'),
                         '--dry_run=True', f'--out_dir={tmp_path / "out"}'], cwd=ROOT, capture_output=True, text=True,
@@ -234,7 +235,7 @@ def test_dry_run_with_the_states_on_the_host(tmp_path, config, world, seq_len):
     assert p.returncode == 0 and 'verdict: fits' in p.stdout, p.stderr[-3000:]
     report = json.loads((tmp_path / 'memory.json').read_text())
     est, measured = report['ranks'][0]['estimate'], report['ranks'][0]['measured']
-    c = LlamaConfig(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
+    c = Knobs(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
     blocks = 2 * seq_len // world * 4096 * 2  # 2 of 4 block inputs offloaded (offload.KEEP_LAST = 2), bf16
     assert report['host']['estimate'] == pytest.approx(16 * num_params(c, False) / world + blocks, rel=1e-3)
     assert report['host']['measured'] == pytest.approx(report['host']['estimate'], rel=1e-2)
@@ -261,7 +262,7 @@ def test_at_backwards_end_fsdp2_holds_its_fp32_rows_alone(tmp_path, world, flags
     report = json.loads((tmp_path / 'memory.json').read_text())
     est, measured = report['ranks'][0]['estimate'], report['ranks'][0]['measured']
     at_root = next(m for m in report['timeline'] if m['moment'] == 'backward: embedding')
-    c = LlamaConfig(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
+    c = Knobs(n_layer=4, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=128256)
     rows = 0 if world == 1 else 4 * num_params(c, False) / world  # this rank's fp32 rows (none: on the host)
     assert report['peak_at'] == 'backward: embedding'
     assert at_root['params'] == pytest.approx(rows, rel=1e-3)
@@ -445,7 +446,7 @@ def test_the_mixtral_config_fits_by_its_estimate(capsys, tmp_path):
     the estimate fits the 80% rule as the dry run does (60.88 GiB: 2026-11-27)."""
     est, printed, code = config_report('mixtral_8x7b_long', capsys, tmp_path)
     assert code is None and '-> fits' in printed, printed
-    c = LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=32000,
+    c = Knobs(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336, vocab_size=32000,
                     n_experts=8)
     blocks = 30 * 3670016 // 8 * 4096 * 2  # 30 block inputs offloaded (offload.KEEP_LAST = 2), bf16
     assert est.host == pytest.approx(16 * num_params(c, False) / 8 + blocks, rel=1e-3)
@@ -495,7 +496,7 @@ def test_dry_run_reads_a_hugging_face_directory_for_its_shape_only(tmp_path):
     """init_from: a dry run reads no weights. A directory with config.json and no weights: its shape (3 blocks, not
     the default 4); a directory that isn't here (config/llama3_8b_extend.py's placeholder): the config's."""
     hf = tmp_path / 'hf'
-    Llama(LlamaConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384,
+    Llama(Knobs(n_layer=3, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384,
                       vocab_size=512)).save_pretrained(hf)
     os.remove(hf / 'model.safetensors')
     p = dry_run(tmp_path / 'a', f'--init_from={hf}')
@@ -717,14 +718,14 @@ sys.path.insert(0, {root!r})
 from dataclasses import replace
 import torch, torch.distributed as dist
 import memory, parallel
-from model import LlamaConfig
+from knobs import Knobs
 dist.init_process_group('gloo')
 rank = dist.get_rank()
 memory.meminfo = lambda key: 1 << 40
 if rank == 1:  # what this rank would plan alone (its own device or host memory could make it differ)
     memory.plan = lambda *args, **kw: None
 # the config alone: the report is made before the model is built, and changes nothing
-config = LlamaConfig(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192, vocab_size=32000,
+config = Knobs(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192, vocab_size=32000,
                      mlp_chunks=0, loss_chunks=0)
 cfg = dict(batch_size=1, seq_len=32768, auto_memory=True, memory_budget_gb=20, out_dir={out!r})
 report = memory.Report(config, cfg, 2, rank, parallel.Mesh(), torch.device('cpu'), torch.bfloat16)
@@ -763,7 +764,7 @@ def config_report(name, capsys, tmp_path, world=None, last_stage=False, **overri
     with open(os.path.join(ROOT, 'config', name + '.py')) as f:
         exec(f.read(), {}, cfg)
     cfg.update({'dry_run': True, 'out_dir': str(tmp_path), **overrides})
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k in LlamaConfig.__dataclass_fields__})
+    config = Knobs(**{k: v for k, v in cfg.items() if k in Knobs.__dataclass_fields__})
     tp, cp, pp = cfg.get('tp_size', 1), cfg.get('cp_size', 1), cfg.get('pp_size', 1)
     world = world or tp * cp * pp
     stage = pp - 1 if last_stage else 0
@@ -784,7 +785,7 @@ def config_report(name, capsys, tmp_path, world=None, last_stage=False, **overri
 
 
 def small(L=4, h=128, H=8, K=2, I=352, V=1000, **knobs):
-    return LlamaConfig(n_layer=L, n_head=H, n_kv_head=K, n_embd=h, intermediate_size=I, vocab_size=V, **knobs)
+    return Knobs(n_layer=L, n_head=H, n_kv_head=K, n_embd=h, intermediate_size=I, vocab_size=V, **knobs)
 
 
 # (config, batch, seq_len, estimate's keywords): each branch of the formula at least once

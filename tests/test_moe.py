@@ -21,7 +21,8 @@ sys.path.insert(0, ROOT)
 import offload  # noqa: E402
 import parallel  # noqa: E402
 from conftest import apply_techniques  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama  # noqa: E402
 from moe import Experts, MoE, moe_layers  # noqa: E402
 from test_parallel import (MODEL, RTOL, LR, TINY, assert_close_losses, free_port, gather_full,  # noqa: E402
                            one_step, read_log, rel, torchrun)
@@ -59,7 +60,7 @@ def biased(moe, bias):
 ])
 def test_moe_equals_mixtrals_loop_over_experts(mlp_chunks, k, bias):
     torch.manual_seed(0)
-    config = LlamaConfig(n_embd=32, intermediate_size=48, n_experts=4, experts_per_token=k, mlp_chunks=mlp_chunks)
+    config = Knobs(n_embd=32, intermediate_size=48, n_experts=4, experts_per_token=k, mlp_chunks=mlp_chunks)
     moe = MoE(config)
     if bias:
         biased(moe, bias)
@@ -87,7 +88,7 @@ def test_grouped_experts_equal_a_loop_over_experts(mlp_chunks, counts):
     """Experts: a grouped GEMM per matmul over every expert's rows (chunks cut across experts' rows, an expert
     with no row among them) against a loop of each expert's own SwiGLU on its rows: outputs and every gradient."""
     torch.manual_seed(0)
-    config = LlamaConfig(n_embd=32, intermediate_size=48, n_experts=4, mlp_chunks=mlp_chunks)
+    config = Knobs(n_embd=32, intermediate_size=48, n_experts=4, mlp_chunks=mlp_chunks)
     experts = Experts(config)
     x = torch.randn(sum(counts), 32, requires_grad=True)
     g = torch.randn(sum(counts), 32)
@@ -117,7 +118,7 @@ def test_balanced_routing_gives_an_aux_loss_of_k_and_training_pulls_toward_it():
     """aux is k when every expert gets T·k/E choices and the router is uniform; skewed routing is higher, and
     the aux loss's gradient, alone, makes the router more uniform."""
     torch.manual_seed(0)
-    config = LlamaConfig(n_embd=16, intermediate_size=16, n_experts=4, experts_per_token=2)
+    config = Knobs(n_embd=16, intermediate_size=16, n_experts=4, experts_per_token=2)
     moe = MoE(config)
     x = torch.randn(1, 64, 16)
     with torch.no_grad():
@@ -153,7 +154,7 @@ EP_LAYOUTS = {
 
 def new_moe_model(overrides, mesh=None):
     torch.manual_seed(0)
-    config = LlamaConfig(**{**CONFIG, **{k: v for k, v in overrides.items() if k != 'bias'}})
+    config = Knobs(**{**CONFIG, **{k: v for k, v in overrides.items() if k != 'bias'}})
     model = Llama(config)
     if 'bias' in overrides:
         for block in model.layers.values():

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import memory
 import offload
 from conftest import apply_techniques, cuda
-from model import Llama, LlamaConfig, rope_frequencies, rope_tables
+from knobs import Knobs
+from model import Llama, rope_frequencies, rope_tables
 
 B, S, V = 2, 37, 61  # an odd length: no chunk count or token fraction divides it
 
@@ -35,7 +36,7 @@ def offload_every_block(monkeypatch):
 
 def config(**knobs):
     args = dict(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=80, vocab_size=V)
-    return LlamaConfig(**{**args, **knobs})
+    return Knobs(**{**args, **knobs})
 
 
 def batch(seed=1, batch_size=B, seq_len=S):
@@ -148,7 +149,7 @@ def test_every_knob_off_wraps_no_block():
     for knobs in (dict(recompute='full'), dict(recompute='selective'), dict(offload=0.5)):
         model = Llama(config(**knobs))
         names = model.state_dict().keys()
-        wrapped = offload.apply(model)
+        wrapped = offload.apply(model, model.config)
         assert all(isinstance(block, offload.Policy) for block in wrapped.layers.values()), knobs
         assert wrapped.state_dict().keys() == names  # the blocks' own names
         assert not any('forward' in vars(m) for m in wrapped.modules())  # no method rebound
@@ -406,7 +407,7 @@ LLAMA3_8B = dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_s
 
 
 def test_choose_alpha_is_memo_rule():
-    cfg = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=0.5)
+    cfg = Knobs(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=0.5)
     seq, bf16 = 131072, torch.bfloat16
     saved = offload.saved_per_token(cfg, bf16, seq)
     whole = 2 * 4096 + sum(saved['qkv']) + sum(saved['attention'])  # b·h: the input or wo's
@@ -423,14 +424,14 @@ def test_choose_alpha_is_memo_rule():
     assert offload.choose_alpha(cfg, 1, seq, bf16, too_short, 25e9, float('inf')) == 0.0
     # only whole tensors move with full / selective
     for mode in ('full', 'selective'):
-        c = LlamaConfig(**LLAMA3_8B, recompute=mode, mlp_chunks=4)
+        c = Knobs(**LLAMA3_8B, recompute=mode, mlp_chunks=4)
         assert offload.choose_alpha(c, 1, seq, bf16, t, 25e9, float('inf')) == 1.0
         assert offload.choose_alpha(c, 1, seq, bf16, t, 25e9, 1e6) == 0.0
     # the α it picks does fit: the formula's bytes within both limits
     fwd = offload.block_forward_seconds(cfg, 1, seq, 400e12)
     alpha = offload.choose_alpha(cfg, 1, seq, bf16, fwd, 25e9, 1e12)
     assert 0 < alpha <= 1
-    chosen = LlamaConfig(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=alpha)
+    chosen = Knobs(**LLAMA3_8B, recompute='none', mlp_chunks=4, offload=alpha)
     assert offload.block_bytes(chosen, 1, seq, bf16)[0] <= fwd * 25e9 * (1 + 1e-9)
     assert offload.host_bytes(chosen, 1, seq, bf16) <= 1e12
 

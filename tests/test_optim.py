@@ -15,9 +15,10 @@ sys.path.insert(0, ROOT)
 import optim
 from conftest import cuda  # noqa: E402
 import parallel  # noqa: E402
-from model import Llama, LlamaConfig, num_params  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama, num_params  # noqa: E402
 
-CONFIG = LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50)
+CONFIG = Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50)
 
 
 def groups_of(params, wd=0.1):  # train.make_optimizer's: weight decay on matrices only
@@ -102,7 +103,7 @@ def test_bf16_in_backward_trains_train_tiny_like_the_fp32_master_run(tmp_path):
     weights and moments (6), stochastically rounded. Measured (this 2-core CPU): val loss after 120 steps 3.0212 with
     masters, 3.0146 in backward (seed 4: 3.0257 and 3.0232; 2026-11-23); after the 60 steps run here (for the suite's
     time) 3.2991 and 3.3073 (seed 4: 3.2508 and 3.2524; 2026-11-27); the margin asserted is 0.03."""
-    val, N = {}, num_params(LlamaConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=4, intermediate_size=192,
+    val, N = {}, num_params(Knobs(n_layer=2, n_embd=64, n_head=4, n_kv_head=4, intermediate_size=192,
                                         vocab_size=256), non_embedding=False)
     for name, extra in (('master', []), ('in_backward', ['--optimizer_in_backward=True'])):
         out = tmp_path / name

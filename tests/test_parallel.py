@@ -31,7 +31,8 @@ import parallel  # noqa: E402
 import pipeline  # noqa: E402
 import ring  # noqa: E402
 import train  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama  # noqa: E402
 from conftest import apply_techniques, cuda  # noqa: E402
 from test_chunked import CountMatmuls  # noqa: E402
 
@@ -100,7 +101,7 @@ LR = 0.1
 
 
 def model_config(overrides):
-    return LlamaConfig(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('docs', 'host')}})
+    return Knobs(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('docs', 'host')}})
 
 
 def new_model(overrides, mesh=None):
@@ -408,7 +409,7 @@ def _offload_worker(rank, world, port, out_dir):
     # dominate: 'selective' with offload against without
     for alpha in (0.0, 1.0):
         offload.reset()
-        config = LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=64,
+        config = Knobs(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=384, vocab_size=64,
                              recompute='selective', offload=alpha, loss_chunks=4)
         torch.manual_seed(0)
         mesh = parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)

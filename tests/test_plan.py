@@ -16,11 +16,11 @@ import parallel
 import plan
 from conftest import ROOT
 from measure import GiB
-from model import LlamaConfig
+from knobs import Knobs
 
 SETTINGS = dict(batch_size=1, pp_schedule='1f1b', gradient_accumulation_steps=1, doc_mask=False,
                 optimizer='adamw', dtype='bfloat16', device_type='cuda')
-LLAMA3_8B = LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+LLAMA3_8B = Knobs(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                         vocab_size=128256, rope_theta=500000.0)
 MIXTRAL = replace(LLAMA3_8B, vocab_size=32000, n_experts=8, experts_per_token=2)
 ONE = dict(tp_size=1, cp_size=1, cp_impl='ulysses', pp_size=1, zero=0, offload_states=False,
@@ -118,7 +118,7 @@ def test_the_longest_is_the_last_length_that_fits():
 # ---------------------------------------------------------------------------- the time model
 # bench/RESULTS.md's GPU rows: the ~1B Llama (16 blocks of 2048, 16 heads, 8 kv heads, I = 5632,
 # V = 32,000) on one GPU, batch 1, bf16: (GPU, seq_len, knobs, tokens/s measured)
-ONE_B = LlamaConfig(n_layer=16, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=5632,
+ONE_B = Knobs(n_layer=16, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=5632,
                     vocab_size=32000)
 FULL = dict(recompute='full')
 CHUNKED = dict(FULL, mlp_chunks=0, loss_chunks=0)
@@ -158,13 +158,13 @@ def test_the_time_model_fitted_on_one_results_row_predicts_the_others(monkeypatc
 def test_the_time_model_by_hand():
     """Two nodes of 2 GPUs: tp 2 within a node, Ulysses cp 2 across them (NETWORK), no recompute,
     FSDP2 (zero 2) over the two cp ranks hidden behind compute; then the ring."""
-    c = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128,
+    c = Knobs(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=128,
                     vocab_size=256)
     t = plan.Target(4, 2, 80 * GiB, 0, 1e12, SETTINGS)
     layout = dict(ONE, tp_size=2, cp_size=2, zero=2)
     S, b, h, kv, T = 1024, 2, 64, 32, 512
     n = plan.num_params(c)
-    flops = plan.flops_per_token(c, S)[0] * S
+    flops = plan.flops_per_token(c, S) * S
     compute = flops / 4 / (1e12 * plan.EFFICIENCY)
     tp = 4 * 2 * (1 / 2) * b * h * T / plan.NVLINK
     ulysses = 4 * 2 * (1 / 2) * b * (2 * h + 2 * kv) / 2 * T / plan.NETWORK
@@ -178,7 +178,7 @@ def test_the_time_model_by_hand():
     assert plan.step_seconds(c, ringed, S, t) == pytest.approx(expected, rel=1e-9)
     # pp 2 over 4 micro-batches: the bubble, (4 + 1) / 4
     piped = dict(ONE, pp_size=2, dp=2, gradient_accumulation_steps=4)
-    compute = plan.flops_per_token(c, S)[0] * S * 4 / 2 / (1e12 * plan.EFFICIENCY)
+    compute = plan.flops_per_token(c, S) * S * 4 / 2 / (1e12 * plan.EFFICIENCY)
     allreduce = 8 * n / 2 * (1 / 2) / plan.NETWORK
     expected = (compute + max(0, allreduce - compute)) * 5 / 4
     assert plan.step_seconds(c, piped, S, t) == pytest.approx(expected, rel=1e-9)
@@ -219,7 +219,7 @@ def test_plan_svg_draws_a_line_per_gpu_memory(tmp_path, monkeypatch):
     """plan.svg, drawn for 1 to 4 GPUs here (1 to 64 in plan.py: 21 searches, 20 s of this test
     on 2 cores): a line per GPU memory, longer with more GPUs."""
     monkeypatch.setattr(plan, 'POWERS', (1, 2, 4))
-    tiny = LlamaConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=128,
+    tiny = Knobs(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=128,
                        vocab_size=256)
     plan.draw(tiny, target(2, 4, 4), tmp_path / 'plan.svg')
     root = ET.parse(tmp_path / 'plan.svg').getroot()

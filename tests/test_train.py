@@ -16,7 +16,8 @@ import checkpoint
 import optim
 import parallel
 import train
-from model import Llama, LlamaConfig, flops_per_token
+from knobs import Knobs
+from model import Llama, flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ['--n_layer=2', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64',
@@ -119,9 +120,10 @@ import sys, time, torch
 sys.path.insert(0, {root!r})
 import torch.distributed.checkpoint as dcp
 import checkpoint, optim, parallel
-from model import Llama, LlamaConfig
+from knobs import Knobs
+from model import Llama
 torch.manual_seed(0)
-model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+model = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
 params = list(model.parameters())
 opt = optim.MasterWeights(list(model.named_parameters()), params, params, [torch.optim.AdamW(params)], parallel.Mesh(),
                           model.config)
@@ -152,7 +154,7 @@ def test_a_process_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
     path = checkpoint.latest(out)  # ...and the first is the one found, whole
     assert checkpoint.meta(path)['iter_num'] == 1
     torch.manual_seed(0)
-    ref = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    ref = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
     model, _ = checkpoint.load_model(path)
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b) and a.abs().sum() > 0, n
@@ -160,7 +162,7 @@ def test_a_process_killed_mid_checkpoint_leaves_the_previous_one(tmp_path):
 
 def test_gradient_accumulation_equals_one_big_batch():
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=97))
+    model = Llama(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=97))
     x = torch.randint(0, 97, (4, 24))
     y = torch.randint(0, 97, (4, 24))
     y[0, :20] = -100  # micro-steps with very different numbers of real targets
@@ -185,8 +187,8 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_bf16_master_weights_accumulate_in_fp32():
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
-    ref = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    model = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    ref = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
     ref.load_state_dict(model.state_dict())
     model.to(torch.bfloat16)
     masters = optim.make_master_weights(model)
@@ -240,7 +242,7 @@ def test_offload_that_does_not_fit_in_host_memory_stops_before_the_first_step(tm
 
 def test_init_from_a_hugging_face_directory_fine_tunes_it(tmp_path):
     torch.manual_seed(0)
-    Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+    Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
                       vocab_size=300)).save_pretrained(tmp_path / 'hf')
     out = str(tmp_path / 'out')
     run_train(*SMALL, f'--init_from={tmp_path / "hf"}', '--max_iters=3', f'--out_dir={out}')
@@ -253,7 +255,7 @@ def test_a_hugging_face_model_extended_by_rope_scaling_trains_resumes_and_export
     architecture change); the export loads in transformers, with the scaling, to the same logits."""
     import transformers
     torch.manual_seed(0)
-    Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=300,
+    Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=300,
                       rope_theta=500000.0)).save_pretrained(tmp_path / 'hf')
     yarn = {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 16}  # seq_len is 32
     out, hf = str(tmp_path / 'out'), str(tmp_path / 'export')
@@ -357,7 +359,7 @@ def test_resume_refuses_another_architecture_and_a_new_run_refuses_to_overwrite(
 
 def test_a_non_finite_step_changes_nothing_and_a_few_in_a_row_stop_the_run(monkeypatch, capsys):
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    model = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
     masters = optim.make_master_weights(model)
     opt, scaler = train.make_optimizer(model, masters, 'cpu'), optim.LossScaler()
     x = torch.randint(0, 50, (2, 16))
@@ -564,8 +566,8 @@ def test_doc_mask_trains_and_refuses_what_it_cannot_do(tmp_path):
     rows = read_log(tmp_path / 'out')
     assert all(np.isfinite(r['loss']) for r in rows)
     # MFU's count is the step's documents' pairs: no more than one document a row's, less where a row holds two
-    whole = flops_per_token(LlamaConfig(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
-                                        vocab_size=50), 32)[0]
+    whole = flops_per_token(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                                  vocab_size=50), 32)
     assert all(r['flops_per_token'] <= whole for r in rows) and min(r['flops_per_token'] for r in rows) < whole
     os.remove(os.path.join(data, 'train.docs.npy'))
     with open(os.path.join(data, 'meta.json')) as f:
@@ -608,7 +610,7 @@ def test_an_overflow_skips_its_step_and_halves_the_scale_until_the_floor(monkeyp
     not count toward stopping the run; clean steps count toward doubling it; at the floor (1) an overflow counts
     as a non-finite step."""
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
+    model = Llama(Knobs(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64, vocab_size=50))
     x = torch.randint(0, 50, (2, 16))
     model(x, x.roll(-1, 1))[1].backward()  # fp32: the gradient norm clipping must see in fp16
     norm32 = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
