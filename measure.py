@@ -70,7 +70,8 @@ class Tracker(ExitStack):
         self.mt, self.anatomy = Moments(), anatomy
         self.mods = self.mt._mod_tracker
         self.inputs, self.params = inputs, list(model.parameters())
-        self.made, self.top, self.at_peak, self.moment = {}, -1, [], ''
+        # made: {storage: info}, a freed storage dropped as it dies
+        self.made, self.top, self.at_peak, self.moment = weakref.WeakKeyDictionary(), -1, [], ''
         # the step's moments, each [name, its peak's bytes, MemTracker's categories then, the host's
         # gradients then]
         self.moments, self.stepping = [], False
@@ -85,9 +86,9 @@ class Tracker(ExitStack):
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.MasterWeights' fp32 master rows, unless they are views of fp32 parameters:
         # optimizer bytes
-        own = [parallel.local(p).untyped_storage() for p in self.params]
+        own = {parallel.local(p).untyped_storage() for p in self.params}
         pieces = getattr(optimizer, 'pieces', ())
-        self.state = [x for x in pieces if all(x.untyped_storage() is not s for s in own)]
+        self.state = [x for x in pieces if x.untyped_storage() not in own]
         # torch's optimizers inside optim.MasterWeights: their states are MemTracker's Optstate
         self.optimizers = optimizer.optimizers if optimizer else []
         self.mt.track_external(model, *self.state, *self.inputs, *self.optimizers)
@@ -145,8 +146,9 @@ class Tracker(ExitStack):
             self.moments.append([name or 'forward', -1])  # (its peak's figures follow)
         moment = self.moments[-1]
         total = now.get('Total', 0)
-        if total > moment[1]:  # its figures, then the host's gradients and pool
-            moment[1:] = (total, dict(now),
+        # its figures (a Counter: a category missing now is 0), then the host's gradients and pool
+        if total > moment[1]:
+            moment[1:] = (total, Counter(now),
                           sum(p.grad.to_local().nbytes for p in self.params
                               if self.on_host and p.grad is not None),
                           nbytes(offload.host_buffers()))
@@ -163,22 +165,19 @@ class Tracker(ExitStack):
             where += ' (backward)'
         category = 'transient' if self.mods.is_bw or not torch.is_grad_enabled() else 'activations'
         given = self.ours(args, kwargs)
-        for k, t in self.ours(out).items():
-            if k not in given and k not in self.made:
-                # dropped from made as it is freed: a freed storage's id is reused
-                info = dict(category=category, dtype=str(t.dtype)[6:], shape=list(t.shape),
-                            op=str(func), module=where)
-                storage = weakref.ref(t.untyped_storage(), lambda _, k=k: self.made.pop(k, None))
-                self.made[k] = (storage, info)
+        for storage, t in self.ours(out).items():
+            if storage not in given and storage not in self.made:
+                self.made[storage] = dict(category=category, dtype=str(t.dtype)[6:],
+                                          shape=list(t.shape), op=str(func), module=where)
         if self.moments and self.moments[-1][1] > self.top:  # a new peak of the step
             self.top = self.moments[-1][1]
             self.moment = f"{func} in {where}"
             self.at_peak = sorted(self.alive(), key=lambda x: -x['bytes'])
 
     def ours(self, *trees):
-        """{storage id: tensor} of the tensors on our device in the trees (nested lists, tuples and
+        """{storage: tensor} of the tensors on our device in the trees (nested lists, tuples and
         dicts of them)."""
-        return {id(t.untyped_storage()): t for t in tree_leaves(trees)
+        return {t.untyped_storage(): t for t in tree_leaves(trees)
                 if isinstance(t, torch.Tensor) and t.device == self.device}
 
     def alive(self):
@@ -188,11 +187,10 @@ class Tracker(ExitStack):
         grads = self.ours([p.grad for p in self.params + self.masters])
         host = self.ours(offload.host_buffers())
         rows = []
-        for k, (ref, info) in list(self.made.items()):
-            storage = ref()
-            if storage is not None and k not in host:
+        for storage, info in self.made.items():
+            if storage not in host:
                 rows.append({**info, 'bytes': storage.nbytes()})
-                if k in grads:
+                if storage in grads:
                     rows[-1]['category'] = 'grads'
         return rows
 
@@ -213,9 +211,8 @@ class Tracker(ExitStack):
         cpu = self.device.type == 'cpu'
         out = []
         for name, _, snap, host_grads, pool in self.moments:
-            # MemTracker's categories on our device (a missing one: 0); its keys are str enums:
-            # 'Parameter' finds _MemRefType.PARAM
-            snap = Counter(snap)
+            # MemTracker's categories on our device; its keys are str enums: 'Parameter' finds
+            # _MemRefType.PARAM
             row = {'params': snap['Parameter'] + snap['Buffer'] - rows * cpu,
                    'grads': snap['Gradient'] + snap['Other'] - masters - inputs - host_grads * cpu,
                    'optimizer': snap['Optstate'] + masters - adam * cpu,
@@ -232,9 +229,8 @@ def peak(timeline):
 
 
 def nbytes(tensors):
-    """Their storages' bytes, each storage once (views share one), the storages kept alive while
-    compared: a freed one's id is reused."""
-    return sum({id(s): s.nbytes() for s in [t.untyped_storage() for t in tensors]}.values())
+    """Their storages' bytes, each storage once (views share one)."""
+    return sum(s.nbytes() for s in {t.untyped_storage() for t in tensors})
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -335,8 +331,9 @@ def write_svg(path, timeline, measured, estimate, device):
     category (hover one for its figures) over its name, the peak's as `measured` (with the
     workspace no tensor shows) and labelled; the device's 80% line; the estimate's peak marked (a
     black dash at its total on the moments of its name). Hand-written SVG: any browser shows it."""
-    top, width, height = 40, 1000, 320
-    bottom = top + height  # SVG's y grows downwards: a bar stands on the bottom
+    width, height = 1000, 320
+    # below a title band of 40; SVG's y grows downwards: a bar stands on the bottom
+    bottom = 40 + height
     scale = height / max(measured['total'], 0.8 * device)  # the 80% line at the top at most
     bar = width / len(timeline)
     keys = ' '.join(f'<tspan fill="{color}">&#9632; {k}</tspan>' for k, color in COLORS.items())
@@ -377,7 +374,7 @@ def write_lines(path, panels):
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="620" height="{240 * len(panels)}" '
            'font-family="sans-serif" font-size="12">']
     for n, (title, lines) in enumerate(panels):
-        points = [p for line in lines for p in line]
+        points = sum(lines, [])  # (every line's)
         if not points:  # (a log without that key yet)
             continue
         xs, ys = zip(*points)

@@ -117,11 +117,12 @@ class MasterWeights:
     schedule); rows: each piece's rows that are not the vocabulary's padding."""
 
     def __init__(self, named_params, masters, pieces, optimizers, mesh, config):
-        self.names = [n for n, _ in named_params]
-        self.params = [p for _, p in named_params]
+        # (the pairs unzipped)
+        self.names, self.params = map(list, zip(*named_params))
         self.masters, self.pieces, self.optimizers = masters, pieces, optimizers
         # each parameter's rows that are not padding: the vocabulary's, ⌈V/t⌉ a tp rank, end at V
-        V, per_rank = config.vocab_size, math.ceil(config.vocab_size / mesh.tp)
+        V = config.vocab_size
+        per_rank = math.ceil(V / mesh.tp)
         vocab_rows = max(0, min(per_rank, V - mesh.tp_rank * per_rank))
         self.rows = [vocab_rows if shard_spec(n, config, mesh.tp) == (0, 'vocab') else p.shape[0]
                      for n, p in named_params]
@@ -130,8 +131,7 @@ class MasterWeights:
         for opt in optimizers:
             for group in opt.param_groups:
                 for x in group['params']:
-                    opt.state[x] = new_state(opt, group, x)
-                    self.state[x] = opt.state[x]
+                    self.state[x] = opt.state[x] = new_state(opt, group, x)
         self.param_groups = [group for opt in optimizers for group in opt.param_groups]
 
     @torch.no_grad()
@@ -141,8 +141,9 @@ class MasterWeights:
         if isinstance(self.optimizers[0], AdamWInBackward):
             return  # backward took every parameter's step
         for m, x in zip(self.masters, self.pieces):
-            if x is not m:  # FSDP2's DTensor: its gradient's local rows are its piece's
-                x.grad = local(m.grad)
+            # FSDP2's DTensor: its gradient's local rows are its piece's (a plain master is its
+            # own piece: its .grad stays)
+            x.grad = local(m.grad)
         for opt in self.optimizers:
             if opt.defaults.get('fused'):
                 # fused AdamW reads found_inf on the device, as GradScaler hands it over: 1 skips
@@ -202,9 +203,9 @@ class LossScaler:
         the device, no host sync."""
         if self.found_inf is None:
             return
-        stops = self.found_inf
+        # (bf16, fp32: the factor is 1, every skipped step counts)
+        stops = self.found_inf * (self.factor <= 1)
         if self.enabled:
-            stops = self.found_inf * (self.factor <= 1)
             self.clean = (self.clean + 1) * (1 - self.found_inf)
             grow = self.clean >= SCALE_GROWTH
             # halved on an overflow (found_inf 1), doubled on growth (grow 1): powers of two, exact
@@ -239,9 +240,10 @@ class AdamWInBackward(torch.optim.Optimizer):
     def __init__(self, groups, max_norm=math.inf, lr=1e-3, betas=(0.9, 0.999)):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=1e-8))
         self.max_norm = max_norm
-        self.numel = sum(x.numel() for group in self.param_groups for x in group['params'])
+        self.numel = 0  # (every group's elements: each tensor's share of max_norm)
         for group in self.param_groups:
             for x in group['params']:
+                self.numel += x.numel()
                 x.register_post_accumulate_grad_hook(lambda p, g=group: self.step_param(p, g))
 
     def step(self, closure=None):
@@ -267,16 +269,16 @@ class AdamWInBackward(torch.optim.Optimizer):
         # it, the whole does
         share = self.max_norm * math.sqrt(g.numel() / self.numel)
         coef = (share / (norm + 1e-6)).clamp(max=1.0)
-        tensors = (p, state['exp_avg'], state['exp_avg_sq'], g)
-        chunks = (y.view(-1).split(STEP_CHUNK) for y in tensors)
-        for w, m, v, gc in zip(*chunks):
+        tensors = (g, p, state['exp_avg'], state['exp_avg_sq'])
+        for chunk in zip(*(y.view(-1).split(STEP_CHUNK) for y in tensors)):
             # fp32 copies (of fp32 ones too: kept if not ok)
-            gf, wf, mf, vf = (y.to(torch.float32, copy=True) for y in (gc, w, m, v))
+            gf, wf, mf, vf = (y.to(torch.float32, copy=True) for y in chunk)
             # the clipped gradient
             mf.lerp_(gf.mul_(coef), 1 - b1)
             vf.mul_(b2).addcmul_(gf, gf, value=1 - b2)
             # mf / denom: -lr · m̂ / (√v̂ + eps)
             denom = (vf.sqrt() / bc2).add_(group['eps']).mul_(-bc1 / lr)
             wf.mul_(1 - lr * group['weight_decay']).addcdiv_(mf, denom)
-            for old, new in ((w, wf), (m, mf), (v, vf)):
+            # back into the weight's, m's and v's chunks (chunk[0]: the gradient's)
+            for old, new in zip(chunk[1:], (wf, mf, vf)):
                 old.copy_(torch.where(ok, stochastic_round(new, old.dtype), old))

@@ -33,8 +33,9 @@ vocabulary, N parameters, b bytes per element. What each dimension saves, per ra
 The model is built for one device (Llama(config)); the plan applies from outside, torchtitan's
 way, in calls train.py makes in order. parallelize(model, mesh) keeps this pipeline stage's blocks,
 shards the weights in place (each Attention then counts n_head/t heads from its weights) and puts
-Megatron's f and g (EnterTP, LeaveTP) in the places the model keeps for them (Attention's and the
-MLP's enter_tp / leave_tp, the LM head's input), and a mixture of experts' ParallelMoE (tp, ep).
+Megatron's f and g (Collective(enter_tp), Collective(leave_tp)) in the places the model keeps for
+them (Attention's and the MLP's enter_tp / leave_tp, the LM head's input), and a mixture of experts'
+ParallelMoE (tp, ep).
 apply_cores(model, mesh) puts the layout's attention core in every Attention (Ulysses around
 model.Core, or the ring in its place). chunked.apply then makes the LM head's loss vocabulary
 parallel over the tp group. A fork that changes model.attention runs under t and Ulysses as is. On
@@ -69,10 +70,10 @@ of a step, its bubble, 1F1B and GPipe alike: M >= 4p keeps it under 20%. It pays
 don't fit t × d sharding on one node's fast links: its sends are small and few, fit for the slower
 links between nodes.
 """
-import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -129,98 +130,95 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
                  ep=1):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules:
-    the first broken rule of the table is the answer."""
+    the first broken rule, in the order below, is the answer."""
     c, S, H, K = config, seq_len or 0, config.n_head, config.n_kv_head
     if min(tp, cp, pp) < 1 or world % (tp * cp * pp):
         return (f"world size {world} is not divisible by pp_size * cp_size * tp_size = "
                 f"{pp} * {cp} * {tp}")
     heads, kv_heads, tokens = H // tp, K // tp or 1, S // cp  # per tp rank; per cp rank
-    # (broken, why): the first broken rule's why is the answer; a rule whose why is None holds
-    rules = [
-        (H % tp, f"n_head={H} is not divisible by tp_size={tp}"),
-        (K % tp and tp % K,
-         f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or copied)"),
-        (c.intermediate_size % tp,
-         f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"),
-        (cp_impl not in ('ulysses', 'ring'),
-         f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"),
-        (zero == 1,
-         "zero must be 0, 2 or 3, got 1 (zero=1 became 2: FSDP2 shards the gradients too)"),
-        (zero not in (0, 2, 3), f"zero must be 0, 2 or 3, got {zero!r}"),
-        (zero > 1 and world == tp * pp and not states_on_host,
-         f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"),
-        (states_on_host and zero != 3,
-         "offload_states=True streams each block's weights in from the host: zero=3"),
-        (ep < 1 or world // (tp * pp) % ep,
-         f"ep_size={ep} must divide the {world // (tp * pp)} dp x cp ranks holding the same "
-         f"weights (world {world} / (tp_size {tp} * pp_size {pp}))"),
-        (ep > 1 and c.n_experts == 0, f"ep_size={ep} splits experts: n_experts=0 (a dense MLP)"),
-        (c.n_experts % ep, f"n_experts={c.n_experts} is not divisible by ep_size={ep}"),
-        (c.n_experts and c.recompute == 'none' and 0 < c.offload < 1,
-         f"offload={c.offload} with recompute='none' and n_experts={c.n_experts}: offload.py "
-         "cuts a block's tokens in two, the router balances the micro-batch's together; use "
-         "recompute='selective' or 'full', or offload=1"),
-    ]
+    if H % tp:
+        return f"n_head={H} is not divisible by tp_size={tp}"
+    if K % tp and tp % K:
+        return (f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or "
+                "copied)")
+    if c.intermediate_size % tp:
+        return f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"
+    if cp_impl not in ('ulysses', 'ring'):
+        return f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"
+    if zero == 1:
+        return "zero must be 0, 2 or 3, got 1 (zero=1 became 2: FSDP2 shards the gradients too)"
+    if zero not in (0, 2, 3):
+        return f"zero must be 0, 2 or 3, got {zero!r}"
+    if zero > 1 and world == tp * pp and not states_on_host:
+        return f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"
+    if states_on_host and zero != 3:
+        return "offload_states=True streams each block's weights in from the host: zero=3"
+    if ep < 1 or world // (tp * pp) % ep:
+        return (f"ep_size={ep} must divide the {world // (tp * pp)} dp x cp ranks holding the same "
+                f"weights (world {world} / (tp_size {tp} * pp_size {pp}))")
+    if ep > 1 and c.n_experts == 0:
+        return f"ep_size={ep} splits experts: n_experts=0 (a dense MLP)"
+    if c.n_experts % ep:
+        return f"n_experts={c.n_experts} is not divisible by ep_size={ep}"
+    if c.n_experts and c.recompute == 'none' and 0 < c.offload < 1:
+        return (f"offload={c.offload} with recompute='none' and n_experts={c.n_experts}: "
+                "offload.py cuts a block's tokens in two, the router balances the micro-batch's "
+                "together; use recompute='selective' or 'full', or offload=1")
     # offload.py's token-wise recompute replays attention's output, made once from every token's
     # q, k, v ('selective', or 'none' with α < 1: its _Split)
     token_wise = c.recompute == 'selective' or c.recompute == 'none' and c.offload < 1
     replay = c.offload > 0 and token_wise
     groups = c.attention_chunks or 1  # (0: chunked.py picks a count that fits the layout)
-    rules += [
-        (kv_heads % groups,
-         f"attention_chunks={groups} does not divide the {kv_heads} kv heads per tp rank"),
-        (c.attention_chunks != 1 and replay,
-         f"attention_chunks={c.attention_chunks} with offload={c.offload} and recompute="
-         f"{c.recompute!r}: offload.py cuts attention by tokens, not heads; use recompute='full', "
-         "or offload=1 with recompute='none'"),
-    ]
+    if kv_heads % groups:
+        return f"attention_chunks={groups} does not divide the {kv_heads} kv heads per tp rank"
+    if c.attention_chunks != 1 and replay:
+        return (f"attention_chunks={c.attention_chunks} with offload={c.offload} and recompute="
+                f"{c.recompute!r}: offload.py cuts attention by tokens, not heads; use "
+                "recompute='full', or offload=1 with recompute='none'")
     if cp_impl == 'ulysses':  # (each rule holds at cp_size 1)
         kv_group = kv_heads // groups
-        rules += [
-            (groups > 1 and (heads // groups % cp or kv_group % cp and cp % kv_group),
-             f"attention_chunks={groups}: Ulysses spreads each group's {heads // groups} query "
-             f"and {kv_group} kv heads over cp_size={cp} ranks; make fewer groups"),
-            (S % cp, f"seq_len={S} is not divisible by cp_size={cp}"),
-            (heads % cp,
-             f"n_head / tp_size = {heads} heads per rank are not divisible by cp_size={cp} "
-             "(Ulysses)"),
-            (kv_heads % cp and cp % kv_heads,
-             f"{kv_heads} kv heads per rank and cp_size={cp}: one must divide the other (Ulysses)"),
-        ]
+        if groups > 1 and (heads // groups % cp or kv_group % cp and cp % kv_group):
+            return (f"attention_chunks={groups}: Ulysses spreads each group's {heads // groups} "
+                    f"query and {kv_group} kv heads over cp_size={cp} ranks; make fewer groups")
+        if S % cp:
+            return f"seq_len={S} is not divisible by cp_size={cp}"
+        if heads % cp:
+            return (f"n_head / tp_size = {heads} heads per rank are not divisible by cp_size={cp} "
+                    "(Ulysses)")
+        if kv_heads % cp and cp % kv_heads:
+            return (f"{kv_heads} kv heads per rank and cp_size={cp}: one must divide the other "
+                    "(Ulysses)")
     if cp > 1 and cp_impl == 'ring':
+        if S % (2 * cp):
+            return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"
+        # (None: the kernel runs here)
+        kernel = flash_error(device_type, dtype, c.n_embd // H)
+        if kernel:
+            return kernel
         # (the ring's output is merged from several kernel calls: it can't be replayed)
         instead = (", cp_impl='ulysses' or offload=1" if c.recompute == 'none'
                    else " or cp_impl='ulysses'")
-        rules += [
-            (S % (2 * cp),
-             f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"),
-            (True, flash_error(device_type, dtype, c.n_embd // H)),
-            (replay,
-             f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring "
-             "attention's output can't be replayed in a recompute (offload.py); use "
-             f"recompute='full'{instead}"),
-        ]
-    rules += [
-        (tokens % tp,
-         f"seq_len / cp_size = {tokens} is not divisible by tp_size={tp} (sequence parallelism)"),
-        (schedule not in ('1f1b', 'gpipe'),
-         f"pp_schedule must be '1f1b' or 'gpipe', got {schedule!r}"),
-        (pp > c.n_layer, f"pp_size={pp} stages need a block each: n_layer={c.n_layer}"),
-    ]
+        if replay:
+            return (f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring "
+                    "attention's output can't be replayed in a recompute (offload.py); use "
+                    f"recompute='full'{instead}")
+    if tokens % tp:
+        return (f"seq_len / cp_size = {tokens} is not divisible by tp_size={tp} (sequence "
+                "parallelism)")
+    if schedule not in ('1f1b', 'gpipe'):
+        return f"pp_schedule must be '1f1b' or 'gpipe', got {schedule!r}"
+    if pp > c.n_layer:
+        return f"pp_size={pp} stages need a block each: n_layer={c.n_layer}"
     if pp > 1:
-        rules += [
-            (schedule == '1f1b' and microbatches < pp,
-             f"pp_schedule='1f1b' runs gradient_accumulation_steps={microbatches} micro-batches "
-             f"through {pp} stages: it needs at least as many (or pp_schedule='gpipe')"),
-            (c.tie_embeddings,
-             "tie_embeddings=True with pp_size > 1: one weight on the first and last stage"),
-            (c.offload > 0,
-             f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
-             "micro-batch's blocks, a stage keeps up to pp_size; use recompute"),
-        ]
-    for broken, why in rules:
-        if broken and why:
-            return why
+        if schedule == '1f1b' and microbatches < pp:
+            return (f"pp_schedule='1f1b' runs gradient_accumulation_steps={microbatches} "
+                    f"micro-batches through {pp} stages: it needs at least as many (or "
+                    "pp_schedule='gpipe')")
+        if c.tie_embeddings:
+            return "tie_embeddings=True with pp_size > 1: one weight on the first and last stage"
+        if c.offload > 0:
+            return (f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
+                    "micro-batch's blocks, a stage keeps up to pp_size; use recompute")
     return None
 
 
@@ -361,30 +359,23 @@ def enter_tp(x, mesh):
     return _Pair.apply(x, lambda x: x.view_as(x), lambda d: all_reduce(d.contiguous().clone(), g))
 
 
-class EnterTP(nn.Module):
-    """f as a module: parallelize puts it in the model's place for it (Attention.enter_tp, ...)."""
+class Collective(nn.Module):
+    """f or g as a module (Collective(enter_tp, mesh), Collective(leave_tp, mesh)): parallelize puts
+    it in the model's place for it (Attention.enter_tp, MLP.leave_tp, ...: model.NoCollective)."""
 
-    def __init__(self, mesh):
+    def __init__(self, collective, mesh):
         super().__init__()
-        self.mesh = mesh
+        self.collective, self.mesh = collective, mesh
 
     def forward(self, x):
-        return enter_tp(x, self.mesh)
-
-
-class LeaveTP(EnterTP):
-    """g as a module, in the model's place for it (Attention.leave_tp, MLP.leave_tp)."""
-
-    def forward(self, x):
-        return leave_tp(x, self.mesh)
+        return self.collective(x, self.mesh)
 
 
 def exchange(x, group, send, received):
     """x's rows, send[j] of them to rank j; received[j] rows come from rank j (expert parallelism's
     dispatch, moe.py). An all-to-all's adjoint is the one back: gradients return as rows came."""
-    there = functools.partial(all_to_all, group=group, out_sizes=received, in_sizes=send)
-    back = functools.partial(all_to_all, group=group, out_sizes=send, in_sizes=received)
-    return _Pair.apply(x, there, back)
+    return _Pair.apply(x, lambda x: all_to_all(x, group, received, send),
+                       lambda d: all_to_all(d, group, send, received))
 
 
 def leave_tp(x, mesh):
@@ -437,10 +428,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, idx):
         rows = len(self.weight)
-        local = idx - self.mesh.tp_rank * rows
-        outside = (local < 0) | (local >= rows)
-        e = F.embedding(local.masked_fill(outside, 0), self.weight)
-        e = e.masked_fill(outside.unsqueeze(-1), 0.0)
+        # (an id another rank holds looks up its row here, idx % rows, then zeros)
+        outside = idx // rows != self.mesh.tp_rank
+        e = F.embedding(idx % rows, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_tp(e, self.mesh)  # all-reduce, or reduce-scatter to our sequence shard (sp)
 
 
@@ -453,16 +443,15 @@ def ulysses(attend, group, q, k, v, docs=None, window=0):
     c = dist.get_world_size(group)
     if k.shape[1] < c:  # fewer kv heads than ranks: each rank needs the kv head of its q heads
         k, v = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (k, v))
-    H, K = q.shape[1], k.shape[1]
     # an all-to-all is its own adjoint: the gradients go back the way the tensors came
-    swap = functools.partial(all_to_all, group=group)
+    swap = partial(all_to_all, group=group)
     # q, k, v as [c, B, heads/c, S/c, hd], packed in one: head group j goes to rank j
     qkv = torch.cat([t.unflatten(1, (c, -1)) for t in (q, k, v)], dim=2).movedim(1, 0)
     qkv = _Pair.apply(qkv, swap, swap)
     # from rank j came sequence shard j of our heads: in rank order, the whole sequence
     qkv = qkv.movedim(0, 2).flatten(2, 3)
     # (docs: the whole sequence's)
-    y = attend(*qkv.split([H // c, K // c, K // c], dim=1), docs, window)
+    y = attend(*qkv.split([t.shape[1] // c for t in (q, k, v)], dim=1), docs, window)
     # back: sequence shard j of our heads to rank j
     y = _Pair.apply(y.unflatten(2, (c, -1)).movedim(2, 0), swap, swap)
     return y.movedim(0, 1).flatten(1, 2)
@@ -541,10 +530,11 @@ def parallelize(model, mesh):
             hooked.append(block.feed_forward)
         if t > 1:
             for m in hooked:
-                m.enter_tp, m.leave_tp = EnterTP(mesh), LeaveTP(mesh)
+                m.enter_tp = Collective(enter_tp, mesh)
+                m.leave_tp = Collective(leave_tp, mesh)
     if t > 1:
         # f before the LM head; the embedding by vocabulary rows
-        model.enter_tp = EnterTP(mesh)
+        model.enter_tp = Collective(enter_tp, mesh)
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
     return model
@@ -554,11 +544,11 @@ def apply_cores(model, mesh, varlen=None):
     """Every Attention's core for this layout: model.attention (one varlen kernel for packed
     documents on CUDA, varlen None; True for a dry run that stands in for CUDA), under context
     parallelism Ulysses around it or the ring (ring.py) in its place."""
-    attend = functools.partial(attention, varlen=varlen)
-    if mesh.cp > 1 and mesh.cp_impl == 'ulysses':
-        attend = functools.partial(ulysses, attend, mesh.cp_group)
+    attend = partial(attention, varlen=varlen)
     if mesh.cp > 1 and mesh.cp_impl == 'ring':
-        attend = functools.partial(RingAttention.apply, mesh.cp_group)
+        attend = partial(RingAttention.apply, mesh.cp_group)
+    elif mesh.cp > 1:
+        attend = partial(ulysses, attend, mesh.cp_group)
     for block in model.layers.values():
         block.attention.core = Core(attend)
     return model
@@ -592,11 +582,12 @@ class ParallelMoE(MoE):
     def pair_counts(self, chosen):
         """The micro-batch's pairs of each expert: summed over the tp ranks' sequence shards (sp)
         and over the dp·cp ranks."""
+        mesh = self.mesh
         counts = super().pair_counts(chosen)
-        if self.mesh.tp > 1 and self.mesh.sequence_parallel:
-            counts = all_reduce(counts, self.mesh.tp_group)
-        if self.mesh.dpcp_group is not None:
-            counts = all_reduce(counts, self.mesh.dpcp_group)
+        if mesh.tp > 1 and mesh.sequence_parallel:
+            all_reduce(counts, mesh.tp_group)
+        if mesh.dpcp_group is not None:
+            all_reduce(counts, mesh.dpcp_group)
         return counts
 
     def dispatch(self, x, counts):
@@ -607,15 +598,16 @@ class ParallelMoE(MoE):
             return self.experts(x, counts)
         ep, group = mesh.ep, mesh.ep_group
         n = len(counts) // ep  # experts a rank holds
-        # rows for rank j: its experts' rows, next to each other
-        send = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
+        # ours[j][e]: our rows for rank j's expert e; rows for rank j: its experts', next to each
+        # other
+        ours = [counts[j * n:(j + 1) * n] for j in range(ep)]
+        send = [sum(row) for row in ours]
         # theirs[j][e]: rows rank j sends our expert e
         if isinstance(x, FakeTensor):
             # the dry run (no values): every rank routes as we do, balanced
-            theirs = [counts[mesh.ep_rank * n:(mesh.ep_rank + 1) * n]] * ep
+            theirs = [ours[mesh.ep_rank]] * ep
         else:
-            sizes = torch.tensor(counts, device=x.device).view(ep, n)
-            theirs = all_to_all(sizes, group).tolist()
+            theirs = all_to_all(torch.tensor(ours, device=x.device), group).tolist()
         received = [sum(row) for row in theirs]
         # from each rank come its rows for our experts, by expert: the order that groups them by
         # expert (output_size: a length the dry run's fake tensors can't compute)
@@ -633,30 +625,31 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
     """ZeRO-2 or 3 through FSDP2 over the d = dp·cp ranks holding the same weights (the header: what
     moves, when): ⌈rows/d⌉ rows of every fp32 tensor of this tp shard, gathered in dtype; on_host:
     the rows in host memory."""
-    from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                        OffloadPolicy, fully_shard)
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                        fully_shard)
     vocab = {id(m.weight) for m in (model.output, model.tok_embeddings) if m is not None}
     # cast_forward_inputs=False: else each block keeps a bf16 copy of RoPE's fp32 tables (wrong at
     # long context)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if on_host else OffloadPolicy()
-    # the vocabulary's tp shards end in padding rows: FSDP2 splits them by column, the rows stay
-    # whole
-    kw = dict(mp_policy=mp, offload_policy=host,
-              shard_placement_fn=lambda p: Shard(1) if id(p) in vocab else Shard(0))
+    def shard(module, over, reshard):
+        """fully_shard module over the DeviceMesh `over`, its gradients reduced as a sum."""
+        # the vocabulary's tp shards end in padding rows: FSDP2 splits them by column, the rows
+        # stay whole
+        fully_shard(module, mesh=over, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=host,
+                    shard_placement_fn=lambda p: Shard(1) if id(p) in vocab else Shard(0))
+        # a sum: forward_backward weighs each rank's loss by the step's tokens
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
     for block in model.layers.values():
         if mesh.ep > 1:
             # the experts' rows over the ranks holding the same experts
-            fully_shard(block.feed_forward.experts, mesh=mesh.edp_mesh,
-                        reshard_after_forward=zero == 3, **kw)
-        fully_shard(block, mesh=mesh.dpcp_mesh, reshard_after_forward=zero == 3, **kw)
-    fully_shard(model, mesh=mesh.dpcp_mesh, reshard_after_forward=False, **kw)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            # a sum: forward_backward weighs each rank's loss by the step's tokens
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
+            shard(block.feed_forward.experts, mesh.edp_mesh, zero == 3)
+        shard(block, mesh.dpcp_mesh, zero == 3)
+    shard(model, mesh.dpcp_mesh, False)
     return model
 
 
@@ -698,8 +691,8 @@ def sync_grads(named_params, mesh, config):
         all_reduce_buckets([g for n, g in grads if shard_spec(n, config, mesh.tp) is None],
                            mesh.tp_group)
     # replicated kv heads: over their copies (K >= t: no group)
-    kv_heads = ('wk.weight', 'wv.weight')
-    all_reduce_buckets([g for n, g in grads if n.endswith(kv_heads)], mesh.kv_group)
+    all_reduce_buckets([g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))],
+                       mesh.kv_group)
     # zero=2, 3: FSDP2 reduce-scattered them over dp·cp in backward
     if not isinstance(named_params[0][1], DTensor):
         all_reduce_buckets([g for n, g in grads if '.experts.' not in n], mesh.dpcp_group)
@@ -729,11 +722,11 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     fsdp = isinstance(named_params[0][1], DTensor)
     if mesh.ep_group is not None and not fsdp:
         # (a tensor: under ep every block is an MoE, every stage holds one)
-        experts = all_reduce(experts, mesh.ep_group)
+        all_reduce(experts, mesh.ep_group)
     squares = squares + experts
     for group in (mesh.tp_group, mesh.pp_group, mesh.dpcp_group if fsdp else None):
         if group is not None:
-            squares = all_reduce(squares, group)
+            all_reduce(squares, group)
     norm = squares.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for _, p in named_params:

@@ -47,7 +47,7 @@ def _starts(x, docs, cp):
     (x's tokens · cp), a numpy array. None without."""
     if docs is None:
         return None
-    starts = np.zeros(len(x) * x.shape[1] * cp, dtype=bool)
+    starts = np.zeros(x.numel() * cp, dtype=bool)
     starts[docs] = True
     return starts.reshape(len(x), -1)
 
@@ -78,7 +78,7 @@ class Pipeline(nn.Module):
         LM head's loss of x, weighted by its share of the step's count of targets, scaled."""
         with self.autocast:
             if targets is None:  # contiguous: what a stage sends and receives is flat memory
-                docs = None if starts is None else np.flatnonzero(np.asarray(starts))
+                docs = None if starts is None else np.flatnonzero(starts)
                 return self.model(x, positions=positions, docs=docs, head=False).contiguous()
             loss = self.model.output(x, targets)[1] * ((targets != -100).sum() / self.count)
             return self.scaler.scale(loss)

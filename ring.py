@@ -70,7 +70,7 @@ def ring_shift(x, group, hop, size):
     ops = []
     if hop % n:
         x = x.contiguous()
-        received = x.new_empty(x.shape[0], size, *x.shape[2:])
+        received = x.new_empty(len(x), size, *x.shape[2:])
         if x.shape[1]:
             ops.append(dist.P2POp(dist.isend, x, group=group, group_peer=(r + hop) % n))
         if size:
@@ -109,10 +109,10 @@ def _indices(values, device):
     return torch.as_tensor(values, dtype=torch.int32, device=device)
 
 
-def _one(t, first, last):
-    """Tokens [first, last) of t [tokens, heads, hd] as a batch of one: [1, heads, tokens, hd],
-    what the CPU's flash kernel takes."""
-    return t[first:last].transpose(0, 1)[None]
+def _one(t, rows):
+    """Rows `rows` (a slice) of t [tokens, heads, hd] as a batch of one: [1, heads, rows, hd], what
+    the CPU's flash kernel takes."""
+    return t[rows].transpose(0, 1)[None]
 
 
 def _cuda_kernel(q):
@@ -131,12 +131,12 @@ def _mask(n_q, n_k, window, dtype):
     gap = torch.arange(n_k - n_q, n_k)[:, None] - torch.arange(n_k)
     seen = (gap <= left) | (left < 0)
     seen &= (gap >= -right) | (right < 0)
-    return torch.zeros(gap.shape, dtype=dtype).masked_fill(~seen, -torch.inf)
+    return torch.where(seen, 0.0, -torch.inf).to(dtype)
 
 
 def _cpu_documents(cu_q, cu_k, window, dtype):
-    """Each document's (its q rows, its k rows, the CPU kernel's keywords: causal, the window's
-    mask where the window is more than causal or nothing)."""
+    """Each document's (its q rows, its k rows, as slices; the CPU kernel's keywords: causal, the
+    window's mask where the window is more than causal or nothing)."""
     for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
         # the kernel's causal (which skips the blocks past the diagonal) lines the first query up
         # with the first key: flash's where both sides are as long. Any other window is a mask
@@ -144,7 +144,7 @@ def _cpu_documents(cu_q, cu_k, window, dtype):
         mask = None
         if window != (-1, -1) and not (causal and window[0] < 0):
             mask = _mask(b - a, d - c, window, dtype)
-        yield a, b, c, d, dict(is_causal=causal, attn_mask=mask)
+        yield slice(a, b), slice(c, d), dict(is_causal=causal, attn_mask=mask)
 
 
 def flash(q, k, v, cu_q, cu_k, window):
@@ -168,10 +168,10 @@ def flash(q, k, v, cu_q, cu_k, window):
             query=q, key=k, value=v, dropout_p=0.0, return_debug_mask=False, **saved)
         return out, lse, dict(saved, rng_state=rng_state, unused=unused)
     outs, lses = [], []
-    for a, b, c, d, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
-        # document [a, b) of q, [c, d) of k, v
+    for rows, cols, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
+        # a document: its rows of q, its cols of k, v
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query=_one(q, a, b), key=_one(k, c, d), value=_one(v, c, d), dropout_p=0.0, **how)
+            query=_one(q, rows), key=_one(k, cols), value=_one(v, cols), dropout_p=0.0, **how)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1), {}
@@ -186,11 +186,11 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, window, saved):
             grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
             **saved)
     grads = []
-    for a, b, c, d, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
+    for rows, cols, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
         # as flash's loop: one document at a time
         doc_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out=_one(dout, a, b), query=_one(q, a, b), key=_one(k, c, d),
-            value=_one(v, c, d), out=_one(out, a, b), logsumexp=lse[None, :, a:b], dropout_p=0.0,
+            grad_out=_one(dout, rows), query=_one(q, rows), key=_one(k, cols),
+            value=_one(v, cols), out=_one(out, rows), logsumexp=lse[None, :, rows], dropout_p=0.0,
             **how)
         # its dq, dk, dv, tokens first
         grads.append([g[0].transpose(0, 1) for g in doc_grads])
@@ -215,38 +215,42 @@ def ring_step(docs, B, n, window, step, rank, world):
     parts = []
     # a chunk's tokens (n a row): their row, their place in the chunk
     row, offset = np.divmod(np.arange(B * n), n)
+
+    def kept(chunk, partner, lo, hi):
+        """The tokens of `chunk` with a partner of their document in chunk `partner`, at places
+        within [lo, hi) of theirs: (those tokens, how many of them in each document, each
+        document's last one's place). A document's kept tokens are a run (a chunk cut by a
+        document, then by the window)."""
+        # each token's place in the B whole sequences; the partner chunk's first in its row
+        places = row * S + chunk * n + offset
+        partners = row * S + partner * n
+        doc = np.searchsorted(docs, places, 'right') - 1
+        first = np.maximum.reduce([docs[doc], partners, places + lo])
+        paired = first < np.minimum.reduce([ends[doc], partners + n, places + hi])
+        _, counts = np.unique(doc[paired], return_counts=True)
+        # a rank's second chunk is one of the last P
+        tokens = row * 2 * n + n * (chunk >= world) + offset
+        return tokens[paired], counts, places[paired][np.cumsum(counts) - 1]
+
     for a, b in product([rank, 2 * world - 1 - rank], [source, 2 * world - 1 - source]):
         # our chunk a's queries, the visiting chunk b's keys
         if b > a:
             continue  # every key after every query
-        # each token's chunk's first place in the B whole sequences, then the token's own
-        a_start, b_start = row * S + a * n, row * S + b * n
-        q_places, k_places = a_start + offset, b_start + offset
-        q_doc, k_doc = (np.searchsorted(docs, p, 'right') - 1 for p in (q_places, k_places))
-        # a key is attended when a query of its document lies in [key, key + W), within chunk a;
-        # a query attends when a key of its document lies in (query - W, query], within chunk b
-        k_kept = np.maximum(a_start, k_places) < np.minimum.reduce([ends[k_doc], a_start + n,
-                                                                    k_places + W])
-        q_kept = np.maximum.reduce([docs[q_doc], b_start, q_places - W + 1]) < np.minimum(
-            b_start + n, q_places + 1)
-        # each document's kept tokens are a run on both sides (a chunk cut by a document, then by
-        # the window): flash's lining up of the last query with the last key is the places' when
+        # a query attends when a key of its document lies in (query - W, query], within chunk b;
+        # a key is attended when a query of its document lies in [key, key + W), within chunk a
+        q_tokens, q_counts, q_last = kept(a, b, 1 - W, 1)
+        k_tokens, k_counts, k_last = kept(b, a, 0, W)
+        # flash's lining up of the last query with the last key is the places' when
         # right = (last query's place - last key's place) and left = W - 1 - right
-        _, q_counts = np.unique(q_doc[q_kept], return_counts=True)
-        _, k_counts = np.unique(k_doc[k_kept], return_counts=True)
-        q_last = q_places[q_kept][np.cumsum(q_counts) - 1]
-        right = q_last - k_places[k_kept][np.cumsum(k_counts) - 1]
+        right = q_last - k_last
         windows = np.stack([W - 1 - right, right], axis=1)
         if not window:
             # all of the past: causal in our own chunk (right 0), else every key
             windows[:] = (-1, 0 if a == b else -1)
-        q_tokens = row * 2 * n + n * (a != rank) + offset
-        k_tokens = row * 2 * n + n * (b != source) + offset
         for w in np.unique(windows, axis=0):
             chosen = (windows == w).all(axis=1)
-            q_chosen = np.repeat(chosen, q_counts)
-            k_chosen = np.repeat(chosen, k_counts)
-            parts.append((q_tokens[q_kept][q_chosen], k_tokens[k_kept][k_chosen],
+            parts.append((q_tokens[np.repeat(chosen, q_counts)],
+                          k_tokens[np.repeat(chosen, k_counts)],
                           [0, *np.cumsum(q_counts[chosen])], [0, *np.cumsum(k_counts[chosen])],
                           tuple(w.tolist())))
     needed = np.unique(np.concatenate([[], *(part[1] for part in parts)])).astype(int)
@@ -263,9 +267,10 @@ def ring_plan(docs, B, n, window, group, device):
         parts, needed = ring_step(docs, B, n, window, step, rank, world)
         # what the rank `step` ahead attends of our tokens: what we send it
         _, sent = ring_step(docs, B, n, window, step, (rank + step) % world, world)
-        # a part's visiting tokens: their places in what arrives (needed, in order)
+        # a part's visiting tokens: their places in what arrives (needed, in order); its packing
+        # (cu_q, cu_k, window: flash's last arguments) as it is
         on_device = [(_indices(rows, device), _indices(np.searchsorted(needed, cols), device),
-                      cu_q, cu_k, w) for rows, cols, cu_q, cu_k, w in parts]
+                      *packing) for rows, cols, *packing in parts]
         plan.append((on_device, len(needed), _indices(sent, device)))
     return plan
 
@@ -307,11 +312,12 @@ class RingAttention(Function):
         lse = q.new_full(q.shape[:2], -torch.inf, dtype=torch.float32)
         ctx.saved, ctx.group = [], group
         ctx.plan = ring_plan(docs, B, len(q) // B // 2, window, group, q.device)
-        repeats = q.shape[1] // kv.shape[2]  # q heads per kv head: flash wants as many kv heads
+        # q heads per kv head: flash wants as many kv heads
+        ctx.repeats = q.shape[1] // kv.shape[2]
         for (parts, _, _), visiting in zip(ctx.plan, _visiting(kv, ctx.plan, group)):
-            for rows, cols, cu_q, cu_k, w in parts:
-                k_part, v_part = visiting[:, cols].repeat_interleave(repeats, dim=2)
-                part_out, part_lse, saved = flash(q[rows], k_part, v_part, cu_q, cu_k, w)
+            for rows, cols, *packing in parts:
+                k_part, v_part = visiting[:, cols].repeat_interleave(ctx.repeats, dim=2)
+                part_out, part_lse, saved = flash(q[rows], k_part, v_part, *packing)
                 part_lse = part_lse.T  # [tokens, H], as lse
                 # online softmax: the output over the keys so far and this part's is their mean
                 # weighted by each one's sum of exponentials; this part's share, e^l / (e^lse +
@@ -332,19 +338,17 @@ class RingAttention(Function):
         dout = _tokens_first(dout)
         dq = torch.zeros_like(q, dtype=torch.float32)
         dkv = torch.zeros_like(kv, dtype=torch.float32)
-        repeats = q.shape[1] // kv.shape[2]
         saved = iter(ctx.saved)
         steps = zip(ctx.plan, _visiting(kv, ctx.plan, ctx.group))
         for step, ((parts, _, sent), visiting) in enumerate(steps):
             d_visiting = torch.zeros_like(visiting, dtype=torch.float32)
-            for rows, cols, cu_q, cu_k, w in parts:
-                k_part, v_part = visiting[:, cols].repeat_interleave(repeats, dim=2)
+            for rows, cols, *packing in parts:
+                k_part, v_part = visiting[:, cols].repeat_interleave(ctx.repeats, dim=2)
                 dq_rows, dk, dv = flash_backward(dout[rows], q[rows], k_part, v_part, out[rows],
-                                                 lse[rows].T.contiguous(), cu_q, cu_k, w,
-                                                 next(saved))
+                                                 lse[rows].T.contiguous(), *packing, next(saved))
                 dq.index_add_(0, rows, dq_rows.float())
                 # dk, dv are per q head: sum each kv head's repeats
-                per_kv_head = torch.stack([dk, dv]).float().unflatten(2, (kv.shape[2], -1)).sum(3)
+                per_kv_head = torch.stack([dk, dv]).float().unflatten(2, (-1, ctx.repeats)).sum(3)
                 d_visiting.index_add_(1, cols, per_kv_head)
             # the visiting tokens' gradients go home to the rank `step` behind; the rank `step`
             # ahead sends those of the tokens we sent it
