@@ -62,10 +62,10 @@ def _device_mesh(world, tp, shards, device_type, pp, cp, ep):
     ranks = ranks.unflatten(-1, (-1, ep)).transpose(-1, -2)
     return DeviceMesh(device_type, ranks, mesh_dim_names=('pp', 'tp', 'tp_copy', 'ep', 'edp'))
 
-def _placed(name, mesh, config, shape, fsdp_dim, local):
-    """local (this rank's piece of the tensor `name`, whose full shape is shape) with its place in
-    it: its tp shard and, under zero=2, 3, FSDP2's rows (or columns: fsdp_dim) of that shard over
-    the dp·cp ranks."""
+def _placed(name, mesh, config, full, fsdp_dim, local):
+    """local (this rank's piece of the tensor `name`, whose full shape and strides are the meta
+    tensor full's) with its place in it: its tp shard and, under zero=2, 3, FSDP2's rows (or
+    columns: fsdp_dim) of that shard over the dp·cp ranks."""
     spec = parallel.shard_spec(name, config, mesh.tp)
     ep = mesh.ep if '.experts.' in name else 1  # experts: E/ep of them a rank (moe.py)
     if mesh.world == 1 or (spec is None and fsdp_dim is None and ep == 1):
@@ -84,13 +84,13 @@ def _placed(name, mesh, config, shape, fsdp_dim, local):
         on_dpcp.insert(0, Shard(0))
     where = _device_mesh(mesh.world, mesh.tp, shards, local.device.type, mesh.pp, mesh.cp, ep)
     return DTensor.from_local(local, where, [Replicate(), on_tp, Replicate(), *on_dpcp],
-                              shape=shape, stride=torch.empty(shape, device='meta').stride())
+                              shape=full.shape, stride=full.stride())
 
 def state_dict(model, optimizer, mesh, data_gen):
     """{key: tensor or DTensor}: views of the live tensors, which DCP writes out or loads into."""
     config = model.config
     with torch.device('meta'):
-        shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
+        full = dict(Llama(config).named_parameters())
     sd = {}
     for n, p, x, rows in zip(optimizer.names, optimizer.params, optimizer.pieces, optimizer.rows):
         # zero=2, 3: FSDP2's piece of the tp shard, split along dim (parallel.py)
@@ -98,7 +98,7 @@ def state_dict(model, optimizer, mesh, data_gen):
         # the vocabulary's padding rows left out, unless FSDP2 split the rows
         mine = slice(None) if dim == 0 else slice(rows)
         # each of its tensors placed as the weight
-        place = functools.partial(_placed, n, mesh, config, shapes[n], dim)
+        place = functools.partial(_placed, n, mesh, config, full[n], dim)
         sd['model.' + n] = place(parallel.local(p.detach())[mine])
         # bf16 weights: the fp32 rows the optimizer updates are the masters
         if p.dtype != x.dtype:
@@ -224,8 +224,8 @@ class _DataOnly(pickle.Unpickler):
     """DCP's metadata is a pickle of its own data classes: admit those our saves write, torch's
     dtypes and sizes, no code. Not BytesStorageMetadata: DCP reads such an entry's bytes with
     torch.load(weights_only=False)."""
-    # by full name, split as pickle asks: (module, name)
-    ADMITTED = {tuple(full.rsplit('.', 1)) for full in (
+    # by full name: module.name (a name pickle splits elsewhere resolves to the same object)
+    ADMITTED = {
         'torch.distributed.checkpoint.metadata.Metadata',
         'torch.distributed.checkpoint.metadata.MetadataIndex',
         'torch.distributed.checkpoint.metadata.StorageMeta',
@@ -238,12 +238,12 @@ class _DataOnly(pickle.Unpickler):
         'torch.Size',
         'pathlib.PosixPath',
         # torch.layout pickles as this lookup
-        'torch.serialization._get_layout')}
+        'torch.serialization._get_layout'}
 
     def find_class(self, module, name):
         # checked before the import: importing a module can run code
         is_dtype = module == 'torch' and isinstance(getattr(torch, name, 0), torch.dtype)
-        if (module, name) in self.ADMITTED or is_dtype:
+        if f'{module}.{name}' in self.ADMITTED or is_dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}: refused "
                                      "(it could run code)")

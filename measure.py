@@ -14,14 +14,24 @@ are identical but where they stand, so it measures the stage with 4 and with 5 b
 at each moment, (L - 5) times what the fifth block added: 9·k ops, whatever L, and the same bytes
 as measuring all L. (Analytic formulas reason the same way, one layer's bytes times L, as
 Korthikanti et al. 2022's activations do; here one block's bytes are measured, not counted.)
+
+The report (Report, at the end): what train.py prints and writes to out_dir/memory.json, the
+estimate (memory.py) beside the measured first step or the dry run, with the verdict, and the
+memory knobs memory.py's planner finds when the estimate doesn't fit.
 """
+import inspect
 import json
 import math
+import os
 import re
+import subprocess
+import sys
+import tempfile
 import warnings
 import weakref
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +40,10 @@ from torch.utils._pytree import tree_leaves
 
 import offload
 import parallel
+from configurator import die
+from memory import (FIT_FRACTION, GiB, ROWS, describe, device_bytes, estimate, fits,
+                    host_bytes_per_rank, overhead_bytes, plan, suggestions)
 
-GiB = 2 ** 30
 # a block's module (model.Llama's layers.<i>), or a block's moment (backward: block <i>)
 BLOCK = re.compile(r'(?:layers\.|block )(\d+)$')
 # memory.py's categories, as memory.svg stacks them, bottom up
@@ -412,3 +424,265 @@ def write_curves(out_dir):
          [points('loss', math.log10), points('val_loss', math.log10)]),
         ('tokens/s', [points('tokens_per_s')]),
         ('peak memory (bytes)', [points('peak_mem_bytes')])])
+
+
+# ----------------------------------------------------------------------------- a long stage's dry run
+# train.py's dry run of a stage of many blocks measures it with few, each in a process of its own
+# (the command again), and extrapolates (above).
+
+def few_blocks(blocks, config, mesh, name):
+    """The timeline of this dry run (train.py's) with `blocks` blocks a stage, every one measured:
+    the command in a process of its own, as this rank, with config's every field (auto_memory's
+    knobs, a Hugging Face directory's shape). name: its memory.json's."""
+    fixed = [f'--{f.name}={getattr(config, f.name)!r}' for f in fields(config)]
+    with tempfile.TemporaryDirectory() as tmp:
+        rerun(mesh.rank, f"{blocks} blocks a stage",
+              [*fixed, '--init_from=scratch', f'--n_layer={blocks * mesh.pp}',
+               '--auto_memory=False', '--dry_run_full=True', f'--out_dir={tmp}'],
+              stdout=subprocess.DEVNULL)
+        with open(os.path.join(tmp, name)) as f:
+            return json.load(f)['timeline']
+
+
+def rerun(rank, what, args=(), stdout=None):
+    """The user's command again, with args after its own, as rank `rank` in a process of its own;
+    one line stops us if it fails (its error is on our stderr), naming it by `what`."""
+    env = {**os.environ, 'RANK': str(rank)}
+    if subprocess.run([sys.executable, *sys.argv, *args], env=env, stdout=stdout).returncode:
+        die(f"the dry run of {what} failed")
+
+
+# ----------------------------------------------------------------------------- what train.py calls
+class Report:
+    """Made before the model is built, and changing nothing: auto_memory() returns the memory knobs
+    that fit (rank 0 decides, every rank takes its knobs; train.py sets them in the config), then
+    check(config) prints config's estimate and writes it to out_dir/memory.json, checks offload's
+    host memory, and stops a run that can't fit with the changes that would fit (a dry run gives
+    its verdict instead). `with report.measure(...)` around the first step adds the measured peak.
+    memory.json: {"ranks": [{"rank", "estimate", "measured", "overhead", "device_bytes",
+    "world_size", "tp_size", "cp_size", "seq_len"}], "peak_at", "fits", ...}."""
+
+    def __init__(self, config, cfg, world, rank, mesh, device, dtype):
+        self.cfg, self.world, self.rank, self.device = cfg, world, rank, device
+        self.config, self.dry = config, cfg.get('dry_run')  # (the configured knobs: check's sets)
+        # logged: train.py's first log row has carried the measured bytes
+        self.measured, self.logged = None, False
+        at = mesh.rank  # the dry run's rank, in its memory.json's name
+        self.name = f'memory.rank{at}.json' if at > 0 else 'memory.json'
+        # estimate's arguments: train.py's settings of the same names (batch_size, seq_len, zero,
+        # ...), then the mesh's sizes and the weights' dtype over the settings' (dtype='auto'):
+        # 'torch.bfloat16' is the setting's 'bfloat16'; a dry run's target is CUDA
+        self.layout = {k: cfg[k] for k in inspect.signature(estimate).parameters if k in cfg}
+        self.layout.update(dtype=str(dtype)[6:], device_type='cuda' if self.dry else device.type,
+                           dp=mesh.dp, tp_size=mesh.tp, cp_size=mesh.cp, pp_size=mesh.pp,
+                           pp_rank=mesh.pp_rank)
+        self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
+        # NCCL's communicators: one per group of more than one rank
+        groups = [mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.cp * mesh.dp, world]
+        self.overhead = overhead_bytes(self.layout['device_type'], sum(n > 1 for n in groups))
+        self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
+        where = f"rank {at} of {world}"
+        if world > 1:
+            where += f" (dp {mesh.dp} x pp {mesh.pp} x cp {mesh.cp} x tp {mesh.tp})"
+        target = 'the target (dry run)' if self.dry else device
+        self.title = (f"memory estimate per rank, {where}, {self.layout['dtype']} on {target}, "
+                      f"batch {cfg['batch_size']} x {cfg['seq_len']} tokens:")
+
+    def auto_memory(self):
+        """The memory knobs the cheapest setting that fits changes ({}: the configured one, or
+        none fits). Rank 0 plans and every rank takes its knobs: no rank's own free memory can
+        make it differ."""
+        chosen = [{}]
+        if self.rank == 0:
+            p = plan(self.config, self.budget, self.overhead, self.host, **self.layout)
+            if p:
+                chosen = [p.changed]
+                print(f"auto_memory chose {describe(p.changed) or 'the configured setting'}: "
+                      f"{gib(p.estimate.total)}, {100 * p.cost:+.1f}% step time")
+            else:
+                unknown = " (host memory unknown: set host_memory_budget_gb)" * (self.host is None)
+                print("auto_memory: no setting of the memory knobs fits; keeping the configured one"
+                      + unknown)
+        if self.world > 1 and not self.dry and torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(chosen, src=0)
+        return chosen[0]
+
+    def check(self, config):
+        """config's estimate (the model's, as built): printed, its host memory checked, a run that
+        can't fit stopped, then memory.json written."""
+        self.config, self.est = config, estimate(config, **self.layout)
+        if self.rank == 0:
+            print(self.table(self.title))
+        states_on_host = self.cfg.get('offload_states', False)
+        if config.offload > 0 or states_on_host:
+            self.check_host(states_on_host)
+        if not self.dry and not fits(self.est, self.budget, self.overhead):
+            self.stop([f"error: does not fit: {gib(self.est.total)} per rank + "
+                       f"{gib(self.overhead)} overhead > 80% of {gib(self.budget)}, peak at "
+                       f"{self.est.moment}"] + self.suggest())
+        if self.rank == 0:  # only now: a run stopped by a check writes nothing
+            self.write()
+
+    def check_host(self, states):
+        """This rank's offloaded blocks (offload.host_bytes) and the states' rows in host memory:
+        said, and a run stopped if they don't fit."""
+        line = (f"offload={self.config.offload}{', offload_states=True' * states}: "
+                f"{self.est.host / GiB:.2f} GiB of host memory per rank "
+                f"({len(offload.offloaded_blocks(self.config))} blocks"
+                f"{' and the model states' * states})")
+        budget = self.cfg.get('host_memory_budget_gb', 0)
+        if self.host is None:
+            have = ' on the target'
+        elif budget and self.host == int(budget * GiB):
+            have = f", {self.host / GiB:.2f} GiB in host_memory_budget_gb"
+        else:
+            have = f", {self.host / GiB:.2f} GiB available"
+        if self.host is not None and self.est.host > self.host:
+            more = " (the states: 16 bytes per parameter over dp x cp ranks: more of them)" * states
+            self.stop([f"error: {line}{have} per rank: lower offload, seq_len or batch_size, or "
+                       f"recompute='full'{more}"])
+        if self.rank == 0:
+            print(line + have)
+
+    def suggest(self):
+        # (host memory unknown: None, no offload suggested)
+        found = suggestions(self.config, self.budget, self.overhead, self.host, world=self.world,
+                            **self.layout)
+        if not found:
+            return ["nothing within reach fits: fewer tokens per step (batch_size, seq_len) or "
+                    "more GPUs"]
+        return (["cheapest changes that fit (estimate per rank, extra step time):"]
+                + [f"  {s.change:52s} {gib(s.estimate.total):>12s}  {100 * s.cost:+5.1f}%"
+                   for s in found[:8]]
+                + ["or --auto_memory=True to take the first memory knob setting above"])
+
+    def stop(self, lines):
+        if self.rank == 0:
+            print('\n'.join(lines), file=sys.stderr)
+        sys.exit(2)
+
+    def table(self, title, measured=None, dry=False):
+        """A row per category, estimate and (when given) measured with the error in percent (a
+        category's relative to the measured total), a bar each (the device is 40 characters, 80%
+        at 32), the verdict."""
+        e, measured = self.est.as_dict(), measured or {}
+        # a dry run's figure is the verdict's, the estimate otherwise
+        label = 'dry run' if dry else 'measured'
+        header = f"  {'':12s}{'estimate':>12s}"
+        if measured:
+            header += f"{label:>13s}{'error':>8s}"
+        lines = [title, header]
+        mt = measured.get('total')
+        for k in ROWS:
+            m = measured.get(k)
+            if k == 'workspace' and not e[k] and not m:  # none: no row
+                continue
+            row = f"  {k:12s}{gib(e[k]):>12s}"
+            if measured:
+                err = ''
+                if m is not None and mt:  # a category's error relative to the measured total
+                    err = f"{100 * (e[k] - m) / mt:+7.1f}%"
+                row += f"{gib(m):>13s}{err:>8s}"
+            row += '  ' + '█' * min(80, round(40 * e[k] / self.budget))
+            lines.append(row)
+        if dry and e['workspace']:
+            lines.append("  (the dry run's workspace is the formula's: fake tensors can't see "
+                         "inside a CUDA kernel)")
+        total = (mt if dry else e['total']) + self.overhead
+        verdict = 'fits' if total <= FIT_FRACTION * self.budget else 'DOES NOT FIT'
+        lines += [f"  {'+ overhead':12s}{gib(self.overhead):>12s}   (CUDA context, NCCL buffers: "
+                  "not in tensors)",
+                  f"  {'device':12s}{gib(self.budget):>12s}   80% rule: {gib(total)} of "
+                  f"{gib(FIT_FRACTION * self.budget)} -> {verdict}",
+                  f"  peak at: {self.est.moment}"]
+        if self.est.host:
+            lines[-1] += f"; {gib(self.est.host)} offloaded to host"
+        return '\n'.join(lines)
+
+    def write(self, **extra):
+        rank = {'rank': self.rank, 'estimate': self.est.as_dict(), 'measured': self.measured,
+                'overhead': self.overhead, 'device_bytes': self.budget, 'world_size': self.world,
+                **{k: self.layout[k] for k in ('tp_size', 'cp_size', 'seq_len')}}
+        report = {'ranks': [rank], 'peak_at': self.est.moment,
+                  'fits': fits(self.est, self.budget, self.overhead), **extra}
+        path = os.path.join(self.cfg['out_dir'], self.name)
+        with open(path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
+            json.dump(report, f, indent=1)
+        os.replace(path + '.tmp', path)
+        return path
+
+    @contextmanager
+    def measure(self, model, masters, optimizer, compiled=False):
+        """Around a step: the first one (rank 0) is measured, then reported (report). Compiled,
+        MemTracker can't see into the graph: CUDA's peak only."""
+        if self.measured is not None or self.rank != 0:
+            yield
+            return
+        cuda, extra = self.device.type == 'cuda', {}
+        largest = self.cfg['dry_run_anatomy']  # the anatomy's N (0: none)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if compiled:
+            yield
+            m = dict.fromkeys(ROWS)
+        else:
+            with Tracker(model, masters, optimizer, device=self.device,
+                         anatomy=largest,
+                         states_on_host=self.cfg['offload_states']) as tr:
+                yield
+            m, extra['timeline'] = tr.breakdown(), tr.timeline()
+            if largest:
+                extra['anatomy'] = anatomy(tr, largest, m['total'])
+        # its peak holds what kernels allocate beside the tensors: the total, the rest workspace
+        if cuda:
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            extra['cuda'] = {'peak_allocated': allocated, 'peak_reserved': reserved}
+            m['workspace'] = None if compiled else max(0, allocated - m['total'])
+            m['total'] = max(m['total'] or 0, allocated)
+        self.report(m, **extra)
+
+    def report(self, m, **extra):
+        """The measured breakdown m (and m['host'], the host memory measured) printed beside the
+        estimate and recorded (memory.json, and the step's timeline drawn in memory.svg), a dry
+        run's with the verdict. m is the timeline's peak moment, the workspace added (a dry run's,
+        or CUDA's beyond the tensors): memory.svg draws it there."""
+        host = m.get('host')
+        title = "memory after the first step (measured: tensors alive at the step's peak):"
+        if self.dry:
+            # fake tensors can't see inside a kernel: the formula's workspace, in every attention
+            # backward (a few blocks' dry runs added it to theirs); the peak: the moment holding
+            # most
+            for row in extra['timeline']:
+                if row['moment'].startswith('backward: block') and not row['workspace']:
+                    row['workspace'] = round(self.est.kernel)
+                    row['total'] += row['workspace']
+            m = dict(peak(extra['timeline']))
+            title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
+        self.measured = m
+        print(self.table(title, m, self.dry))
+        # offloaded blocks and offload_states' rows, not the device's
+        if self.est.host and host is not None:
+            extra['host'] = {'estimate': round(self.est.host), 'measured': host}
+            print(f"  host memory per rank: {gib(self.est.host)} estimated, {gib(host)} measured")
+        if self.dry:
+            extra.update(self.verdict(m['total'], host))
+        path = self.write(dry_run=self.dry, **extra)
+        if 'timeline' in extra:
+            write_svg(path.replace('.json', '.svg'), extra['timeline'], m, self.est, self.budget)
+
+    def verdict(self, total, host):
+        """The dry run's: its total, and its host memory where a budget is given."""
+        ok = total + self.overhead <= FIT_FRACTION * self.budget
+        host_ok = self.host is None or host <= self.host
+        fit = ok and host_ok
+        verdict = (f"verdict: {'fits' if fit else 'DOES NOT FIT'} on a "
+                   f"{gib(self.budget)} device: dry run {gib(total)} + "
+                   f"{gib(self.overhead)} overhead "
+                   f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget)})")
+        if not host_ok:
+            verdict += f"; host {gib(host)} > {gib(self.host)}"
+        print(verdict)
+        if not fit:
+            print('\n'.join(self.suggest()))
+        return {'fits': fit, 'verdict': verdict}

@@ -81,13 +81,14 @@ class LlamaConfig:
         # every field's rule, as one line naming it: train.py stops on it before anything is
         # allocated
         at_least = dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1,
-                        vocab_size=1, n_experts=0, experts_per_token=1, sliding_window=0)
+                        vocab_size=1, n_experts=0, experts_per_token=1, sliding_window=0,
+                        router_aux_loss_coef=0)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}")
-        theta = self.rope_theta
         rules = [
-            ('rope_theta', type(theta) in (int, float) and theta > 0, 'must be a number > 0'),
+            ('rope_theta', type(self.rope_theta) in (int, float) and self.rope_theta > 0,
+             'must be a number > 0'),
             ('rope_scaling', rope_scaling_ok(self.rope_scaling), ROPE_SCALING_RULE),
             ('norm_eps', self.norm_eps > 0, 'must be > 0'),
             ('n_embd', self.n_embd % self.n_head == 0,
@@ -98,7 +99,6 @@ class LlamaConfig:
              f"n_embd / n_head = {self.head_dim} must be even (RoPE)"),
             ('experts_per_token', self.n_experts == 0 or self.experts_per_token <= self.n_experts,
              f"must be <= n_experts={self.n_experts}"),
-            ('router_aux_loss_coef', self.router_aux_loss_coef >= 0, 'must be >= 0'),
             ('layer_types', self.layer_types is None or (
                 len(self.layer_types) == self.n_layer
                 and set(self.layer_types) <= {'sliding_attention', 'full_attention'}),
@@ -130,7 +130,7 @@ def attention(q, k, v, docs=None, window=0, varlen=None):
     every row is then a document of the same two paths, varlen's window_size on CUDA, SDPA with
     the window's mask on a CPU. parallel.py's Ulysses calls this unchanged on the whole sequence
     for a share of the heads; ring.py has its own steps."""
-    B, S = q.shape[0], q.shape[2]
+    B, _, S, _ = q.shape
     if window and docs is None:
         docs = np.arange(B) * S
     if docs is None or (len(docs) == B and not window):
@@ -159,7 +159,7 @@ def per_document(q, k, v, docs, window):
     call saves for backward what one whole-window call would save of its tokens. The reference,
     and the CPU's way. (FlexAttention's document mask is one fused kernel on CUDA but has no CPU
     backward in torch 2.13.)"""
-    B, S = q.shape[0], q.shape[2]
+    B, _, S, _ = q.shape
     lengths = np.diff(np.append(docs, B * S)).tolist()
     # each document's q, k, v [1, heads, its tokens, hd] from one split of the flattened rows
     # (views; a document lies in one row). Not a slice per document: each slice's backward makes a
@@ -187,7 +187,7 @@ def one_kernel(q, k, v, docs, window):
     view: q, k, v come from [B, S, heads, hd] projections). A window of W keys is flash's
     window_size (W - 1 keys before the query, none after)."""
     from torch.nn.attention.varlen import varlen_attn
-    B, S = q.shape[0], q.shape[2]
+    B, _, S, _ = q.shape
     cuts = np.append(docs, B * S)
     cu_seqlens = torch.as_tensor(cuts, dtype=torch.int32, device=q.device)
     longest = int(np.diff(cuts).max())
@@ -244,10 +244,11 @@ class Attention(nn.Module):
         self.enter_tp = NoCollective()
         self.leave_tp = NoCollective()
 
-    def forward(self, x, cos, sin, docs=None, kv_cache=None):
+    def forward(self, x, cos, sin, docs, kv_cache):
+        q, k, v = self.project(x, cos, sin)
         if kv_cache is not None:
-            return self.finish(self.cached(self.enter_tp(x), cos, sin, kv_cache))
-        return self.finish(self.core(*self.project(x, cos, sin), docs, self.window))
+            return self.finish(self.cached(q, k, v, kv_cache))
+        return self.finish(self.core(q, k, v, docs, self.window))
 
     # forward's two ends, each a part any caller may run on a range of the tokens (offload.py's
     # split runs the core once over two ranges' q, k, v)
@@ -271,19 +272,17 @@ class Attention(nn.Module):
     def out(self, y, g=0, groups=1):
         """The output projection of head group g's attention output y [B, heads, S, hd]: its
         columns of wo."""
-        y = y.transpose(1, 2).flatten(2)
-        return F.linear(y, self.wo.weight.chunk(groups, dim=1)[g])
+        return F.linear(y.transpose(1, 2).flatten(2), self.wo.weight.chunk(groups, dim=1)[g])
 
-    def cached(self, x, cos, sin, kv_cache):
+    def cached(self, q, k, v, kv_cache):
         """Sampling: the new tokens' keys and values appended to the cache; a new token sees the
         keys before it (the prompt's tokens causally), the last `window` of them with a window."""
-        q, k, v = self.qkv(x, cos, sin)
         k, v = kv_cache.update(k, v)
         n_q, n_k = q.shape[2], k.shape[2]
         # the prompt (prefill) of a layer without a window: causal, no T x T mask (at 128K tokens
-        # that mask is 16 GiB of bool)
+        # that mask is 16 GiB of bool), attention()'s dense SDPA
         if n_q == n_k and not self.window:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return attention(q, k, v)
         mask = window_mask(n_q, n_k, self.window or n_k, q.device)
         return F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
 
@@ -304,8 +303,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = self.enter_tp(x)
-        y = self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.leave_tp(y)
+        return self.leave_tp(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 # ----------------------------------------------------------------------------- the block
@@ -343,7 +341,7 @@ class Block(nn.Module):
         return self.with_mlp(self.with_attention(x, cos, sin, docs, kv_cache))
 
     # the block's two residual halves (offload.py hooks the first's output)
-    def with_attention(self, x, cos, sin, docs=None, kv_cache=None):
+    def with_attention(self, x, cos, sin, docs, kv_cache=None):
         """x + attention(RMSNorm(x))."""
         return x + self.attention(self.attention_norm(x), cos, sin, docs, kv_cache)
 
@@ -505,7 +503,7 @@ class Llama(nn.Module):
             p = self.get_parameter(ours).detach().cpu()
             if isinstance(theirs, list):
                 # an expert's matrix apiece, each a copy: safetensors refuses views of one storage
-                state.update((name, w.clone()) for name, w in zip(theirs, p.unbind()))
+                state.update((name, w.clone()) for name, w in zip(theirs, p))
             else:
                 state[theirs] = p.contiguous()
         save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
@@ -598,8 +596,8 @@ def _hf_names(config):
         # Mixtral's router (its experts below)
         block['feed_forward.router'] = 'block_sparse_moe.gate'
     else:
-        block.update({'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
-                      'feed_forward.w2': 'mlp.down_proj'})
+        block |= {'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
+                  'feed_forward.w2': 'mlp.down_proj'}
     for i in range(config.n_layer):
         for ours, theirs in block.items():
             names[f'layers.{i}.{ours}.weight'] = f'model.layers.{i}.{theirs}.weight'
@@ -652,9 +650,9 @@ def flops_per_token(config, *lengths):
     count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)
     of the batch's sequences, each counting its own pairs; flops_per_token(config, S): one of S.
     What the memory knobs run again on top: knobs.hardware_flops."""
-    c, N = config, num_params(config, active=True)
-    pairs = sum(attention_pairs(lengths, c.window(i)) for i in range(c.n_layer))
-    return 6 * N + 12 * c.n_embd * pairs / sum(lengths)
+    N = num_params(config, active=True)
+    pairs = sum(attention_pairs(lengths, config.window(i)) for i in range(config.n_layer))
+    return 6 * N + 12 * config.n_embd * pairs / sum(lengths)
 
 
 # ----------------------------------------------------------------------------- RMSNorm in fp32

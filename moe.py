@@ -127,9 +127,10 @@ class MoE(nn.Module):
 
     def pair_counts(self, chosen):
         """The (token, expert) pairs of each expert in the micro-batch (fp32: the aux loss's f)."""
-        flat = chosen.flatten()
-        ones = torch.ones_like(flat, dtype=torch.float32)
-        return torch.zeros(self.config.n_experts, device=flat.device).index_add_(0, flat, ones)
+        E = self.config.n_experts
+        # a histogram of the chosen experts, a bin each: its shape is known without the values (a
+        # dry run's fake tensors), bincount's is not
+        return torch.histc(chosen.float(), bins=E, min=0, max=E)
 
     def route(self, x, chosen, weights):
         """Each token's k experts' outputs, weighted and summed: like x."""
@@ -204,10 +205,10 @@ def memory_terms(config, batch, sequence, b, t=1, ep=1, chunks=1, dense_chunks=1
     balanced: n = T·k (under ep its E/ep experts' share of the T·k pairs of each ep rank).
     `chunks`: the experts' mini-sequences over the n rows, `dense_chunks` a dense MLP's over one
     sequence (chunked.mlp_chunks of each: memory.py asks)."""
-    c, k, E = config, config.experts_per_token, config.n_experts
+    k, E = config.experts_per_token, config.n_experts
     if not E:
         return 0, 0, 0
-    h, I = c.n_embd, c.intermediate_size / t
+    h, I = config.n_embd, config.intermediate_size / t
     T = batch * sequence
     n = T * k
     # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the
@@ -226,7 +227,7 @@ def memory_terms(config, batch, sequence, b, t=1, ep=1, chunks=1, dense_chunks=1
     # the gradient coming in (under sp of all t ranks' tokens), and the larger of two [T·k, h]
     # copies (at its backward's start the gradients of two; under ep an all-to-all's send and
     # receive buffers) and the experts' backward (the copies weighed by then freed)
-    backward = b * h * (1 / t + (t > 1)) * T + max(2 * b * h * k * T, expert)
+    backward = b * h * (1 / t + (t > 1)) * T + max(2 * b * h * n, expert)
     # of the experts a layer, the other ep ranks hold all but E/ep (with their states)
     away = 3 * h * I * E * (1 - 1 / ep)
     return kept, backward, away

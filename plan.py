@@ -147,7 +147,7 @@ def plans(c, layout, seq_len, target, least=False):
     pp = layout['pp_size']
     settings = {**target.settings, **layout}  # estimate's keywords
     tp, cp, dp = layout['tp_size'], layout['cp_size'], layout['dp']
-    # memory.Report's overhead: the CUDA context, a communicator per group of more than one rank
+    # measure.Report's overhead: the CUDA context, a communicator per group of more than one rank
     overhead = overhead_bytes('cuda', sum(k > 1 for k in (tp, cp, dp, pp, cp * dp, target.gpus)))
     # the host a rank may fill; offload's α is chosen for it (memory.variants)
     host = target.host_bytes / target.per_node

@@ -7,10 +7,11 @@ Train a Llama. One process on a laptop CPU, a GPU, or Apple's MPS:
 As nanoGPT's train.py: the config (defaults below, then a config file, then --key=value), setup in
 the order it happens, then one loop. Setup: prepare the data if it is missing; settle the model's
 config (the keys, a checkpoint's or a Hugging Face directory's) and check it against the layout and
-the data; the memory report (memory.py), whose auto_memory returns the memory knobs that fit, set
-in the config here; build the model from the final config (or load its weights); print the
-estimate, stopping a run that can't fit; shard the model (parallel.py: under torchrun only), wrap
-its blocks' keep / recompute / offload policy (offload.py). A dry run then measures one step on fake
+the data; the memory report (measure.Report, on memory.py's estimate), whose auto_memory returns
+the memory knobs that fit (knobs.Knobs: the model's config with them); build the model from the
+final config (or load its weights); print the estimate, stopping a run that can't fit; apply the
+techniques in order (place_model: parallel.py's shards under torchrun, chunked.py's modules,
+offload.py's keep / recompute / offload policy, FSDP2). A dry run then measures one step on fake
 tensors (dry_run_step) instead of training. The loop: evaluate (and checkpoint), set the lr, sample
 a global batch, run the micro-steps' forward and backward with the loss normalised by the number of
 real target tokens across all of them, sync the gradients (several ranks), clip, the optimizer's
@@ -41,9 +42,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections import namedtuple
 from contextlib import nullcontext, suppress
@@ -64,7 +62,6 @@ import parallel
 import pipeline
 import measure
 import moe
-import memory
 import optim
 import offload as offload_policy  # (`offload` itself is a config key below)
 
@@ -158,7 +155,7 @@ device = 'auto'  # 'auto' (the first of cuda, mps, cpu) | 'cpu' | 'cuda' | 'cuda
 dtype = 'auto'  # ... | 'bfloat16' | 'float16' (with loss scaling: the header)
 compile = False
 seed = 1337
-# memory accounting (memory.py): a report before the first step, measured after it,
+# memory accounting (memory.py's estimate, measure.py's report): a report before the first step, measured after it,
 # out_dir/memory.json
 # one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
 dry_run = False
@@ -677,7 +674,7 @@ def place_model(model, config, mesh, dev, ptdtype):
     # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
     weights_dtype = torch.float32 if zero > 1 else ptdtype
     if dry_run:
-        memory.to_fake(model, weights_dtype)
+        measure.to_fake(model, weights_dtype)
     else:
         model.to(device='cpu' if offload_states else dev, dtype=weights_dtype)
     # 5. FSDP2 shards the states over the dp x cp ranks, block by block via the GPU
@@ -686,7 +683,7 @@ def place_model(model, config, mesh, dev, ptdtype):
 
 
 def dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe):
-    """One step on fake tensors, measured: the table and the verdict (memory.py). A stage of up to
+    """One step on fake tensors, measured: the table and the verdict (measure.py). A stage of up to
     n + 1 blocks (or dry_run_full) runs it here; a longer one runs it with n and n + 1 blocks and
     extrapolates; under pp the last stage's dry run follows."""
     # n: the fewest blocks a stage extrapolates from, the first, one between, the last KEEP_LAST
@@ -696,7 +693,7 @@ def dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
         # stage keeps in flight
         micro_steps = min(gradient_accumulation_steps, 2 if pipe is None else pipe.in_flight + 1)
         # made before the step: they are not the step's
-        batches = [parallel.shard_batch(mesh, *memory.fake_batch(
+        batches = [parallel.shard_batch(mesh, *measure.fake_batch(
             batch_size * mesh.dp, seq_len, config.vocab_size, doc_mask))
             for _ in range(micro_steps)]
         with mem.measure(pipe or raw_model, optimizer.masters, optimizer):
@@ -705,8 +702,8 @@ def dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
         # every block of a long stage measured on fake tensors takes minutes, and its blocks'
         # moments repeat: what one more block adds to each moment extrapolates them all, to the
         # byte (measure.extrapolate)
-        fewer = measure_few_blocks(n, config, mesh, mem.name)
-        more = measure_few_blocks(n + 1, config, mesh, mem.name)
+        fewer = measure.few_blocks(n, config, mesh, mem.name)
+        more = measure.few_blocks(n + 1, config, mesh, mem.name)
         timeline = measure.extrapolate(fewer, more, n, blocks, mesh.pp_rank)
         print(f"(this stage's {blocks} blocks: measured with {n} and {n + 1}, each moment "
               f"extrapolated from what one more block adds to it; --dry_run_full=True measures "
@@ -717,29 +714,7 @@ def dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
     # the fewest micro-batches in flight: the command again as the last rank (its table, verdict
     # and memory.rank<r>.json)
     if mesh.pp > 1 and mesh.pp_rank == 0 and 'RANK' not in os.environ:
-        rerun(mesh.world - 1, f"the last pipeline stage (rank {mesh.world - 1})")
-
-
-def measure_few_blocks(blocks, config, mesh, name):
-    """The timeline of this dry run with `blocks` blocks a stage, every one measured: this command
-    in a process of its own, as this rank, with config's every field (auto_memory's knobs, a Hugging
-    Face directory's shape). name: its memory.json's."""
-    fixed = [f'--{f.name}={getattr(config, f.name)!r}' for f in fields(config)]
-    with tempfile.TemporaryDirectory() as tmp:
-        rerun(mesh.rank, f"{blocks} blocks a stage",
-              [*fixed, '--init_from=scratch', f'--n_layer={blocks * mesh.pp}',
-               '--auto_memory=False', '--dry_run_full=True', f'--out_dir={tmp}'],
-              stdout=subprocess.DEVNULL)
-        with open(os.path.join(tmp, name)) as f:
-            return json.load(f)['timeline']
-
-
-def rerun(rank, what, args=(), stdout=None):
-    """The user's command again, with args after its own, as rank `rank` in a process of its own;
-    one line stops us if it fails (its error is on our stderr), naming it by `what`."""
-    env = {**os.environ, 'RANK': str(rank)}
-    if subprocess.run([sys.executable, *sys.argv, *args], env=env, stdout=stdout).returncode:
-        die(f"the dry run of {what} failed")
+        measure.rerun(mesh.world - 1, f"the last pipeline stage (rank {mesh.world - 1})")
 
 
 def catch_signals():
@@ -772,7 +747,7 @@ def main():
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, config.n_kv_head,
                               timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size)
-    mem = memory.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
+    mem = measure.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
     model = build_model(config, dev)  # (a bad HF file: stopped before out_dir)

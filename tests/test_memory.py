@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import chunked  # noqa: E402
+import measure  # noqa: E402
 import memory  # noqa: E402
 import offload  # noqa: E402
 import optim  # noqa: E402
@@ -30,7 +31,7 @@ GiB = 2 ** 30
 
 def step(cfg, B, S, dtype='float32', gas=1, fake=False):
     """One training step as train.py runs it in one process (AdamW state made up front, batches as
-    get_batch returns them), under memory.Tracker. Returns the tracker."""
+    get_batch returns them), under measure.Tracker. Returns the tracker."""
     torch.manual_seed(0)
     offload.reset()  # a fresh host pool: this step allocates its buffers (the tracker takes them out)
     ptdtype = torch.bfloat16 if dtype == 'bfloat16' else torch.float32
@@ -42,13 +43,13 @@ def step(cfg, B, S, dtype='float32', gas=1, fake=False):
     else:
         mode = nullcontext()
     with mode:
-        model = apply_techniques(memory.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
+        model = apply_techniques(measure.to_fake(model, ptdtype) if fake else Llama(cfg).to(dtype=ptdtype))
         masters = optim.make_master_weights(model)
         opt = train.make_optimizer(model, masters, 'cpu')
         autocast = torch.autocast('cpu', dtype=torch.bfloat16) if ptdtype == torch.bfloat16 else nullcontext()
-        batches = [memory.fake_batch(B, S, cfg.vocab_size) for _ in range(gas)]
+        batches = [measure.fake_batch(B, S, cfg.vocab_size) for _ in range(gas)]
         inputs = [t for b in batches for t in b if t is not None]  # (positions and docs: None)
-        tr = memory.Tracker(model, masters, opt, inputs, device=torch.device('cpu'))
+        tr = measure.Tracker(model, masters, opt, inputs, device=torch.device('cpu'))
         with tr:
             train.forward_backward(model, batches, autocast)
             torch.nn.utils.clip_grad_norm_(masters, 1.0)
@@ -177,7 +178,7 @@ def test_first_step_shows_the_steady_state():
               {'params': [p for p in a.parameters() if p.dim() < 2], 'weight_decay': 0.0}]
     oa = torch.optim.AdamW(groups, lr=train.learning_rate, betas=(train.beta1, train.beta2), fused=True)
     for _ in range(2):
-        x, y, positions, docs = memory.fake_batch(2, 64, c.vocab_size)
+        x, y, positions, docs = measure.fake_batch(2, 64, c.vocab_size)
         assert positions is None and docs is None
         for model, opt in ((a, oa), (b, ob)):
             model(x, y)[1].backward()
@@ -487,7 +488,7 @@ def test_dry_run_from_few_blocks_is_every_blocks_to_the_byte(tmp_path, flags):
         assert len(svg.findall(f'{ns}rect')) == 6 * len(a['timeline'])
         texts = [''.join(t.itertext()) for t in svg.iter(f'{ns}text')]
         peak = a['ranks'][0]['measured']
-        assert f"peak {memory.gib(peak['total'])}: {peak['moment']}" in texts
+        assert f"peak {measure.gib(peak['total'])}: {peak['moment']}" in texts
         assert sum(m['moment'] in texts for m in a['timeline']) == len(a['timeline'])
         assert any('stroke-dasharray' in path.attrib for path in svg.iter(f'{ns}path'))
 
@@ -717,7 +718,7 @@ import os, sys
 sys.path.insert(0, {root!r})
 from dataclasses import replace
 import torch, torch.distributed as dist
-import memory, parallel
+import measure, memory, parallel
 from knobs import Knobs
 dist.init_process_group('gloo')
 rank = dist.get_rank()
@@ -728,7 +729,7 @@ if rank == 1:  # what this rank would plan alone (its own device or host memory 
 config = Knobs(n_layer=8, n_head=16, n_kv_head=8, n_embd=2048, intermediate_size=8192, vocab_size=32000,
                      mlp_chunks=0, loss_chunks=0)
 cfg = dict(batch_size=1, seq_len=32768, auto_memory=True, memory_budget_gb=20, out_dir={out!r})
-report = memory.Report(config, cfg, 2, rank, parallel.Mesh(), torch.device('cpu'), torch.bfloat16)
+report = measure.Report(config, cfg, 2, rank, parallel.Mesh(), torch.device('cpu'), torch.bfloat16)
 configured = replace(config)  # a copy
 knobs = report.auto_memory()
 assert config == configured and knobs  # it changed nothing: train.py sets the knobs (replace)
@@ -753,11 +754,11 @@ def test_every_rank_reaches_rank_0s_plan(tmp_path):
 
 # ----------------------------------------------------------------------------- the estimate, to the byte
 # memory.estimate's figures recorded before its rewrite into named parts (issue 26): every config's as its
-# dry run's memory.Report makes it, and small shapes through every branch of the formula. A change to the
+# dry run's measure.Report makes it, and small shapes through every branch of the formula. A change to the
 # formula must change these numbers on purpose.
 
 def config_report(name, capsys, tmp_path, world=None, last_stage=False, **overrides):
-    """memory.Report for config/<name>.py as its dry run makes it on rank 0 (or on the last pipeline
+    """measure.Report for config/<name>.py as its dry run makes it on rank 0 (or on the last pipeline
     stage's first rank): the config file and overrides over train.py's defaults, WORLD_SIZE ranks (tp x cp
     x pp by default). Returns (the estimate, what it printed to stdout and stderr, its exit code or None)."""
     cfg = {}
@@ -773,7 +774,7 @@ def config_report(name, capsys, tmp_path, world=None, last_stage=False, **overri
     capsys.readouterr()
     try:
         # as train.py's main: the report, auto_memory's knobs set in the config, the estimate checked
-        report = memory.Report(config, cfg, world, 0, mesh, torch.device('cpu'), torch.bfloat16)
+        report = measure.Report(config, cfg, world, 0, mesh, torch.device('cpu'), torch.bfloat16)
         if cfg.get('auto_memory'):
             config = replace(config, **report.auto_memory())
         report.check(config)
@@ -848,7 +849,7 @@ PLAN_CASES = [(cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 80 * GiB, 1 << 40,
               (cfg(L=32, h=4096, H=32, K=8, I=14336, V=128256), 20 * GiB, 0, 1, 1 << 20,
                dict(optimizer_in_backward=True))]
 
-# (config, WORLD_SIZE, the last stage's, train.py's settings over the config's) for what memory.Report
+# (config, WORLD_SIZE, the last stage's, train.py's settings over the config's) for what measure.Report
 # prints: the dry run's table and host memory line; auto_memory's choice; a real run stopped by the 80% rule
 # and by host memory (this machine's memory stubbed to 1 TiB)
 REPORT_CASES = [('llama7b_long', None, False, {}), ('llama3_8b_host', None, False, {}),

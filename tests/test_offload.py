@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import memory
+import measure
 import offload
 from conftest import apply_techniques, cuda
 from knobs import Knobs
@@ -214,13 +214,13 @@ def test_kept_bytes_formula_matches_measurement(mode, mlp_chunks, dtype):
 
 
 def backward_peak(cfg, seq_len=256):
-    """memory.Tracker over one forward + backward: the peak, and its activations + working set (the
+    """measure.Tracker over one forward + backward: the peak, and its activations + working set (the
     peak but parameters and gradients, which grow with depth whatever offload does)."""
     # a fresh host pool: the tracker tells host buffers from device memory as they are made
     offload.reset()
     model = same_model(cfg)
     idx, targets = batch(seq_len=seq_len)
-    tracker = memory.Tracker(model, inputs=[idx, targets])
+    tracker = measure.Tracker(model, inputs=[idx, targets])
     with tracker:
         model(idx, targets)[1].backward()
     peak = tracker.breakdown()

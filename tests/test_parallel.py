@@ -381,7 +381,7 @@ OFFLOAD_LAYOUTS = [(2, 1, 'ulysses', 'none', 0.5), (2, 1, 'ulysses', 'none', 1.0
 
 
 def _offload_worker(rank, world, port, out_dir):
-    import memory
+    import measure
     import offload
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -405,7 +405,7 @@ def _offload_worker(rank, world, port, out_dir):
             moved = {k: offload.stats()[k] - before[k] for k in ('bytes_to_host', 'bytes_to_device')}
             runs.append((loss, grads, moved, offload.stats()['host_in_use']))
         results[layout] = runs
-    # backward's peak (memory.Tracker) under sequence parallelism with a model whose activations
+    # backward's peak (measure.Tracker) under sequence parallelism with a model whose activations
     # dominate: 'selective' with offload against without
     for alpha in (0.0, 1.0):
         offload.reset()
@@ -415,7 +415,7 @@ def _offload_worker(rank, world, port, out_dir):
         mesh = parallel.make_mesh(2, 1, 'ulysses', config.n_kv_head)
         model = apply_techniques(Llama(config), mesh)
         x = torch.randint(0, 64, (2, 1024), generator=torch.Generator().manual_seed(1))
-        tracker = memory.Tracker(model, inputs=[x])
+        tracker = measure.Tracker(model, inputs=[x])
         with tracker:
             model(x, x.roll(-1, 1))[1].backward()
         results['sp peak', alpha] = tracker.breakdown()['total']
