@@ -426,7 +426,7 @@ def write_curves(out_dir):
         ('peak memory (bytes)', [points('peak_mem_bytes')])])
 
 
-# ----------------------------------------------------------------------------- a long stage's dry run
+# ------------------------------------------------------------------------ a long stage's dry run
 # train.py's dry run of a stage of many blocks measures it with few, each in a process of its own
 # (the command again), and extrapolates (above).
 

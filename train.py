@@ -155,8 +155,8 @@ device = 'auto'  # 'auto' (the first of cuda, mps, cpu) | 'cpu' | 'cuda' | 'cuda
 dtype = 'auto'  # ... | 'bfloat16' | 'float16' (with loss scaling: the header)
 compile = False
 seed = 1337
-# memory accounting (memory.py's estimate, measure.py's report): a report before the first step, measured after it,
-# out_dir/memory.json
+# memory accounting (memory.py's estimate, measure.py's report): a report before the first step,
+# measured after it, out_dir/memory.json
 # one step on fake tensors on this CPU, standing in for the configured GPUs; then exit
 dry_run = False
 # a long stage's dry run measures a few blocks and extrapolates (dry_run_step); True: every block
