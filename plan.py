@@ -83,7 +83,7 @@ import train
 from configurator import configure, die
 from measure import GiB
 from memory import FIT_FRACTION, PCIE, cost, estimate, overhead_bytes, variants
-from knobs import KNOBS, Knobs
+from knobs import KNOBS, Knobs, architecture
 from model import flops_per_token, num_params
 
 NVLINK, NETWORK = 450e9, 50e9
@@ -128,7 +128,7 @@ def layouts(c, target):
     s, n = target.settings, target.gpus
     sizes = [k for k in POWERS if n % k == 0]
     # the layout's own rules, whatever knobs the config set (plans() checks each setting's)
-    plain = replace(c, recompute='none', offload=0.0, attention_chunks=1)
+    plain = Knobs(**architecture(c))
     for tp, cp, pp, ep, impl, zero, on_host in itertools.product(
             sizes, sizes, sizes[:4], sizes, ('ulysses', 'ring'), (0, 2, 3), (False, True)):
         layout = dict(tp_size=tp, cp_size=cp, cp_impl=impl, pp_size=pp, dp=n // (tp * cp * pp),
@@ -171,8 +171,8 @@ def step_seconds(c, layout, seq_len, target):
     t, cp, pp, dp, ep, M = (layout[k] for k in ('tp_size', 'cp_size', 'pp_size', 'dp', 'ep_size',
                                                 'gradient_accumulation_steps'))
     B = target.settings['batch_size']
-    plain = replace(c, recompute='none', mlp_chunks=1, loss_chunks=1, attention_chunks=1,
-                    offload=0.0)
+    # the same model without the memory knobs: what they cost is measured against it
+    plain = Knobs(**architecture(c))
     flops = flops_per_token(c, seq_len) * B * seq_len * M / (t * cp * pp)
     compute = flops * (1 + cost(c, plain, B, seq_len)) / (target.peak * EFFICIENCY)
 
@@ -199,10 +199,10 @@ def step_seconds(c, layout, seq_len, target):
     d, N = dp * cp, num_params(c) / (t * pp)
     runs = c.n_layer / pp * M
     hidden *= runs
-    if layout['zero']:
-        hidden += M * (2 * (1 + (layout['zero'] == 3)) + 4) * N * (d - 1) / d / link(target.gpus)
-    else:  # (nothing where d is 1)
-        hidden += 8 * N * (d - 1) / d / link(target.gpus)
+    # (b·N gathered once, twice for zero 3, 4·N reduce-scattered; the all-reduce's 8·N: nothing
+    # where d is 1)
+    sends = M * (2 * (1 + (layout['zero'] == 3)) + 4) if layout['zero'] else 8
+    hidden += sends * N * (d - 1) / d / link(target.gpus)
     if layout['offload_states']:
         hidden += M * 12 * N / d / PCIE
     seconds = compute + exposed * runs + max(0.0, hidden - compute)
@@ -229,9 +229,7 @@ def longest(c, layout, target, step):
             lo = mid
         else:
             hi = mid
-    if lo == 0:
-        return None
-    return fastest(c, layout, lo, target)
+    return fastest(c, layout, lo, target) if lo else None
 
 
 def search(c, target, step, seq_len=None):
@@ -263,12 +261,12 @@ def dry_run(p, target, argv):
     """train.py's dry run of plan p, rank 0 of the world on this CPU: (fits, bytes a GPU with
     the overhead, host bytes a node)."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, 'train.py'] + command(p, argv) + [
-            '--dry_run=True', f'--memory_budget_gb={target.gpu_bytes / GiB}',
-            f'--host_memory_budget_gb={target.host_bytes / target.per_node / GiB}',
-            f'--out_dir={out}']
-        env = {**os.environ, 'WORLD_SIZE': str(target.gpus)}
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        cmd = [sys.executable, 'train.py', *command(p, argv),
+               '--dry_run=True', f'--memory_budget_gb={target.gpu_bytes / GiB}',
+               f'--host_memory_budget_gb={target.host_bytes / target.per_node / GiB}',
+               f'--out_dir={out}']
+        run = subprocess.run(cmd, env={**os.environ, 'WORLD_SIZE': str(target.gpus)},
+                             capture_output=True, text=True)
         if run.returncode:
             die(f"the dry run failed: {' '.join(cmd)}: {run.stderr.strip()[-300:]}")
         report = json.loads(Path(out, 'memory.json').read_text())
@@ -319,8 +317,9 @@ def draw(c, target, path):
     for gb, color in colors.items():
         points = []
         for i, n in enumerate(POWERS):
-            t = target._replace(gpus=n, per_node=min(n, 8), gpu_bytes=gb * GiB,
-                                host_bytes=per_gpu * min(n, 8))
+            per_node = min(n, 8)
+            t = target._replace(gpus=n, per_node=per_node, gpu_bytes=gb * GiB,
+                                host_bytes=per_gpu * per_node)
             length = max((p.seq_len for p in search(c, t, 8192 * n)), default=0)
             if length:
                 # 8,192 tokens at the bottom, 2^30 at the top
