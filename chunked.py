@@ -209,7 +209,7 @@ class _ChunkedMLP(torch.autograd.Function):
     def backward(ctx, gy):
         (x, w1, w3, w2), n, offsets = ctx.saved_tensors, ctx.n, ctx.offsets
         # weight gradients accumulate over the chunks in fp32 (see _acc_mm_); None: not needed
-        g1, g3, g2 = (torch.zeros_like(w, dtype=torch.float32) if need else None
+        g1, g3, g2 = (w.new_zeros(w.shape, dtype=torch.float32) if need else None
                       for w, need in zip((w1, w3, w2), ctx.needs_input_grad[1:4]))
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         with torch.autocast(x.device.type, enabled=False):
@@ -277,85 +277,89 @@ def chunked_mlp(x, w1, w3, w2, chunks, offsets=None):
 # of the sum over the vocabulary: parallel.py, which gathered the head's input, reduces its
 # gradient.
 
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N], n tokens a chunk -> the
-    mean loss; forward makes dx·count and dW·count (None where not wanted), backward scales them.
-    Run with autocast off (chunked_cross_entropy)."""
+def _ce_chunks(x, weight, targets, n, grad_x, grad_w, group, vocab_size):
+    """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N], n tokens a chunk ->
+    (loss sum, count, dx·count, dW·count); dx, dW None where not wanted."""
+    N, rows = x.shape[0], weight.shape[0]
+    rank = 0 if group is None else dist.get_rank(group)
+    # this rank's rows of the vocabulary are [first, first + real); the rest is padding
+    first = rank * rows
+    real = max(0, min(rows, vocab_size - first))
+    want_grad = real > 0 and (grad_x or grad_w)
+    # (-100: the target F.cross_entropy ignores by default, as HF's labels mark padding)
+    valid = targets != -100
+    # the targets whose logit this rank holds; the others point at row 0, masked below
+    ours = valid & (targets >= first) & (targets < first + real)
+    target_rows = torch.where(ours, targets - first, 0).unsqueeze(1)
+    mask = valid.to(x.dtype).unsqueeze(1)
+    # per token: the target's logit, and the log-sum-exp (a rank of padding only adds
+    # exp(-inf) = 0)
+    target_logit = x.new_zeros(N, dtype=torch.float32)
+    lse = x.new_full((N,), -math.inf, dtype=torch.float32)
+    # the one logits buffer, reused by every chunk
+    buf = x.new_empty(min(n, N), real, dtype=torch.float32)
+    dx = torch.zeros_like(x) if grad_x else None
+    dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
+    for s in range(0, N, n):
+        # (a slice past N ends at N)
+        chunk = slice(s, s + n)
+        xc = x[chunk]
+        logits = buf[:len(xc)]
+        if real:
+            _mm_f32(xc, weight[:real].t(), out=logits)
+            # Everything in place on the chunk's buffer, which is far bigger than the caches: each
+            # pass over it costs a trip to memory. softmax is one fused row-wise pass with one exp
+            # per logit (log_softmax then exp would be two passes and two exps); the loss comes from
+            # the two cheap reductions around it: logsumexp = max - log(max softmax), exact and
+            # never log(0).
+            target_logit[chunk] = logits.gather(1, target_rows[chunk]).squeeze(1)
+            top = logits.amax(1)
+            torch.softmax(logits, 1, out=logits)
+            lse[chunk] = top - logits.amax(1).log()
+        if group is not None:
+            # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
+            every = lse.new_empty(dist.get_world_size(group) * len(xc))
+            dist.all_gather_single(every, lse[chunk], group=group)
+            whole = every.view(-1, len(xc)).logsumexp(0)
+            if want_grad:
+                logits.mul_((lse[chunk] - whole).exp().unsqueeze(1))
+            lse[chunk] = whole
+        if not want_grad:
+            continue
+        # g = softmax - onehot
+        logits.scatter_add_(1, target_rows[chunk], -ours[chunk, None].float())
+        if weight.dtype == torch.float16:
+            # fp16 flushes what is below 2^-24 and rounds what is below 2^-14: the unlikely tokens'
+            # probabilities, which plain autograd's g carries times the loss scale. LIFT does that
+            # here (dx, dW come out LIFT times too: backward divides)
+            logits.mul_(LIFT)
+        # ignored rows still hold a softmax in g; we zero their contribution on the small [n, h]
+        # side (dx rows, x rows) instead of another pass over the [n, V] buffer
+        g = logits.to(weight.dtype)
+        if grad_x:
+            torch.mm(g, weight[:real], out=dx[chunk]).mul_(mask[chunk])
+        if grad_w:
+            _acc_mm_(dW[:real], g.t(), xc * mask[chunk])
+    target_sum = torch.where(ours, target_logit, 0).sum()
+    if group is not None:
+        # each target's logit lives on one rank
+        dist.all_reduce(target_sum, group=group)
+    # count: a tensor, no host sync
+    return (lse * valid).sum() - target_sum, valid.sum(), dx, dW
 
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, n, group, vocab_size, grad_enabled):
         grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
-        N, rows = x.shape[0], weight.shape[0]
-        rank = 0 if group is None else dist.get_rank(group)
-        # this rank's rows of the vocabulary are [first, first + real); the rest is padding
-        first = rank * rows
-        real = max(0, min(rows, vocab_size - first))
-        want_grad = real > 0 and (grad_x or grad_w)
-        # (-100: the target F.cross_entropy ignores by default, as HF's labels mark padding)
-        valid = targets != -100
-        # the targets whose logit this rank holds (never -100: first >= 0); the others point at row
-        # 0, masked below
-        ours = (targets >= first) & (targets < first + real)
-        target_rows = torch.where(ours, targets - first, 0).unsqueeze(1)
-        mask = valid.to(x.dtype).unsqueeze(1)
-        # per token: the target's logit, and the log-sum-exp (a rank of padding only adds
-        # exp(-inf) = 0)
-        target_logit = x.new_zeros(N, dtype=torch.float32)
-        lse = x.new_full((N,), -math.inf, dtype=torch.float32)
-        # the one logits buffer, reused by every chunk
-        buf = x.new_empty(min(n, N), real, dtype=torch.float32)
-        dx = torch.zeros_like(x) if grad_x else None
-        dW = torch.zeros_like(weight, dtype=torch.float32) if grad_w else None
-        for s in range(0, N, n):
-            # (a slice past N ends at N)
-            chunk = slice(s, s + n)
-            xc = x[chunk]
-            logits = buf[:len(xc)]
-            if real:
-                _mm_f32(xc, weight[:real].t(), out=logits)
-                # Everything in place on the chunk's buffer, which is far bigger than the caches:
-                # each pass over it costs a trip to memory. softmax is one fused row-wise pass with
-                # one exp per logit (log_softmax then exp would be two passes and two exps); the
-                # loss comes from the two cheap reductions around it: logsumexp = max - log(max
-                # softmax), exact and never log(0).
-                target_logit[chunk] = logits.gather(1, target_rows[chunk]).squeeze(1)
-                top = logits.amax(1)
-                torch.softmax(logits, 1, out=logits)
-                lse[chunk] = top - logits.amax(1).log()
-            if group is not None:
-                # the whole vocabulary's log-sum-exp; our softmax becomes our share of it
-                every = lse.new_empty(dist.get_world_size(group) * len(xc))
-                dist.all_gather_single(every, lse[chunk], group=group)
-                whole = every.view(-1, len(xc)).logsumexp(0)
-                if want_grad:
-                    logits.mul_((lse[chunk] - whole).exp().unsqueeze(1))
-                lse[chunk] = whole
-            if not want_grad:
-                continue
-            # g = softmax - onehot
-            logits.scatter_add_(1, target_rows[chunk], -ours[chunk, None].float())
-            if weight.dtype == torch.float16:
-                # fp16 flushes what is below 2^-24 and rounds what is below 2^-14: the unlikely
-                # tokens' probabilities, which plain autograd's g carries times the loss scale. LIFT
-                # does that here (dx, dW come out LIFT times too: backward divides)
-                logits.mul_(LIFT)
-            # ignored rows still hold a softmax in g; we zero their contribution on the small
-            # [n, h] side (dx rows, x rows) instead of another pass over the [n, V] buffer
-            g = logits.to(weight.dtype)
-            if grad_x:
-                torch.mm(g, weight[:real], out=dx[chunk]).mul_(mask[chunk])
-            if grad_w:
-                _acc_mm_(dW[:real], g.t(), xc * mask[chunk])
-        target_sum = torch.where(ours, target_logit, 0).sum()
-        if group is not None:
-            # each target's logit lives on one rank
-            dist.all_reduce(target_sum, group=group)
+        with torch.autocast(x.device.type, enabled=False):
+            loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, n, grad_x, grad_w, group,
+                                                 vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
-        # from, and saved-tensor hooks (offload.py) must not move them to the host. count: a
-        # tensor, no host sync
-        ctx.count, ctx.dx, ctx.dW = valid.sum(), dx, dW
+        # from, and saved-tensor hooks (offload.py) must not move them to the host
+        ctx.count, ctx.dx, ctx.dW = count, dx, dW
         ctx.lift = LIFT if weight.dtype == torch.float16 else 1.0
-        return ((lse * valid).sum() - target_sum) / ctx.count.clamp(min=1)
+        return loss_sum / count.clamp(min=1)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -394,10 +398,8 @@ def chunked_cross_entropy(x, weight, targets, chunks, group=None, vocab_size=Non
     n = max(1, math.ceil(x.shape[0] / chunks))
     # eval under no_grad: logits only (needs_input_grad doesn't see no_grad)
     x, weight = _autocast(x, weight)
-    # our matmuls run by hand (see _autocast)
-    with torch.autocast(x.device.type, enabled=False):
-        return _ChunkedCrossEntropy.apply(x, weight, targets, n, group, vocab_size,
-                                          torch.is_grad_enabled())
+    return _ChunkedCrossEntropy.apply(x, weight, targets, n, group, vocab_size,
+                                      torch.is_grad_enabled())
 
 
 # ------------------------------------------------------------------------- attention by head groups
@@ -412,9 +414,13 @@ def head_groups(group, groups, x, *args):
     keeps x alone (the norm's output, which the block holds anyway) and frees the group's q, k, v,
     output and the kernel's memory before the next group starts; backward runs the group again,
     then its backward."""
-    y = checkpoint(group, x, *args, 0, groups, use_reentrant=False)
-    for g in range(1, groups):
-        y = y + checkpoint(group, x, *args, g, groups, use_reentrant=False)
+    y = None
+    for g in range(groups):
+        y_g = checkpoint(group, x, *args, g, groups, use_reentrant=False)
+        if y is None:
+            y = y_g
+        else:
+            y = y + y_g
     return y
 
 
@@ -451,29 +457,27 @@ def apply(model, knobs, ulysses=1, vocab_group=None):
     chunk keeps no log-softmax, faster than F.cross_entropy's path, with a third of its memory),
     vocabulary parallel over vocab_group (the tensor-parallel ranks whose rows of the vocabulary
     the head holds)."""
+    c = knobs
     for block in model.layers.values():
         mlp = block.feed_forward
-        if isinstance(mlp, MLP) and knobs.mlp_chunks != 1:
-            block.feed_forward = ChunkedMLP(mlp, knobs)
+        if isinstance(mlp, MLP) and c.mlp_chunks != 1:
+            block.feed_forward = ChunkedMLP(mlp, c)
         if isinstance(mlp, MoE):
-            mlp.experts = GroupedExperts(mlp.experts, knobs)
+            mlp.experts = GroupedExperts(mlp.experts, c)
         attention = block.attention
         heads = attention.wq.weight.shape[0] // attention.head_dim
         kv_heads = attention.wk.weight.shape[0] // attention.head_dim
-        groups = attention_chunks(knobs, heads, kv_heads, ulysses)
+        groups = attention_chunks(c, heads, kv_heads, ulysses)
         if groups != 1:
             block.attention = HeadGroups(attention, groups)
     # (a pipeline stage before the last has no head)
     if model.output is not None:
-        model.output = ChunkedHead(model.output.weight, knobs, vocab_group)
+        model.output = ChunkedHead(model.output.weight, c, vocab_group)
     return model
 
 
-def adopt(new, module):
-    """new (a module being made) starts as a bare nn.Module, not its class's __init__ (which would
-    make new modules), and takes module's children under their own names: its parameters and
-    state dict are module's."""
-    nn.Module.__init__(new)
+def _adopt(module, new):
+    """new (a module being made) takes module's children under their own names."""
     for name, child in module.named_children():
         new.add_module(name, child)
 
@@ -483,7 +487,8 @@ class ChunkedMLP(MLP):
     sequence's tokens (0: counted from its length at every forward)."""
 
     def __init__(self, mlp, config):
-        adopt(self, mlp)
+        nn.Module.__init__(self)
+        _adopt(mlp, self)
         self.config = config
 
     def forward(self, x):
@@ -514,7 +519,8 @@ class HeadGroups(Attention):
     of wo, one group at a time. Sampling (a kv cache) runs all heads at once."""
 
     def __init__(self, attention, groups):
-        adopt(self, attention)
+        nn.Module.__init__(self)
+        _adopt(attention, self)
         self.window, self.head_dim, self.groups = attention.window, attention.head_dim, groups
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
@@ -537,7 +543,8 @@ class ChunkedHead(nn.Module):
 
     def __init__(self, weight, config, group=None):
         super().__init__()
-        self.weight, self.config, self.group = weight, config, group
+        self.weight = weight
+        self.chunks, self.vocab_size, self.group = config.loss_chunks, config.vocab_size, group
 
     def forward(self, x, targets=None):
         if targets is None:
@@ -545,5 +552,5 @@ class ChunkedHead(nn.Module):
                 raise NotImplementedError("logits under tensor parallelism: sample in one process "
                                           "(sample.py)")
             return F.linear(x, self.weight)
-        return None, chunked_cross_entropy(x, self.weight, targets, self.config.loss_chunks,
-                                           self.group, self.config.vocab_size)
+        return None, chunked_cross_entropy(x, self.weight, targets, self.chunks, group=self.group,
+                                           vocab_size=self.vocab_size)

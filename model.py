@@ -244,7 +244,7 @@ class Attention(nn.Module):
         self.enter_tp = NoCollective()
         self.leave_tp = NoCollective()
 
-    def forward(self, x, cos, sin, docs, kv_cache):
+    def forward(self, x, cos, sin, docs=None, kv_cache=None):
         q, k, v = self.project(x, cos, sin)
         if kv_cache is not None:
             return self.finish(self.cached(q, k, v, kv_cache))

@@ -56,10 +56,11 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn, CheckpointPolicy)
+                                    CheckpointPolicy)
 
 import chunked
 from model import Block
@@ -190,12 +191,13 @@ def apply(model, knobs):
     torchtitan applies checkpointing: model.layers[i] becomes a Policy holding the block's own
     modules. Apply once the knobs are final (train.py builds the model after auto_memory), and
     once."""
+    c = knobs
     # nothing to keep, recompute or offload (the default): no block is wrapped, the model runs as
     # model.py writes it (the wrapper would only call the block's own forward)
-    if knobs.recompute == 'none' and knobs.offload == 0:
+    if c.recompute == 'none' and c.offload == 0:
         return model
     for i, block in list(model.layers.items()):
-        model.layers[i] = Policy(block, knobs, int(i))
+        model.layers[i] = Policy(block, c, int(i))
     return model
 
 
@@ -206,19 +208,22 @@ class Policy(Block):
 
     def __init__(self, block, config, i):
         # not Block.__init__: that would make new modules; these are the block's
-        chunked.adopt(self, block)
+        nn.Module.__init__(self)
+        for name, module in block.named_children():
+            self.add_module(name, module)
         self.config = config
         self.i = i
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
+        c = self.config
         if kv_cache is not None or not torch.is_grad_enabled():
             # sampling or evaluation: nothing is kept for a backward
             return super().forward(x, cos, sin, docs, kv_cache)
         # (blocks 0..k-1: `<`, as torch.compile may trace i as a symbolic int, which `in` can't
         # take)
-        if self.i < len(offloaded_blocks(self.config)):
+        if self.i < len(offloaded_blocks(c)):
             return _offload(self, x, cos, sin, docs)
-        return _keep_or_recompute(self.hooked, self.config.recompute, x, cos, sin, docs)
+        return _keep_or_recompute(self.hooked, c.recompute, x, cos, sin, docs)
 
     def hooked(self, x, cos, sin, docs):
         """Block's forward, its attention half's output hooked for block i-1's prefetch."""
@@ -254,10 +259,9 @@ def _keep_or_recompute(forward, recompute, *args):
     SDPA saves, any kernel)."""
     if recompute == 'none':
         return forward(*args)
-    # ('full': checkpoint's default context, which keeps nothing)
-    context = noop_context_fn
-    if recompute == 'selective':
-        context = partial(create_selective_checkpoint_contexts, _keep_attention)
+    if recompute == 'full':
+        return checkpoint(forward, *args, use_reentrant=False)
+    context = partial(create_selective_checkpoint_contexts, _keep_attention)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
 
 
@@ -334,9 +338,11 @@ class _Split:
         q, k, v = checkpoint(self.qkv, first, 0, self.s0, use_reentrant=False)
         if self.s0 < self.S:  # (an empty view of x would keep all of x alive)
             second = x[:, self.s0:]
-            # 2. Then q, k, v each joined with the second range's: in each run of S tokens (one per
-            # tp rank under sequence parallelism), the first range's tokens, then the second's
-            q, k, v = map(self.join, (q, k, v), self.qkv(second, self.s0, self.S))
+            # 2.
+            q2, k2, v2 = self.qkv(second, self.s0, self.S)
+            # in each run of S tokens (one per tp rank under sequence parallelism): the first
+            # range's tokens, then the second's
+            q, k, v = self.join(q, q2), self.join(k, k2), self.join(v, v2)
         # 3.
         a = self.block.attention.core(q, k, v, self.docs, self.block.attention.window)
         self.replay = self.saved.pack(a)
@@ -355,8 +361,9 @@ class _Split:
 
     def qkv(self, x, lo, hi):
         """Steps 1 and 2: q, k, v of tokens [lo, hi) of each run (x: theirs)."""
+        block = self.block
         cos, sin = self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi)
-        return self.block.attention.project(self.block.attention_norm(x), cos, sin)
+        return block.attention.project(block.attention_norm(x), cos, sin)
 
     def rest_first(self, x):
         """Step 5, and its recompute in backward (6): the first range's rest."""
@@ -427,11 +434,10 @@ class Offloaded:
             self.host, offset = [], 0
             for t in self.tensors:
                 # with t's strides where t is dense (attention's output is [B, S, H, hd] in memory):
-                # it comes back with them, and what backward views of it stays a view, not a copy.
-                # (non_blocking: between a CPU and a GPU only; a CPU's own copy is done at once)
+                # it comes back with them, and what backward views of it stays a view, not a copy
                 stride = torch.empty_like(t, device='meta').stride()
                 carved = self.buffer.data[offset:offset + t.nbytes].view(t.dtype)
-                self.host.append(carved.as_strided(t.shape, stride).copy_(t, non_blocking=True))
+                self.host.append(carved.as_strided(t.shape, stride).copy_(t, non_blocking=dev.cuda))
                 offset += _align(t.nbytes)
             sent = _mark(dev)
         if not dev.fake:  # a dry run's fake bytes are not moved
@@ -454,7 +460,7 @@ class Offloaded:
         with torch.cuda.stream(dev.h2d):
             _wait(ready)
             for t, h in zip(self.tensors, self.host):
-                t.copy_(h, non_blocking=True)
+                t.copy_(h, non_blocking=dev.cuda)
             self.back = _mark(dev)
         if not dev.fake:
             _stats['bytes_to_device'] += sum(h.nbytes for h in self.host)

@@ -141,9 +141,8 @@ class MasterWeights:
         if isinstance(self.optimizers[0], AdamWInBackward):
             return  # backward took every parameter's step
         for m, x in zip(self.masters, self.pieces):
-            # FSDP2's DTensor: its gradient's local rows are its piece's (a plain master is its
-            # own piece: its .grad stays)
-            x.grad = local(m.grad)
+            if x is not m:  # FSDP2's DTensor: its gradient's local rows are its piece's
+                x.grad = local(m.grad)
         for opt in self.optimizers:
             if opt.defaults.get('fused'):
                 # fused AdamW reads found_inf on the device, as GradScaler hands it over: 1 skips
