@@ -150,7 +150,8 @@ def test_no_private_names_across_files_and_no_torch_internals(path):
         assert '=' in call.split(',')[0], (path, call)
 
 
-@pytest.mark.parametrize('path', ALL + [os.path.join(ROOT, 'README.md')],
+@pytest.mark.parametrize('path', ALL + [os.path.join(ROOT, 'README.md')]
+                         + sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md'))),
                          ids=lambda p: os.path.relpath(p, ROOT))
 def test_nothing_cites_files_outside_the_repository(path):
     with open(path) as f:
