@@ -1,6 +1,7 @@
 """
-Benchmark of the memory knobs on the CPU (issue 3, "Benchmark"); prints a markdown table and appends
-it, with the command, machine, torch version, date and load averages, to bench/RESULTS.md.
+Benchmark of the memory knobs on the CPU (issue 3, "Benchmark"); prints a markdown table with the
+command, machine, torch version, date and load averages; --results=bench/RESULTS.md appends it there as a
+new section (bench/RESULTS.md is curated by hand: one section per claim).
 
   --mode=step  one training step (forward + backward + AdamW step) of a 2-layer Llama, width 256,
                4 heads (4 kv heads), intermediate 768, vocabulary 128,256, batch 1, fp32, at each of
@@ -122,7 +123,7 @@ cp = 2                        # docs mode: ring attention's ranks (0: one proces
 one_process = True            # docs mode: time model.attention in one process too (False: ring only)
 rank_threads = 1              # docs mode: threads of each process, the one and each ring rank
 label = ''                    # moe mode: what code ran, for the table's title (e.g. "before: main's moe.py")
-results = 'bench/RESULTS.md'  # '' = print only
+results = ''  # 'bench/RESULTS.md': append the table there as a new section (then curate it)
 worker = ''                   # internal: run one variant in this process and print JSON
 seed = 1337
 # -----------------------------------------------------------------------------

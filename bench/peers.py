@@ -37,8 +37,8 @@ way), the largest of the rounds; on a GPU torch.cuda.max_memory_allocated's rise
 --mem_gb: after the table, for each system the longest length whose step's peak stays within it
 (lengths doubling from 1,024 up to --max_len; a length is skipped, and the search ends, when the
 last two measured peaks, extrapolated linearly, already exceed it by a fifth: this box's 24 GiB is
-not to be run into). --mem_gb=0 skips the search. The table is appended to bench/RESULTS.md with the
-command, machine, versions and load averages.
+not to be run into). --mem_gb=0 skips the search. The table is printed with the command, machine,
+versions and load averages; --results=bench/RESULTS.md appends it there as a new section.
 
 Install the peers first (not in requirements.txt):
     pip install transformers                    # the CPU comparison
@@ -78,7 +78,7 @@ steps = 2                        # timed steps in each process; the median of al
 mem_gb = 0.0                     # the longest length each fits in this much; 0 = no search
 max_len = 65536                  # the search's longest length
 threads = 0                      # torch.set_num_threads; 0 = torch's default
-results = 'bench/RESULTS.md'     # '' = print only
+results = ''  # 'bench/RESULTS.md': append the table there as a new section (then curate it)
 model_dir = ''                   # internal: the HF directory the workers load
 worker = ''                      # internal: run one (system, length) here and print JSON
 seed = 1337

@@ -13,11 +13,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README_LIMIT = 15_000  # characters: about nanoGPT's README
+RESULTS_LIMIT = 30_000  # bench/RESULTS.md: one section per claim, superseded runs removed
 
 
 def documents(root=ROOT):
-    """README.md and every page of docs/: {path: text}."""
-    paths = [root / 'README.md'] + sorted((root / 'docs').glob('*.md'))
+    """README.md, every page of docs/ and bench/RESULTS.md: {path: text}."""
+    paths = [root / 'README.md', root / 'bench' / 'RESULTS.md'] + sorted((root / 'docs').glob('*.md'))
     return {path: path.read_text() for path in paths}
 
 
@@ -74,8 +75,9 @@ def table_keys(text):
     return keys
 
 
-def test_readme_is_short():
+def test_readme_and_the_results_are_short():
     assert len((ROOT / 'README.md').read_text()) <= README_LIMIT
+    assert len((ROOT / 'bench' / 'RESULTS.md').read_text()) <= RESULTS_LIMIT
 
 
 def test_every_relative_link_resolves():
