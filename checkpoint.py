@@ -48,18 +48,15 @@ import parallel
 # ------------------------------------------------------------------------- where each piece lies
 @functools.cache
 def _device_mesh(world, tp, shards, device_type, pp, cp, ep):
-    """All ranks as a DeviceMesh (pp, shards, tp/shards, dp·cp): a tensor split `shards` ways over
-    the tp ranks, each piece held by tp/shards of them (kv heads when K < t; else shards = t). tp
-    comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names are its
-    own: pp replicates.) With ep > 1 (experts) dp·cp is two dimensions, (ep, dp·cp/ep): the ep
-    ranks' experts, then FSDP2's rows of them over the ranks holding the same ones (parallel.py's
-    groups)."""
-    # [dp, pp, cp, tp] -> [pp, tp, dp, cp]
+    """All ranks as a DeviceMesh (pp, shards, tp/shards, ep, dp·cp/ep): a tensor split `shards`
+    ways over the tp ranks, each piece held by tp/shards of them (kv heads when K < t; else shards
+    = t). tp comes before dp·cp: an FSDP2 share is rows of this rank's tp shard. (A stage's names
+    are its own: pp replicates.) dp·cp is two dimensions, (ep, dp·cp/ep): the ep ranks' experts,
+    then FSDP2's rows of them over the ranks holding the same ones (parallel.py's groups); with ep
+    = 1 (every tensor but experts) the first is of size 1 and the second all dp·cp ranks."""
+    # [dp, pp, cp, tp] -> [pp, tp, dp, cp] -> [pp, tp, ep, dp·cp/ep]
     ranks = torch.arange(world).view(-1, pp, cp, tp).permute(1, 3, 0, 2)
-    ranks = ranks.reshape(pp, shards, tp // shards, -1)
-    if ep == 1:
-        return DeviceMesh(device_type, ranks, mesh_dim_names=('pp', 'tp', 'tp_copy', 'dpcp'))
-    ranks = ranks.unflatten(-1, (-1, ep)).transpose(-1, -2)
+    ranks = ranks.reshape(pp, shards, tp // shards, -1, ep).transpose(-1, -2)
     return DeviceMesh(device_type, ranks, mesh_dim_names=('pp', 'tp', 'tp_copy', 'ep', 'edp'))
 
 def _placed(name, mesh, config, full, fsdp_dim, local):
@@ -71,19 +68,17 @@ def _placed(name, mesh, config, full, fsdp_dim, local):
     if mesh.world == 1 or (spec is None and fsdp_dim is None and ep == 1):
         # every rank holds the same tensor: DCP's one copy is right
         return local
-    if spec is None:
-        # a norm: whole on every tp rank
-        on_tp, shards = Replicate(), mesh.tp
-    elif spec[1] == 'kv':
+    # a norm (no spec): whole on every tp rank
+    on_tp = Replicate() if spec is None else Shard(spec[0])
+    shards = mesh.tp
+    if spec and spec[1] == 'kv':
         # K kv heads over t ranks: when K < t, each is on t/K of them
-        on_tp, shards = Shard(0), min(config.n_kv_head, mesh.tp)
-    else:
-        on_tp, shards = Shard(spec[0]), mesh.tp
-    on_dpcp = [Replicate() if fsdp_dim is None else Shard(fsdp_dim)]
-    if ep > 1:
-        on_dpcp.insert(0, Shard(0))
+        shards = min(config.n_kv_head, mesh.tp)
+    # the experts split over the ep ranks, FSDP2's rows over the ranks that hold the same ones
+    on_ep = Shard(0) if ep > 1 else Replicate()
+    on_edp = Replicate() if fsdp_dim is None else Shard(fsdp_dim)
     where = _device_mesh(mesh.world, mesh.tp, shards, local.device.type, mesh.pp, mesh.cp, ep)
-    return DTensor.from_local(local, where, [Replicate(), on_tp, Replicate(), *on_dpcp],
+    return DTensor.from_local(local, where, [Replicate(), on_tp, Replicate(), on_ep, on_edp],
                               shape=full.shape, stride=full.stride())
 
 def state_dict(model, optimizer, mesh, data_gen):

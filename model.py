@@ -137,9 +137,7 @@ def attention(q, k, v, docs=None, window=0, varlen=None):
         # no documents, or one a row (each row begins one): the whole rows' causal attention, SDPA's
         # dense kernel (on one long document faster than varlen's: bench/RESULTS.md)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if varlen is None:
-        varlen = q.is_cuda
-    if varlen:
+    if varlen or (varlen is None and q.is_cuda):
         return one_kernel(q, k, v, docs, window)
     return per_document(q, k, v, docs, window)
 
@@ -472,9 +470,9 @@ class Llama(nn.Module):
         s = c.rope_scaling or {}
         # config.json's dict first: a config HF can't say is refused before anything is written
         hf = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG.items()}
-        hf.update(architectures=['LlamaForCausalLM'], model_type='llama', hidden_act='silu',
-                  head_dim=c.head_dim, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-                  attention_bias=False, mlp_bias=False,
+        hf.update(model_type='llama', hidden_act='silu', head_dim=c.head_dim,
+                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, attention_bias=False,
+                  mlp_bias=False,
                   # the context scaled to: transformers checks that YaRN's factor is this over the
                   # original's
                   max_position_embeddings=int(s.get('factor', 1)
@@ -485,18 +483,18 @@ class Llama(nn.Module):
         # (not mixed: every layer's window is layer 0's)
         if mixed or c.window(0):
             # Mistral: a Llama whose every layer sees the last sliding_window keys
-            hf.update(architectures=['MistralForCausalLM'], model_type='mistral',
-                      sliding_window=c.sliding_window)
+            hf.update(model_type='mistral', sliding_window=c.sliding_window)
         if mixed:
             # Ministral: a Llama whose layer_types say which layers are windowed
-            hf.update(architectures=['MinistralForCausalLM'], model_type='ministral',
-                      layer_types=c.layer_types)
+            hf.update(model_type='ministral', layer_types=c.layer_types)
         if c.n_experts:
             if mixed:
                 raise ValueError("layer_types: Mixtral windows every layer or none")
             # (sliding_window stays: Mixtral windows every layer with it)
             hf.update({theirs: getattr(c, ours) for ours, theirs in HF_MOE_CONFIG.items()},
-                      architectures=['MixtralForCausalLM'], model_type='mixtral')
+                      model_type='mixtral')
+        # transformers' class is the family's: LlamaForCausalLM, MistralForCausalLM, ...
+        hf['architectures'] = [f"{hf['model_type'].capitalize()}ForCausalLM"]
         os.makedirs(out_dir, exist_ok=True)
         state = {}
         for ours, theirs in _hf_names(c).items():

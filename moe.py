@@ -196,7 +196,7 @@ def moe_layers(model):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def memory_terms(config, batch, sequence, b, t=1, ep=1, chunks=1, dense_chunks=1):
+def memory_terms(config, batch, sequence, b, t, ep, chunks, dense_chunks):
     """memory.py's terms for one layer's MoE (the header's; zeros for a dense model), b bytes an
     element, on a rank of `batch` sequences of `sequence` tokens, T = batch·sequence of them (under
     tp all t ranks' tokens, which the experts take): (the bytes it keeps per token beyond what

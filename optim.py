@@ -127,12 +127,12 @@ class MasterWeights:
         self.rows = [vocab_rows if shard_spec(n, config, mesh.tp) == (0, 'vocab') else p.shape[0]
                      for n, p in named_params]
         # the state now, not in step 1: step 1's memory is every step's; DCP loads into it
-        self.state = {}
+        self.state, self.param_groups = {}, []
         for opt in optimizers:
+            self.param_groups += opt.param_groups
             for group in opt.param_groups:
                 for x in group['params']:
                     self.state[x] = opt.state[x] = new_state(opt, group, x)
-        self.param_groups = [group for opt in optimizers for group in opt.param_groups]
 
     @torch.no_grad()
     def step(self, found_inf=None):
@@ -148,9 +148,9 @@ class MasterWeights:
                 # fused AdamW reads found_inf on the device, as GradScaler hands it over: 1 skips
                 # the whole update, weight decay and step count
                 opt.found_inf = found_inf
-                opt.step()
-            elif found_inf is None or not found_inf.item():
-                opt.step()
+            elif found_inf is not None and found_inf.item():
+                continue  # the others skip on the host
+            opt.step()
         for p, x in zip(self.params, self.pieces):
             # the bf16 weights from their fp32 masters
             if x.dtype != p.dtype:
@@ -171,9 +171,9 @@ class LossScaler:
         self.enabled = enabled
         self.factor, self.clean, self.found_inf, self.skipped = 1.0, None, None, 0
         if enabled:
-            scale, clean = state or (2.0 ** 16, 0)
-            self.factor = torch.tensor(float(scale), device=device)
-            self.clean = torch.tensor(float(clean), device=device)
+            # [scale, clean steps]: two fp32 scalars on the device
+            self.factor, self.clean = torch.tensor(state or [2.0 ** 16, 0], dtype=torch.float32,
+                                                   device=device)
 
     def scale(self, loss):
         """What backward runs on: loss times the scale."""

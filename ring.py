@@ -89,17 +89,18 @@ def ring_shift(x, group, hop, size):
 def flash_error(device_type, dtype, head_dim):
     """None, or why ring attention's fused flash kernel can't run here (check_layout asks up
     front)."""
-    if device_type not in ('cuda', 'cpu'):
+    if device_type == 'cpu':
+        return None
+    if device_type != 'cuda':
         return (f"cp_impl='ring' calls flash attention on CUDA or a CPU, not {device_type} "
                 "(use cp_impl='ulysses')")
-    if device_type == 'cuda':
-        cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return (f"{cuda} bfloat16 or float16, not {dtype} "
-                    "(use dtype='bfloat16' or cp_impl='ulysses')")
-        if head_dim > 256 or head_dim % 8:
-            return (f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} "
-                    "(use cp_impl='ulysses')")
+    cuda = "cp_impl='ring' on CUDA calls flash attention, which needs"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return (f"{cuda} bfloat16 or float16, not {dtype} "
+                "(use dtype='bfloat16' or cp_impl='ulysses')")
+    if head_dim > 256 or head_dim % 8:
+        return (f"{cuda} head_dim <= 256 and a multiple of 8, not {head_dim} "
+                "(use cp_impl='ulysses')")
     return None
 
 
@@ -134,17 +135,19 @@ def _mask(n_q, n_k, window, dtype):
     return torch.where(seen, 0.0, -torch.inf).to(dtype)
 
 
-def _cpu_documents(cu_q, cu_k, window, dtype):
-    """Each document's (its q rows, its k rows, as slices; the CPU kernel's keywords: causal, the
-    window's mask where the window is more than causal or nothing)."""
+def _cpu_documents(q, k, v, cu_q, cu_k, window):
+    """Each document's (its q rows, as a slice; the CPU kernel's keywords: its rows of q, k, v,
+    causal, the window's mask where the window is more than causal or nothing)."""
     for (a, b), (c, d) in zip(pairwise(cu_q), pairwise(cu_k)):
+        rows, cols = slice(a, b), slice(c, d)
         # the kernel's causal (which skips the blocks past the diagonal) lines the first query up
         # with the first key: flash's where both sides are as long. Any other window is a mask
         causal = window[1] == 0 and b - a == d - c
         mask = None
         if window != (-1, -1) and not (causal and window[0] < 0):
-            mask = _mask(b - a, d - c, window, dtype)
-        yield slice(a, b), slice(c, d), dict(is_causal=causal, attn_mask=mask)
+            mask = _mask(b - a, d - c, window, q.dtype)
+        yield rows, dict(query=_one(q, rows), key=_one(k, cols), value=_one(v, cols),
+                         is_causal=causal, attn_mask=mask)
 
 
 def flash(q, k, v, cu_q, cu_k, window):
@@ -168,10 +171,9 @@ def flash(q, k, v, cu_q, cu_k, window):
             query=q, key=k, value=v, dropout_p=0.0, return_debug_mask=False, **saved)
         return out, lse, dict(saved, rng_state=rng_state, unused=unused)
     outs, lses = [], []
-    for rows, cols, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
+    for rows, how in _cpu_documents(q, k, v, cu_q, cu_k, window):
         # a document: its rows of q, its cols of k, v
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query=_one(q, rows), key=_one(k, cols), value=_one(v, cols), dropout_p=0.0, **how)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(dropout_p=0.0, **how)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1), {}
@@ -186,12 +188,11 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, window, saved):
             grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, dropout_p=0.0,
             **saved)
     grads = []
-    for rows, cols, how in _cpu_documents(cu_q, cu_k, window, q.dtype):
+    for rows, how in _cpu_documents(q, k, v, cu_q, cu_k, window):
         # as flash's loop: one document at a time
         doc_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out=_one(dout, rows), query=_one(q, rows), key=_one(k, cols),
-            value=_one(v, cols), out=_one(out, rows), logsumexp=lse[None, :, rows], dropout_p=0.0,
-            **how)
+            grad_out=_one(dout, rows), out=_one(out, rows), logsumexp=lse[None, :, rows],
+            dropout_p=0.0, **how)
         # its dq, dk, dv, tokens first
         grads.append([g[0].transpose(0, 1) for g in doc_grads])
     # each of dq, dk, dv: the documents' one after the other
@@ -280,13 +281,13 @@ def _visiting(kv, plan, group):
     attend, sent by it as kv heads (never repeated); the next step's arrive while we compute on
     these."""
     # step 0: our own tokens, each of which attends itself: all of kv, as it is
-    arriving = ring_shift(kv, group, 0, kv.shape[1])
+    visiting = kv
     for step, (_, size, sent) in enumerate(plan[1:], 1):
-        # this step's k, v are here; post the transfer of the next's, then compute on these
-        visiting = arriving()
+        # post the transfer of the next step's k, v, compute on these, then wait for the next's
         arriving = ring_shift(kv[:, sent], group, step, size)
         yield visiting
-    yield arriving()
+        visiting = arriving()
+    yield visiting
 
 
 def _tokens_first(t):
@@ -304,14 +305,15 @@ class RingAttention(Function):
     visiting tokens' dk, dv go home."""
 
     @staticmethod
-    def forward(ctx, group, q, k, v, docs=None, window=0):
+    def forward(ctx, group, q, k, v, docs, window):
         B = len(q)
         q, kv = _tokens_first(q), torch.stack([_tokens_first(k), _tokens_first(v)])
         # the output so far and its log-sum-exp per query token and head, fp32
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:2], -torch.inf, dtype=torch.float32)
         ctx.saved, ctx.group = [], group
-        ctx.plan = ring_plan(docs, B, len(q) // B // 2, window, group, q.device)
+        # n: half of our 2n tokens, one chunk
+        ctx.plan = ring_plan(docs, B, k.shape[2] // 2, window, group, q.device)
         # q heads per kv head: flash wants as many kv heads
         ctx.repeats = q.shape[1] // kv.shape[2]
         for (parts, _, _), visiting in zip(ctx.plan, _visiting(kv, ctx.plan, group)):
