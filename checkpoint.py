@@ -126,11 +126,12 @@ def _one_line(what):
         with warnings.catch_warnings():
             warnings.filterwarnings('ignore', 'torch.distributed is disabled, unavailable or')
             yield
-    except (CheckpointException, pickle.UnpicklingError, OSError, ValueError) as e:
+    except (CheckpointException, pickle.UnpicklingError, OSError, ValueError, EOFError) as e:
         if isinstance(e, CheckpointException):
             e = next(iter(e.failures.values()))[0]
-        # its first sentence: torch's run on
+        # its first sentence: torch's run on. A cut file's EOFError says nothing: we say it
         why = str(e).strip().replace('. ', '\n').partition('\n')[0]
+        why = why or 'a file ends early (cut short)'
         raise Error(f"{what}: {type(e).__name__}: {why}") from None
 
 

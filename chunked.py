@@ -135,6 +135,10 @@ def _autocast(*tensors):
         return tensors
     return [t.to(torch.get_autocast_dtype(device)) for t in tensors]
 
+def _no_autocast(x):
+    """Autocast off on x's device, inside our Functions (see _autocast)."""
+    return torch.autocast(x.device.type, enabled=False)
+
 def _mm_f32(a, b, out):
     """out (fp32) = a @ b. cuBLAS writes fp32 straight from bf16 inputs; the CPU has no such mm,
     so there we round the product to bf16 first (what the plain path's bf16 logits do anyway)."""
@@ -169,11 +173,12 @@ def _mm(a, b, offsets, out=None):
         return y
     return out.copy_(y)
 
-def _offsets(offsets, s, n):
-    """The groups' offsets (see _mm; None: no groups) within rows [s, s + n) of a."""
-    if offsets is None:
-        return None
-    return (offsets - s).clamp(0, n)
+def _chunks(N, n, offsets=None):
+    """Rows [0, N) n at a time: each chunk's slice (a slice past N ends at N) and the groups'
+    offsets within its rows (see _mm; None: no groups)."""
+    for s in range(0, N, n):
+        within = None if offsets is None else (offsets - s).clamp(0, n)
+        yield slice(s, s + n), within
 
 
 # ----------------------------------------------------------------------------- mini-sequence MLP
@@ -186,35 +191,35 @@ def _offsets(offsets, s, n):
 class _ChunkedMLP(torch.autograd.Function):
     """x [N, h] (every batch row's tokens, flattened) in chunks of n tokens. Experts (moe.py):
     weights [E, ...] and offsets, where each one's rows end (None: one MLP); a chunk of rows is
-    cut wherever it falls, its own offsets (_offsets) giving each row its expert."""
+    cut wherever it falls, its own offsets (_chunks) giving each row its expert."""
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, n, offsets):
         # all we keep: the input (and the weights, kept anyway)
         ctx.save_for_backward(x, w1, w3, w2)
         ctx.n, ctx.offsets = n, offsets
-        y = x.new_empty(x.shape[0], w2.shape[-2])
-        with torch.autocast(x.device.type, enabled=False):
-            for s in range(0, x.shape[0], n):
-                xc, o = x[s:s + n], _offsets(offsets, s, n)
+        y = x.new_empty(len(x), w2.shape[-2])
+        with _no_autocast(x):
+            for chunk, o in _chunks(len(x), n, offsets):
+                xc = x[chunk]
                 # two statements: the previous chunk's `a` is freed before x W3ᵀ is made (on one
                 # line three [n, I] buffers are alive at once: +0.30 GiB at 1M tokens)
                 a = F.silu(_mm(xc, w1.mT, o), inplace=True)  # a := silu(x W1ᵀ)
                 a.mul_(_mm(xc, w3.mT, o))                    # a := silu(x W1ᵀ) · x W3ᵀ
-                _mm(a, w2.mT, o, out=y[s:s + n])             # y = a W2ᵀ
+                _mm(a, w2.mT, o, out=y[chunk])               # y = a W2ᵀ
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        (x, w1, w3, w2), n, offsets = ctx.saved_tensors, ctx.n, ctx.offsets
+        x, w1, w3, w2 = ctx.saved_tensors
         # weight gradients accumulate over the chunks in fp32 (see _acc_mm_); None: not needed
         g1, g3, g2 = (w.new_zeros(w.shape, dtype=torch.float32) if need else None
                       for w, need in zip((w1, w3, w2), ctx.needs_input_grad[1:4]))
         dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        with torch.autocast(x.device.type, enabled=False):
-            for s in range(0, x.shape[0], n):
-                xc, gyc, o = x[s:s + n], gy[s:s + n], _offsets(offsets, s, n)
+        with _no_autocast(x):
+            for chunk, o in _chunks(len(x), ctx.n, ctx.offsets):
+                xc, gyc = x[chunk], gy[chunk]
                 # Three [n, I] buffers, each reused in place: a working set of 3·n·I·b bytes.
                 # silu'(a) = sig + silu·(1 - sig) needs sig and silu(a), not a: silu overwrites a.
                 a = _mm(xc, w1.mT, o)  # recompute this chunk only
@@ -232,7 +237,7 @@ class _ChunkedMLP(torch.autograd.Function):
                 _acc_mm_(g3, b.t(), xc, o)   # dW3 += d(x W3ᵀ)ᵀ x
                 if dx is not None:
                     # dx = d(x W1ᵀ) W1 + d(x W3ᵀ) W3
-                    _acc_mm_(_mm(g, w1, o, out=dx[s:s + n]), b, w3, o)
+                    _acc_mm_(_mm(g, w1, o, out=dx[chunk]), b, w3, o)
                 del a, b, g  # before the next chunk's buffers exist, not after
         # (autograd casts the fp32 sums to the weights' dtype)
         return dx, g1, g3, g2, None, None
@@ -280,7 +285,7 @@ def chunked_mlp(x, w1, w3, w2, chunks, offsets=None):
 def _ce_chunks(x, weight, targets, n, grad_x, grad_w, group, vocab_size):
     """x [N, h], weight [V, h] or this rank's [⌈V/t⌉, h], targets [N], n tokens a chunk ->
     (loss sum, count, dx·count, dW·count); dx, dW None where not wanted."""
-    N, rows = x.shape[0], weight.shape[0]
+    N, rows = len(x), len(weight)
     rank = 0 if group is None else dist.get_rank(group)
     # this rank's rows of the vocabulary are [first, first + real); the rest is padding
     first = rank * rows
@@ -300,9 +305,7 @@ def _ce_chunks(x, weight, targets, n, grad_x, grad_w, group, vocab_size):
     buf = x.new_empty(min(n, N), real, dtype=torch.float32)
     dx = torch.zeros_like(x) if grad_x else None
     dW = weight.new_zeros(weight.shape, dtype=torch.float32) if grad_w else None
-    for s in range(0, N, n):
-        # (a slice past N ends at N)
-        chunk = slice(s, s + n)
+    for chunk, _ in _chunks(N, n):
         xc = x[chunk]
         logits = buf[:len(xc)]
         if real:
@@ -352,7 +355,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, n, group, vocab_size, grad_enabled):
         grad_x, grad_w = (grad_enabled and need for need in ctx.needs_input_grad[:2])
-        with torch.autocast(x.device.type, enabled=False):
+        with _no_autocast(x):
             loss_sum, count, dx, dW = _ce_chunks(x, weight, targets, n, grad_x, grad_w, group,
                                                  vocab_size)
         # kept as attributes, not save_for_backward: these are results, not inputs to recompute
@@ -392,10 +395,11 @@ def chunked_cross_entropy(x, weight, targets, chunks, group=None, vocab_size=Non
     N = 2,048, V = 128,256). With a process group, weight is this rank's
     [⌈V/t⌉, h] rows of the vocabulary_size V (vocabulary parallel, above); every rank gets the
     loss."""
-    x, targets = x.reshape(-1, x.shape[-1]), targets.reshape(-1)
-    vocab_size = vocab_size or weight.shape[0]
-    chunks = chunks or auto_loss_chunks(x.shape[0], x.shape[1], vocab_size)
-    n = max(1, math.ceil(x.shape[0] / chunks))
+    x, targets = x.flatten(0, -2), targets.flatten()
+    vocab_size = vocab_size or len(weight)
+    # (x is [N, h] now)
+    chunks = chunks or auto_loss_chunks(*x.shape, vocab_size)
+    n = max(1, math.ceil(len(x) / chunks))
     # eval under no_grad: logits only (needs_input_grad doesn't see no_grad)
     x, weight = _autocast(x, weight)
     return _ChunkedCrossEntropy.apply(x, weight, targets, n, group, vocab_size,
@@ -433,10 +437,13 @@ def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysse
     split-KV accumulators (flash_api.cpp, set_params_splitkv), made only when B·a·Sa/64 can't fill
     the SMs (short sequences); cuBLAS's workspace (in the overhead)."""
     ring, G = cp_size > 1 and cp_impl == 'ring', c.attention_chunks  # (resolved: estimate)
-    # sp and Ulysses gather the whole sequence, for H/(t·c·G) heads; the ring keeps its S/c tokens
-    a, Sa = c.n_head // tp_size // cp_size // G, seq_len
+    # a rank's H/(t·G) heads; the ring keeps its S/c tokens of them, sp and Ulysses gather the
+    # whole sequence for H/(t·c·G) heads
+    a, Sa = c.n_head // tp_size // G, seq_len
     if ring:
-        a, Sa = c.n_head // tp_size // G, seq_len // cp_size
+        Sa = seq_len // cp_size
+    else:
+        a //= cp_size
     # then flash expands grouped kv heads itself (the ring repeats them before the kernel: a tensor)
     grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size // G) < a
     Sa_tiles, hd_tiles = -(-Sa // 128) * 128, -(-c.head_dim // 32) * 32  # rounded up to its tiles
@@ -457,29 +464,32 @@ def apply(model, knobs, ulysses=1, vocab_group=None):
     chunk keeps no log-softmax, faster than F.cross_entropy's path, with a third of its memory),
     vocabulary parallel over vocab_group (the tensor-parallel ranks whose rows of the vocabulary
     the head holds)."""
-    c = knobs
     for block in model.layers.values():
         mlp = block.feed_forward
-        if isinstance(mlp, MLP) and c.mlp_chunks != 1:
-            block.feed_forward = ChunkedMLP(mlp, c)
+        if isinstance(mlp, MLP) and knobs.mlp_chunks != 1:
+            block.feed_forward = ChunkedMLP(mlp, knobs)
         if isinstance(mlp, MoE):
-            mlp.experts = GroupedExperts(mlp.experts, c)
+            mlp.experts = GroupedExperts(mlp.experts, knobs)
         attention = block.attention
-        heads = attention.wq.weight.shape[0] // attention.head_dim
-        kv_heads = attention.wk.weight.shape[0] // attention.head_dim
-        groups = attention_chunks(c, heads, kv_heads, ulysses)
+        heads = len(attention.wq.weight) // attention.head_dim
+        kv_heads = len(attention.wk.weight) // attention.head_dim
+        groups = attention_chunks(knobs, heads, kv_heads, ulysses)
         if groups != 1:
             block.attention = HeadGroups(attention, groups)
     # (a pipeline stage before the last has no head)
     if model.output is not None:
-        model.output = ChunkedHead(model.output.weight, c, vocab_group)
+        model.output = ChunkedHead(model.output.weight, knobs, vocab_group)
     return model
 
 
-def _adopt(module, new):
-    """new (a module being made) takes module's children under their own names."""
+def adopt(new, module):
+    """new (a module being made, not by its class's __init__: that would make new modules) takes
+    module's children and parameters under their own names (its state dict is module's)."""
+    nn.Module.__init__(new)
     for name, child in module.named_children():
         new.add_module(name, child)
+    for name, parameter in module.named_parameters(recurse=False):
+        new.register_parameter(name, parameter)
 
 
 class ChunkedMLP(MLP):
@@ -487,8 +497,7 @@ class ChunkedMLP(MLP):
     sequence's tokens (0: counted from its length at every forward)."""
 
     def __init__(self, mlp, config):
-        nn.Module.__init__(self)
-        _adopt(mlp, self)
+        adopt(self, mlp)
         self.config = config
 
     def forward(self, x):
@@ -503,8 +512,7 @@ class GroupedExperts(Experts):
     rows end), the rows as one sequence of T·k tokens in mlp_chunks mini-sequences."""
 
     def __init__(self, experts, config):
-        nn.Module.__init__(self)
-        self.w1, self.w3, self.w2 = experts.w1, experts.w3, experts.w2
+        adopt(self, experts)
         self.config = config
 
     def forward(self, x, counts):
@@ -519,8 +527,7 @@ class HeadGroups(Attention):
     of wo, one group at a time. Sampling (a kv cache) runs all heads at once."""
 
     def __init__(self, attention, groups):
-        nn.Module.__init__(self)
-        _adopt(attention, self)
+        adopt(self, attention)
         self.window, self.head_dim, self.groups = attention.window, attention.head_dim, groups
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
@@ -543,8 +550,7 @@ class ChunkedHead(nn.Module):
 
     def __init__(self, weight, config, group=None):
         super().__init__()
-        self.weight = weight
-        self.chunks, self.vocab_size, self.group = config.loss_chunks, config.vocab_size, group
+        self.weight, self.config, self.group = weight, config, group
 
     def forward(self, x, targets=None):
         if targets is None:
@@ -552,5 +558,5 @@ class ChunkedHead(nn.Module):
                 raise NotImplementedError("logits under tensor parallelism: sample in one process "
                                           "(sample.py)")
             return F.linear(x, self.weight)
-        return None, chunked_cross_entropy(x, self.weight, targets, self.chunks, group=self.group,
-                                           vocab_size=self.vocab_size)
+        return None, chunked_cross_entropy(x, self.weight, targets, self.config.loss_chunks,
+                                           group=self.group, vocab_size=self.config.vocab_size)

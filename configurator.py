@@ -15,16 +15,19 @@ collective_failed().
 """
 import ast
 import difflib
+import json
 import os
 import sys
 import time
 import traceback
+import typing
 from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, UnionType
 
 _CONFIG_TYPES = (int, float, str, type(None), dict, list, tuple)  # bool is an int
+REFUSED = object()  # what fit() returns for a value its key can't take (None is a value)
 _BOOLS = {'True': True, 'true': True, '1': True, 'False': False, 'false': False, '0': False}
 
 
@@ -100,29 +103,65 @@ def writable(path):
         path = os.path.dirname(path)
     return os.path.isdir(path) and os.access(path, os.W_OK)
 
-def fit(value, default, raw):
-    """value as the type of default, or None if it does not fit. raw: the command-line text, None
-    from a file."""
+def kind_of(default, hint):
+    """The type a key takes: its annotation where the script gives one (`sliding_window: int | None
+    = None`), else its default's; a container's default gives its elements' type too ([1024, 2048]:
+    list[int]). None: a None default with no annotation, which takes anything."""
+    if hint is not None:
+        return hint
     if default is None:
-        return value  # nothing to check against: the key takes anything
-    if isinstance(default, bool):  # before int, as bool is an int; repr makes a file's 1 '1'
-        return _BOOLS.get(raw or repr(value))
-    if isinstance(default, float) and type(value) is int:
+        return None
+    if isinstance(default, (list, tuple)) and default:
+        return type(default)[type(default[0])]
+    return type(default)
+
+def fit(value, kind, raw):
+    """value as type kind (int, list[int], int | None, ...), or REFUSED if it does not fit. raw:
+    the command-line text; None from a file or inside a container."""
+    if kind is None:
+        return value
+    if isinstance(kind, UnionType):  # int | None: the first arm the value fits
+        for arm in typing.get_args(kind):
+            new = fit(value, arm, raw)
+            if new is not REFUSED:
+                return new
+        return REFUSED
+    if kind is bool:  # before int, as bool is an int; repr makes a file's 1 '1'
+        return _BOOLS.get(raw or repr(value), REFUSED)
+    if kind is float and type(value) is int:
         return float(value)  # --learning_rate=1 means 1.0
-    if isinstance(default, str) and raw is not None:
+    if kind is str and raw is not None:
         return value if isinstance(value, str) else raw  # --out_dir=123 is the directory '123'
-    return value if type(value) is type(default) else None
+    container = typing.get_origin(kind)
+    if container is None:
+        return value if type(value) is kind else REFUSED
+    # list[int], tuple[float]: the container, then each element. A tuple for a list key becomes a
+    # list: a checkpoint's JSON holds lists, and resuming compares the two
+    if not isinstance(value, (list, tuple)) or (container is tuple and type(value) is list):
+        return REFUSED
+    new = [fit(v, typing.get_args(kind)[0], None) for v in value]
+    if REFUSED in new:
+        return REFUSED
+    return container(new)
 
 def override(g, defaults, key, value, raw, where=''):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ''
         die(f"{where}unknown config key {key!r}{hint}")
-    default = defaults[key]
-    new = fit(value, default, raw)
-    if new is None and default is not None:
-        name, got = (key, value) if raw is None else ('--' + key, raw)
-        die(f"{where}{name} expects {type(default).__name__}, got {got!r}")
+    kind = kind_of(defaults[key], g.get('__annotations__', {}).get(key))
+    new = fit(value, kind, raw)
+    name, got = (key, value) if raw is None else ('--' + key, raw)
+    if new is REFUSED:
+        # 'int', 'list[int]', 'int | None'
+        allowed = str(kind).replace("<class '", '').replace("'>", '').replace('NoneType', 'None')
+        die(f"{where}{name} expects {allowed}, got {got!r}")
+    try:
+        # the checkpoint's meta.json keeps every key: no inf or nan anywhere in the value (1e999
+        # is inf: rope_theta=1e999 makes every RoPE frequency 0), and nothing JSON can't hold
+        json.dumps(new, allow_nan=False)
+    except (ValueError, TypeError):
+        die(f"{where}{name}={got}: numbers must be finite (and values plain, as JSON holds them)")
     g[key] = new  # silently: a run with a mistake prints its one line and nothing else
 
 def load(path, g, defaults):

@@ -61,6 +61,7 @@ EVAL_KEYS = dict(
     passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0],  # where the key sits: a fraction of the filler
     passkey_trials=5,  # prompts per (length, depth), each with its own key; 0: no passkey test
 )
+EVAL_TYPES = {'passkey_lengths': list[int]}  # (an empty default says nothing of its elements)
 # -----------------------------------------------------------------------------
 
 
@@ -69,7 +70,7 @@ def read_config(argv=None):
     config from its checkpoint, then the command line over all of it. It lives in train.py's
     globals: its get_batch, evaluate and device_and_dtype read them there."""
     g = vars(train)
-    g.update(EVAL_KEYS)
+    g.update(EVAL_KEYS, __annotations__={**g.get('__annotations__', {}), **EVAL_TYPES})
     cfg = configure(g, argv)
     if cfg['init_from'] == 'resume':
         path = checkpoint.latest(cfg['out_dir'])
@@ -80,6 +81,17 @@ def read_config(argv=None):
         cfg = configure(g, argv)
         cfg['path'] = path
     train.check_config(cfg)
+    # before the loss pass: a mistake here would else come after minutes of it
+    if cfg['passkey_trials'] < 0:
+        die(f"passkey_trials={cfg['passkey_trials']}: must be >= 0 (0: no passkey test)")
+    if cfg['passkey_trials'] and not cfg['passkey_depths']:
+        die("passkey_depths=[]: give at least one depth, or passkey_trials=0 for no passkey test")
+    for depth in cfg['passkey_depths']:
+        if not 0 <= depth <= 1:
+            die(f"passkey_depths: {depth} must be in [0, 1], a fraction of the filler")
+    for length in cfg['passkey_lengths']:
+        if length < 1:
+            die(f"passkey_lengths: {length} must be a positive number of tokens")
     return cfg
 
 

@@ -40,11 +40,11 @@ class Knobs(LlamaConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        # each knob's rule, as one line naming it (train.py stops on it before anything is built)
-        rules = [
-            ('mlp_chunks', self.mlp_chunks >= 0, 'must be >= 0 (0: automatic)'),
-            ('loss_chunks', self.loss_chunks >= 0, 'must be >= 0 (0: automatic)'),
-            ('attention_chunks', self.attention_chunks >= 0, 'must be >= 0 (0: automatic)'),
+        # each knob's rule, as one line naming it (train.py stops on it before anything is built);
+        # the three chunk counts share one
+        rules = [(key, getattr(self, key) >= 0, 'must be >= 0 (0: automatic)')
+                 for key in ('mlp_chunks', 'loss_chunks', 'attention_chunks')]
+        rules += [
             ('offload', 0 <= self.offload <= 1, 'must be in [0, 1]'),
             ('recompute', self.recompute in ('none', 'full', 'selective'),
              "must be 'none', 'full' or 'selective'"),
@@ -55,7 +55,8 @@ class Knobs(LlamaConfig):
                 raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
 
 
-KNOBS = ('mlp_chunks', 'loss_chunks', 'attention_chunks', 'recompute', 'offload')
+# the knobs' names, in the order Knobs declares them
+KNOBS = tuple(Knobs.__annotations__)
 
 
 def with_knobs(config, **knobs):

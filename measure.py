@@ -138,8 +138,7 @@ class Tracker(ExitStack):
         before's (RoPE's tables, the loss after the final norm, a pipeline's sends, ...)."""
         phase = 'backward' if self.mods.is_bw else 'forward'
         for parent in self.mods.parents:  # (a block's own modules end otherwise)
-            found = BLOCK.search(parent)
-            if found:
+            if found := BLOCK.search(parent):
                 return f"{phase}: block {found[1]}"
             if parent.endswith('.norm'):  # the final norm: the LM head and loss follow
                 return 'forward and backward: LM head and loss'
@@ -178,9 +177,10 @@ class Tracker(ExitStack):
         category = 'transient' if self.mods.is_bw or not torch.is_grad_enabled() else 'activations'
         given = self.ours(args, kwargs)
         for storage, t in self.ours(out).items():
-            if storage not in given and storage not in self.made:
-                self.made[storage] = dict(category=category, dtype=str(t.dtype)[6:],
-                                          shape=list(t.shape), op=str(func), module=where)
+            # (setdefault: a storage is the first op's that made it)
+            if storage not in given:
+                self.made.setdefault(storage, dict(category=category, dtype=str(t.dtype)[6:],
+                                                   shape=list(t.shape), op=str(func), module=where))
         if self.moments and self.moments[-1][1] > self.top:  # a new peak of the step
             self.top = self.moments[-1][1]
             self.moment = f"{func} in {where}"
@@ -198,13 +198,9 @@ class Tracker(ExitStack):
         # (ours' keys: a storage on another device is never one the step made on ours)
         grads = self.ours([p.grad for p in self.params + self.masters])
         host = self.ours(offload.host_buffers())
-        rows = []
-        for storage, info in self.made.items():
-            if storage not in host:
-                rows.append({**info, 'bytes': storage.nbytes()})
-                if storage in grads:
-                    rows[-1]['category'] = 'grads'
-        return rows
+        return [{**info, 'category': 'grads' if storage in grads else info['category'],
+                 'bytes': storage.nbytes()}
+                for storage, info in self.made.items() if storage not in host]
 
     def breakdown(self):
         """Our categories at the step's peak, the moment our device holds most, and its name (on a
@@ -254,14 +250,13 @@ def to_fake(model, dtype):
     if active_fake_mode() is None:  # from here on every tensor is fake, until the process exits
         from torch._subclasses.fake_tensor import FakeTensorMode
         FakeTensorMode(allow_non_fake_inputs=True).__enter__()
-    made = {}  # a tied parameter is made once (a tensor hashes by its identity)
+    made = {}  # {parameter: its fake} (a tensor hashes by its identity)
     for m in model.modules():
         for k, p in m.named_parameters(recurse=False):
-            if p not in made:
-                # (every parameter of model.Llama is a float)
-                new = torch.empty(p.shape, dtype=dtype, device='cpu')
-                made[p] = torch.nn.Parameter(new, p.requires_grad)
-            setattr(m, k, made[p])
+            # (every parameter of model.Llama is a float)
+            new = torch.empty(p.shape, dtype=dtype, device='cpu')
+            # a tied parameter's second module takes the fake its first made
+            setattr(m, k, made.setdefault(p, torch.nn.Parameter(new, p.requires_grad)))
     return model
 
 def fake_batch(batch_size, seq_len, vocab_size, doc_mask=False):
@@ -311,7 +306,7 @@ def renumbered(moment, past, shift):
     return f"{moment[:found.start(1)]}{int(found[1]) + shift}"
 
 
-def extrapolate(fewer, more, n, blocks, stage=0):
+def extrapolate(fewer, more, n, blocks, stage):
     """Pipeline stage `stage`'s step with `blocks` blocks, from the timelines (Tracker.timeline) of
     the same stage with n and n + 1 blocks. The blocks are identical but where they stand: the
     first (after the embedding or another stage), and the last KEEP_LAST, which offload.py keeps on
@@ -403,20 +398,33 @@ def write_lines(path, panels):
     Path(path).write_text('\n'.join(out + ['</svg>']) + '\n')
 
 
+_SKIPPED_SAID = set()  # the out_dirs whose unreadable log lines write_curves has said
+
+
 def write_curves(out_dir):
     """out_dir/curves.svg from out_dir/log.jsonl, train.py's rows (it calls this at each
     evaluation): train and val loss, tokens/s and peak memory against the step."""
+    # a picture must never stop the run that draws it: a line cut short by a crash (and a resumed
+    # run's row appended to it), bytes that aren't UTF-8, a line of JSON that isn't a row: skipped
     rows = []
-    for line in Path(out_dir, 'log.jsonl').read_text().splitlines():
-        # a line cut short by a crash (and a resumed run's row appended to it) is not JSON: a
-        # picture must never stop the run that draws it
+    skipped = 0
+    for line in Path(out_dir, 'log.jsonl').read_text(errors='replace').splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            continue
+            row = None
+        if isinstance(row, dict) and type(row.get('iter')) is int:
+            rows.append(row)
+        else:
+            skipped += 1
+    if skipped and out_dir not in _SKIPPED_SAID:
+        _SKIPPED_SAID.add(out_dir)  # said once a run, not at every evaluation
+        print(f"curves.svg: {skipped} line(s) of log.jsonl are not train.py's rows: skipped")
 
     def points(key, scale=float):
-        return [(row['iter'], scale(row[key])) for row in rows if key in row]
+        """(step, value) of the rows holding a positive finite number at key."""
+        return [(row['iter'], scale(row[key])) for row in rows
+                if type(row.get(key)) in (int, float) and 0 < row[key] < math.inf]
 
     # the loss on a log scale: the first steps' would flatten the rest on a linear one
     write_lines(Path(out_dir, 'curves.svg'), [
@@ -440,8 +448,7 @@ def few_blocks(blocks, config, mesh, name):
               [*fixed, '--init_from=scratch', f'--n_layer={blocks * mesh.pp}',
                '--auto_memory=False', '--dry_run_full=True', f'--out_dir={tmp}'],
               stdout=subprocess.DEVNULL)
-        with open(os.path.join(tmp, name)) as f:
-            return json.load(f)['timeline']
+        return json.loads(Path(tmp, name).read_text())['timeline']
 
 
 def rerun(rank, what, args=(), stdout=None):
@@ -606,8 +613,8 @@ class Report:
         report = {'ranks': [rank], 'peak_at': self.est.moment,
                   'fits': fits(self.est, self.budget, self.overhead), **extra}
         path = os.path.join(self.cfg['out_dir'], self.name)
-        with open(path + '.tmp', 'w') as f:  # then renamed: a reader never sees half a file
-            json.dump(report, f, indent=1)
+        # written beside it, then renamed: a reader never sees half a file
+        Path(path + '.tmp').write_text(json.dumps(report, indent=1))
         os.replace(path + '.tmp', path)
         return path
 
@@ -636,8 +643,8 @@ class Report:
         # its peak holds what kernels allocate beside the tensors: the total, the rest workspace
         if cuda:
             allocated = torch.cuda.max_memory_allocated(self.device)
-            reserved = torch.cuda.max_memory_reserved(self.device)
-            extra['cuda'] = {'peak_allocated': allocated, 'peak_reserved': reserved}
+            extra['cuda'] = {'peak_allocated': allocated,
+                             'peak_reserved': torch.cuda.max_memory_reserved(self.device)}
             m['workspace'] = None if compiled else max(0, allocated - m['total'])
             m['total'] = max(m['total'] or 0, allocated)
         self.report(m, **extra)
@@ -657,7 +664,7 @@ class Report:
                 if row['moment'].startswith('backward: block') and not row['workspace']:
                     row['workspace'] = round(self.est.kernel)
                     row['total'] += row['workspace']
-            m = dict(peak(extra['timeline']))
+            m = peak(extra['timeline'])
             title = "dry run: one step on fake tensors (CPU kernels standing in for CUDA's):"
         self.measured = m
         print(self.table(title, m, self.dry))

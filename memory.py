@@ -356,10 +356,11 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     """Per-rank peak bytes of one training step of model.Llama(config) on pipeline stage pp_rank:
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
-    c, M = config, gradient_accumulation_steps
+    M = gradient_accumulation_steps
     ulysses = cp_size if cp_impl == 'ulysses' else 1
-    G = chunked.attention_chunks(c, c.n_head // tp_size, c.n_kv_head // tp_size or 1, ulysses)
-    c = replace(c, attention_chunks=G)
+    G = chunked.attention_chunks(config, config.n_head // tp_size, config.n_kv_head // tp_size or 1,
+                                 ulysses)
+    c = replace(config, attention_chunks=G)
     dtype = getattr(torch, dtype)  # 'bfloat16': torch.bfloat16
     b = dtype.itemsize
     sequence = seq_len // cp_size
@@ -416,10 +417,11 @@ def host_bytes_per_rank(budget_gb=0.0, dry_run=False):
 
 def meminfo(key):
     """A /proc/meminfo figure in bytes; the physical memory where there is no /proc."""
-    if os.path.exists('/proc/meminfo'):
+    try:
         with open('/proc/meminfo') as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ':'))
-    return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+    except FileNotFoundError:
+        return os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
 def overhead_bytes(device_type, communicators=0):
     """What tensors don't show: the CUDA context and its libraries' workspaces (about 0.6 GiB), and

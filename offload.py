@@ -56,11 +56,10 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
-import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts,
-                                    CheckpointPolicy)
+                                    noop_context_fn, CheckpointPolicy)
 
 import chunked
 from model import Block
@@ -191,13 +190,12 @@ def apply(model, knobs):
     torchtitan applies checkpointing: model.layers[i] becomes a Policy holding the block's own
     modules. Apply once the knobs are final (train.py builds the model after auto_memory), and
     once."""
-    c = knobs
     # nothing to keep, recompute or offload (the default): no block is wrapped, the model runs as
     # model.py writes it (the wrapper would only call the block's own forward)
-    if c.recompute == 'none' and c.offload == 0:
+    if knobs.recompute == 'none' and knobs.offload == 0:
         return model
     for i, block in list(model.layers.items()):
-        model.layers[i] = Policy(block, c, int(i))
+        model.layers[i] = Policy(block, knobs, int(i))
     return model
 
 
@@ -208,22 +206,19 @@ class Policy(Block):
 
     def __init__(self, block, config, i):
         # not Block.__init__: that would make new modules; these are the block's
-        nn.Module.__init__(self)
-        for name, module in block.named_children():
-            self.add_module(name, module)
+        chunked.adopt(self, block)
         self.config = config
         self.i = i
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
-        c = self.config
         if kv_cache is not None or not torch.is_grad_enabled():
             # sampling or evaluation: nothing is kept for a backward
             return super().forward(x, cos, sin, docs, kv_cache)
         # (blocks 0..k-1: `<`, as torch.compile may trace i as a symbolic int, which `in` can't
         # take)
-        if self.i < len(offloaded_blocks(c)):
+        if self.i < len(offloaded_blocks(self.config)):
             return _offload(self, x, cos, sin, docs)
-        return _keep_or_recompute(self.hooked, c.recompute, x, cos, sin, docs)
+        return _keep_or_recompute(self.hooked, self.config.recompute, x, cos, sin, docs)
 
     def hooked(self, x, cos, sin, docs):
         """Block's forward, its attention half's output hooked for block i-1's prefetch."""
@@ -259,9 +254,10 @@ def _keep_or_recompute(forward, recompute, *args):
     SDPA saves, any kernel)."""
     if recompute == 'none':
         return forward(*args)
-    if recompute == 'full':
-        return checkpoint(forward, *args, use_reentrant=False)
-    context = partial(create_selective_checkpoint_contexts, _keep_attention)
+    # 'full': checkpoint's default context, which saves nothing inside
+    context = noop_context_fn
+    if recompute == 'selective':
+        context = partial(create_selective_checkpoint_contexts, _keep_attention)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context)
 
 
@@ -339,10 +335,10 @@ class _Split:
         if self.s0 < self.S:  # (an empty view of x would keep all of x alive)
             second = x[:, self.s0:]
             # 2.
-            q2, k2, v2 = self.qkv(second, self.s0, self.S)
+            second_qkv = self.qkv(second, self.s0, self.S)
             # in each run of S tokens (one per tp rank under sequence parallelism): the first
             # range's tokens, then the second's
-            q, k, v = self.join(q, q2), self.join(k, k2), self.join(v, v2)
+            q, k, v = map(self.join, (q, k, v), second_qkv)
         # 3.
         a = self.block.attention.core(q, k, v, self.docs, self.block.attention.window)
         self.replay = self.saved.pack(a)
@@ -361,9 +357,8 @@ class _Split:
 
     def qkv(self, x, lo, hi):
         """Steps 1 and 2: q, k, v of tokens [lo, hi) of each run (x: theirs)."""
-        block = self.block
         cos, sin = self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi)
-        return block.attention.project(block.attention_norm(x), cos, sin)
+        return self.block.attention.project(self.block.attention_norm(x), cos, sin)
 
     def rest_first(self, x):
         """Step 5, and its recompute in backward (6): the first range's rest."""

@@ -79,7 +79,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd import Function
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch._subclasses.fake_tensor import FakeTensor
@@ -151,6 +150,11 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         return f"zero must be 0, 2 or 3, got {zero!r}"
     if zero > 1 and world == tp * pp and not states_on_host:
         return f"zero={zero} shards over the dp x cp ranks: there is one (world {world}, tp {tp})"
+    # FSDP2 pads rows it can't split evenly, not columns, and the vocabulary's tensors split by
+    # column (shard_states): their columns must divide (3 or 6 GPUs and a power-of-two width)
+    if zero > 1 and c.n_embd % (world // (tp * pp)):
+        return (f"zero={zero} splits the vocabulary's tensors by column over the "
+                f"{world // (tp * pp)} dp x cp ranks: n_embd={c.n_embd} is not divisible by them")
     if states_on_host and zero != 3:
         return "offload_states=True streams each block's weights in from the host: zero=3"
     if ep < 1 or world // (tp * pp) % ep:
@@ -192,8 +196,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         if S % (2 * cp):
             return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"
         # (None: the kernel runs here)
-        kernel = flash_error(device_type, dtype, c.n_embd // H)
-        if kernel:
+        if kernel := flash_error(device_type, dtype, c.n_embd // H):
             return kernel
         # (the ring's output is merged from several kernel calls: it can't be replayed)
         instead = (", cp_impl='ulysses' or offload=1" if c.recompute == 'none'
@@ -261,13 +264,11 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     timeout = timeout_s and timedelta(seconds=timeout_s)
 
     def group(rows):
-        """Our group of the rows of ranks, None for one rank. new_group is collective: every rank
-        builds every group, in the same order."""
-        for ranks in rows.tolist():
-            made = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-            if rank in ranks:
-                ours = made
-        return ours
+        """Our group of the rows of ranks, None for one rank. Making groups is collective: every
+        rank builds every group, in the same order."""
+        if rows.shape[1] == 1:
+            return None
+        return dist.new_subgroups_by_enumeration(rows.tolist(), timeout=timeout)[0]
 
     def fsdp_mesh(group):
         """FSDP2's DeviceMesh over our group. It needs a group of one rank too (offload_states on
@@ -285,9 +286,9 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
     if ep > 1:
         # ep neighbours of a dpcp row share out the experts; every ep-th of the row holds the same
         mesh.ep = ep
-        # (our place in the dpcp row: dp_rank·cp + cp_rank)
-        mesh.ep_rank = (mesh.dp_rank * cp + mesh.cp_rank) % ep
         mesh.ep_group = group(dpcp.reshape(-1, ep))
+        # (our place in the dpcp row, dp_rank·cp + cp_rank, mod ep: the group's ranks are in order)
+        mesh.ep_rank = dist.get_rank(mesh.ep_group)
         edp = dpcp.reshape(pp * tp, -1, ep).transpose(1, 2)
         mesh.edp_group = group(edp.flatten(0, 1))
         mesh.edp_mesh = fsdp_mesh(mesh.edp_group)
@@ -335,7 +336,7 @@ def all_to_all(x, group, out_sizes=None, in_sizes=None):
 
 
 # ----------------------------------------------------------------------------- Megatron's f and g
-class _Pair(Function):
+class _Pair(torch.autograd.Function):
     """A collective in forward, its adjoint in backward."""
 
     @staticmethod
@@ -371,9 +372,10 @@ class Collective(nn.Module):
         return self.collective(x, self.mesh)
 
 
-def exchange(x, group, send, received):
+def exchange(x, group, send=None, received=None):
     """x's rows, send[j] of them to rank j; received[j] rows come from rank j (expert parallelism's
-    dispatch, moe.py). An all-to-all's adjoint is the one back: gradients return as rows came."""
+    dispatch, moe.py); without sizes x[j] goes to rank j (Ulysses). An all-to-all's adjoint is the
+    one back: gradients return as rows came."""
     return _Pair.apply(x, lambda x: all_to_all(x, group, received, send),
                        lambda d: all_to_all(d, group, send, received))
 
@@ -443,17 +445,16 @@ def ulysses(attend, group, q, k, v, docs=None, window=0):
     c = dist.get_world_size(group)
     if k.shape[1] < c:  # fewer kv heads than ranks: each rank needs the kv head of its q heads
         k, v = (t.repeat_interleave(c // t.shape[1], dim=1) for t in (k, v))
-    # an all-to-all is its own adjoint: the gradients go back the way the tensors came
-    swap = partial(all_to_all, group=group)
+    # an all-to-all is its own adjoint (exchange): the gradients go back the way the tensors came
     # q, k, v as [c, B, heads/c, S/c, hd], packed in one: head group j goes to rank j
     qkv = torch.cat([t.unflatten(1, (c, -1)) for t in (q, k, v)], dim=2).movedim(1, 0)
-    qkv = _Pair.apply(qkv, swap, swap)
+    qkv = exchange(qkv, group)
     # from rank j came sequence shard j of our heads: in rank order, the whole sequence
     qkv = qkv.movedim(0, 2).flatten(2, 3)
     # (docs: the whole sequence's)
     y = attend(*qkv.split([t.shape[1] // c for t in (q, k, v)], dim=1), docs, window)
     # back: sequence shard j of our heads to rank j
-    y = _Pair.apply(y.unflatten(2, (c, -1)).movedim(2, 0), swap, swap)
+    y = exchange(y.unflatten(2, (c, -1)).movedim(2, 0), group)
     return y.movedim(0, 1).flatten(1, 2)
 
 
@@ -537,7 +538,6 @@ def parallelize(model, mesh):
         model.enter_tp = Collective(enter_tp, mesh)
         if model.tok_embeddings is not None:
             model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings.weight, mesh)
-    return model
 
 
 def apply_cores(model, mesh, varlen=None):
@@ -551,7 +551,6 @@ def apply_cores(model, mesh, varlen=None):
         attend = partial(ulysses, attend, mesh.cp_group)
     for block in model.layers.values():
         block.attention.core = Core(attend)
-    return model
 
 
 # ----------------------------------------------------------------------------- experts, parallel
@@ -650,7 +649,6 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
             shard(block.feed_forward.experts, mesh.edp_mesh, zero == 3)
         shard(block, mesh.dpcp_mesh, zero == 3)
     shard(model, mesh.dpcp_mesh, False)
-    return model
 
 
 # ------------------------------------------------------------------------- gradients and clipping

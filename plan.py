@@ -338,12 +338,16 @@ def main():
     cfg = configure({**vars(train), **KEYS}, argv)
     # train.py's keys, for its command line: all but plan.py's own
     passed = [a for a in argv if a[2:].partition('=')[0] not in [*KEYS, 'seq_len']]
-    seq_len = None
-    if any(a.startswith('--seq_len=') for a in argv):
-        seq_len = cfg['seq_len']
+    # the fastest at the command line's --seq_len; without it, the longest
+    seq_len = cfg['seq_len'] if any(a.startswith('--seq_len=') for a in argv) else None
     n, nodes = cfg['gpus'], cfg['nodes']
     if n < 1 or nodes < 1 or n % nodes:
         die(f"gpus={n} must be a positive multiple of nodes={nodes}")
+    if cfg['gpu_gb'] <= 0 or cfg['host_gb'] < 0 or cfg['peak_tflops'] <= 0:
+        die(f"gpu_gb={cfg['gpu_gb']:g} and peak_tflops={cfg['peak_tflops']:g} must be > 0, "
+            f"host_gb={cfg['host_gb']:g} >= 0 (0: 256 GB a GPU)")
+    if cfg['step'] < 0 or (seq_len is not None and seq_len < 1):
+        die(f"step={cfg['step']} must be >= 0 (0: 8,192 a GPU) and seq_len={seq_len} >= 1")
     per_node = n // nodes
     settings = {k: cfg[k] for k in ('batch_size', 'pp_schedule', 'gradient_accumulation_steps',
                                     'doc_mask', 'optimizer')}

@@ -11,11 +11,11 @@ recomputing the prefix: O(S) work per new token, not O(S²).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+from configurator import configure, die, has_device, pick_device
 from data.tokenizer import get_tokenizer
 from model import Llama
 import checkpoint
@@ -75,15 +75,30 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
     return torch.cat(out, 1)
 
 def main():
-    from configurator import configure, pick_device
     configure(globals())
     dev = pick_device(device)  # 'auto': the first this machine has
+    # each mistake one line before the model loads
+    if not has_device(dev):
+        die(f"device={device}: this machine has no such device")
+    if temperature < 0 or top_k < 0 or num_samples < 1 or max_new_tokens < 0:
+        die(f"temperature={temperature} and top_k={top_k} must be >= 0, num_samples="
+            f"{num_samples} >= 1, max_new_tokens={max_new_tokens} >= 0")
+    prompt = start
+    if start.startswith('FILE:'):
+        try:
+            prompt = Path(start[5:]).read_text(encoding='utf-8')
+        except (OSError, UnicodeDecodeError) as e:
+            die(f"--start={start}: cannot read it: {getattr(e, 'strerror', None) or e}")
+    try:
+        prompt.encode('utf-8')
+    except UnicodeEncodeError:  # a lone surrogate: bytes the shell could not decode
+        die(f"--start={start!r}: not valid text (a lone surrogate)")
     torch.manual_seed(seed)
     name = dataset
     if init_from == 'resume':
         path = checkpoint.latest(out_dir)  # the newest committed one
         if path is None:
-            sys.exit(f"error: no checkpoint in {out_dir} (train one first: python train.py)")
+            die(f"no checkpoint in {out_dir} (train one first: python train.py)")
         model, ckpt = checkpoint.load_model(path)  # saved by any layout, read whole
         name = name or ckpt['config']['dataset']
     else:
@@ -91,18 +106,19 @@ def main():
     # data made by a Hugging Face tokenizer keeps a copy of its tokenizer.json beside meta.json
     if name:
         data_dir = Path(__file__).resolve().parent / 'data' / name
+        if not (data_dir / 'meta.json').is_file():
+            die(f"dataset={name}: no {data_dir / 'meta.json'} (prepare it: data/{name}/prepare.py)")
         meta = {**json.loads((data_dir / 'meta.json').read_text()), 'dir': data_dir}
     elif Path(init_from, 'tokenizer.json').is_file():
         meta = {'tokenizer': 'hf', 'dir': init_from}
     else:
-        sys.exit("error: --dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
+        die("--dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
     encode, decode = get_tokenizer(meta)
     model.to(dev).eval()
 
-    prompt = Path(start[5:]).read_text(encoding='utf-8') if start.startswith('FILE:') else start
     ids = encode(prompt)
     if not ids:
-        sys.exit("error: the prompt encodes to no tokens")
+        die("the prompt encodes to no tokens")
     idx = torch.tensor([ids] * num_samples, device=dev)
     for row in generate(model, idx, max_new_tokens, temperature, top_k).tolist():
         print(decode(row), '-' * 60, sep='\n')
@@ -111,5 +127,5 @@ def main():
 if __name__ == '__main__':
     try:
         main()
-    except checkpoint.Error as e:  # a crafted or damaged checkpoint: one line, no traceback
-        sys.exit(f"error: {e}")
+    except (checkpoint.Error, ValueError) as e:  # a damaged checkpoint, an HF directory without
+        die(e)  # weights: one line, no traceback (model.py's ValueErrors name the file)

@@ -96,9 +96,9 @@ n_embd = 128
 intermediate_size = 384
 vocab_size = 0
 # None: 10000.0 from scratch, a Hugging Face model's own; a larger one extends its context
-rope_theta = None
+rope_theta: float | None = None
 # None: none from scratch, the model's own; {'rope_type': 'yarn', 'factor': 4.0, ...}: model.py
-rope_scaling = None
+rope_scaling: dict | None = None
 norm_eps = 1e-5
 tie_embeddings = False
 # mixture of experts (moe.py): n_experts 0 is the dense Llama; each token computes
@@ -108,9 +108,10 @@ experts_per_token = 2
 router_aux_loss_coef = 0.02
 # sliding-window attention (Mistral's): a query sees the last sliding_window keys, itself included
 # (0: all); layer_types: None windows every layer, else one 'sliding_attention' or
-# 'full_attention' a layer (None for either: from scratch 0 and None, a Hugging Face model's own)
-sliding_window = None
-layer_types = None
+# 'full_attention' a layer (None for either: from scratch 0 and None, a Hugging Face model's own).
+# A key whose default is None says what it takes (`int | None`): the configurator checks it
+sliding_window: int | None = None
+layer_types: list[str] | None = None
 # memory knobs (chunked.py; offload.py)
 mlp_chunks = 1
 loss_chunks = 1
@@ -208,12 +209,13 @@ def read_dataset(world, rank):
     if dry_run and vocab_size:  # a dry run reads no data: its vocabulary is all it needs
         return {'vocab_size': vocab_size}
     data_dir = Path(__file__).resolve().parent / 'data' / dataset
-    if rank == 0 and dataset == 'stdlib' and not (data_dir / 'meta.json').exists():
+    meta_file = data_dir / 'meta.json'
+    if rank == 0 and dataset == 'stdlib' and not meta_file.exists():
         import runpy  # prepare.py is a script in a folder, not a module of a package
         runpy.run_path(data_dir / 'prepare.py')['prepare'](data_dir)
     if world > 1:  # the others wait for rank 0's
         torch.distributed.barrier()
-    if not (data_dir / 'meta.json').exists():
+    if not meta_file.exists():
         die(f"dataset {dataset!r} is not prepared: run python data/{dataset}/prepare.py "
             f"(see README.md)")
     # get_batch starts its seq_len + 1 token windows before len - seq_len - 1; a dry run draws none
@@ -322,9 +324,8 @@ def aux_loss(model, mesh):
     the micro-steps since the last call (every rank calls it), then reset; None: a dense model."""
     if not model.config.n_experts:  # (no module walked for MoE layers)
         return None
-    layers = moe.moe_layers(model)
     total = torch.zeros(())
-    for layer in layers:
+    for layer in moe.moe_layers(model):
         total = total + layer.aux_loss / max(1, layer.aux_count)
         layer.aux_loss, layer.aux_count = 0.0, 0
     # each rank's layers and tokens' share (under sp a tp rank's tokens; else tp copies are equal;
@@ -356,9 +357,8 @@ def make_optimizer(model, masters, device_type, mesh=None):
         # fused: one kernel for all parameters instead of a few per tensor, with no temporaries; on
         # a CPU it is also what makes the tiny models' step fast (2026-11-23, 2-core CPU, 4 layers
         # of width 128: 0.9 vs 5.9 ms); it reads found_inf on the device (optim.LossScaler)
-        fused = device_type in ('cuda', 'cpu', 'mps')
         optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2),
-                                        fused=fused)]
+                                        fused=device_type in ('cuda', 'cpu', 'mps'))]
     if muon:
         # its update's RMS matched to AdamW's (Moonlight): the same lr and weight decay serve both
         optimizers.append(torch.optim.Muon(muon, lr=learning_rate, weight_decay=weight_decay,
@@ -440,16 +440,15 @@ def make_out_dir(rank):
         die(f"out_dir={out_dir!r}: cannot create it: {e.strerror}")
     if rank > 0 or dry_run:
         return None
-    f = open(os.path.join(out_dir, 'lock'), 'a+')
+    path = Path(out_dir, 'lock')
+    f = path.open('a+')
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        die(f"out_dir={out_dir!r} is in use by another run ({f.read().strip()}): wait for it "
-            f"to end, or use another out_dir")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}")
-    f.flush()
+        die(f"out_dir={out_dir!r} is in use by another run ({path.read_text().strip()}): wait for "
+            f"it to end, or use another out_dir")
+    # the holder's name, through a file of its own: the lock is f's, and stays while f is open
+    path.write_text(f"pid {os.getpid()} on {socket.gethostname()}, since {time.ctime()}")
     return f
 
 
@@ -474,8 +473,8 @@ def evaluate(model, meta, mesh, autocast, dev, pipe=None):
     for m in model.modules():
         if hasattr(m, 'reshard'):  # FSDP2: no backward came to free the gathered weights
             m.reshard()
-    loss = dpcp_sum(loss, mesh)
-    return (loss[0] / loss[1]).item()
+    total, real = dpcp_sum(loss, mesh)
+    return (total / real).item()
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -565,9 +564,8 @@ def device_and_dtype():
         # memory.py: rank 0 of WORLD_SIZE (else tp x cp x pp) ranks; this CPU (fake tensors)
         # stands in for their CUDA devices
         os.environ.setdefault('WORLD_SIZE', str(tp_size * cp_size * pp_size))
-        dev = torch.device('cpu')
-    else:  # 'auto': the first this machine has
-        dev = torch.device(pick_device(device))
+    # 'auto': the first this machine has
+    dev = torch.device('cpu' if dry_run else pick_device(device))
     # 'auto': fp16 on a CUDA GPU without bf16, bf16 on the others (and a dry run's target), fp32
     # elsewhere
     ptdtype = torch.float32
@@ -586,9 +584,8 @@ def device_and_dtype():
     # TF32 for fp32 matmuls (CUDA only; cuDNN has it by default). Not
     # set_float32_matmul_precision: that also changes the CPU's (oneDNN) fp32 matmuls
     torch.backends.cuda.matmul.allow_tf32 = True
-    autocast = nullcontext()
-    if ptdtype != torch.float32:
-        autocast = torch.autocast(dev.type, dtype=ptdtype)
+    # fp32: a disabled autocast, no context of its own
+    autocast = torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32)
     return dev, ptdtype, autocast
 
 
@@ -635,7 +632,7 @@ def model_config(meta, cfg, world, dev, ptdtype):
     return config, ckpt
 
 
-def build_model(config, dev):
+def build_model(config):
     """The model of config, once config is final, on one device: a Hugging Face directory's
     weights read into it, else initialised from the seed (a checkpoint's weights load after
     sharding: main). A dry run's is shapes only, on the meta device: no weights read, nothing
@@ -658,16 +655,14 @@ def place_model(model, config, mesh, dev, ptdtype):
     if mesh.world > 1:
         parallel.parallelize(model, mesh)
     # 2. the layout's attention core: packed documents or sliding windows on CUDA take varlen's
-    # kernel (not one call per document, nor SDPA with an S x S mask); a dry run stands in for
-    # CUDA devices
-    varlen = None
-    if dry_run and (doc_mask or model.config.sliding_window > 0):
-        varlen = True
+    # kernel (not one call per document, nor SDPA with an S x S mask). A dry run stands in for
+    # CUDA devices: varlen True (model.attention asks only where there are documents or windows);
+    # None: the device decides
+    varlen = True if dry_run else None
     parallel.apply_cores(model, mesh, varlen)
     # 3. the MLP's mini-sequences, the chunked loss (vocabulary parallel over tp), head groups
-    ulysses = 1
-    if mesh.cp_impl == 'ulysses':
-        ulysses = mesh.cp
+    # (Ulysses spreads a head group's heads over its cp ranks)
+    ulysses = mesh.cp if mesh.cp_impl == 'ulysses' else 1
     chunked.apply(model, config, ulysses, mesh.tp_group)
     # 4. keep, recompute or offload each block's activations (every knob off: no block wrapped)
     offload_policy.apply(model, config)
@@ -750,7 +745,7 @@ def main():
     mem = measure.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
-    model = build_model(config, dev)  # (a bad HF file: stopped before out_dir)
+    model = build_model(config)  # (a bad HF file: stopped before out_dir)
     lock = make_out_dir(rank)  # (held while main runs)
     mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
     place_model(model, config, mesh, dev, ptdtype)
@@ -759,7 +754,7 @@ def main():
     scaler = optim.LossScaler(ptdtype == torch.float16, dev, (ckpt or {}).get('loss_scale'))
     data_gen = torch.Generator().manual_seed(seed)
     iter_num, best_val_loss = 0, math.inf
-    if ckpt is not None:  # weights, masters, moments and RNGs of any layout, into our pieces
+    if ckpt:  # weights, masters, moments and RNGs of any layout, into our pieces
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
     raw_model = model
@@ -782,8 +777,8 @@ def main():
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=rank > 0 or None)
-    # tokens/s: the steps since it0, over the time since t0; MFU: their documents' lengths
-    t0, it0, lengths = time.perf_counter(), iter_num, []
+    # the documents since the last row: tokens/s, their tokens over the time since t0; MFU's pairs
+    t0, lengths = time.perf_counter(), []
     peak_memory(dev)  # (starts the peak the first row reports)
     while iter_num < max_iters and not stop:
         val_loss = None
@@ -808,7 +803,7 @@ def main():
             stop = bool(signals)
         if (iter_num - 1) % log_interval and val_loss is None and iter_num < max_iters and not stop:
             continue
-        tokens_per_s = (iter_num - it0) * tokens_per_iter / (time.perf_counter() - t0)
+        tokens_per_s = sum(lengths) / (time.perf_counter() - t0)
         mfu_flops, hfu_flops = flops_per_token(config, *lengths), hardware_flops(config, *lengths)
         # loss.item(): the step's only host sync; mfu None: no trusted peak; flops_per_token: the
         # model's, mfu's count (model.flops_per_token: causal attention's pairs, S(S + 1)/2)
@@ -822,7 +817,7 @@ def main():
                'aux_loss': aux_loss(raw_model, mesh)}
         write_log(rank, bar, row, val_loss, mem)
         check_finite(scaler, iter_num, lr)
-        t0, it0, lengths = time.perf_counter(), iter_num, []
+        t0, lengths = time.perf_counter(), []
         if world > 1:  # ranks may see a signal in different steps: they agree on log steps only
             stop = bool(parallel.all_reduce(torch.tensor(len(signals), device=dev), None).item())
     bar.close()

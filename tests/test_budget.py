@@ -288,7 +288,7 @@ def test_import_model_loads_only_the_model_and_rope():
     import sys
     probe = ("import sys, model; print(' '.join(sorted(sys.modules)))")
     loaded = subprocess.run([sys.executable, '-c', probe], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout.split()
+                            check=True, timeout=300).stdout.split()
     assert set(loaded) & MODULES == {'model', 'moe', 'rope'}
     for path in ('model.py', 'moe.py'):
         src = open(os.path.join(ROOT, path)).read()

@@ -244,3 +244,19 @@ def test_train_and_sample_refuse_a_crafted_checkpoint_in_one_line(tmp_path):
         # train.py's resume reads the metadata first (every shard there?), sample.py's load
         assert last.startswith(('error: cannot read', 'error: cannot load')) and 'UnpicklingError' in last, p.stderr[-3000:]
         assert not marker.exists()
+
+
+@pytest.mark.parametrize('cut', ['.metadata', '__0_0.distcp'])
+def test_a_truncated_checkpoint_says_why_in_one_line(tmp_path, cut):
+    """A file cut short (a copy stopped midway) gave `cannot load ...: EOFError:` and no reason."""
+    run = build(1, 1, 0, F32, seed=0)
+    checkpoint.save(str(tmp_path), run[0], run[2], run[3], iter_num=1)
+    path = checkpoint.latest(str(tmp_path))
+    file = os.path.join(path, cut)
+    with open(file, 'r+b') as f:
+        f.truncate(os.path.getsize(file) // 2)
+    with pytest.raises(checkpoint.Error) as e:
+        checkpoint.load_model(path)
+    line = str(e.value)
+    assert line.startswith(f'cannot load {path}: ') and '\n' not in line, line
+    assert not line.rstrip().endswith(':'), line  # a reason after the exception's name

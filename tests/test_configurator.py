@@ -8,6 +8,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configurator import configure  # noqa: E402
 
+FINITE = ': numbers must be finite (and values plain, as JSON holds them)'
+
 
 def defaults():
     # what train.py's globals() looks like: config keys next to things that aren't
@@ -15,7 +17,11 @@ def defaults():
             'MEMORY_KNOBS': ('mlp_chunks',), 'SCALE_GROWTH': 2000,  # constants, imported or not
             'batch_size': 12, 'max_iters': 5000, 'learning_rate': 6e-4, 'compile': True,
             'dry_run': False, 'out_dir': 'out', 'init_from': 'scratch', 'rope_scaling': None,
-            'betas': (0.9, 0.95), 'layers': [1, 2], 'extra': {'a': 1}}
+            'betas': (0.9, 0.95), 'layers': [1, 2], 'extra': {'a': 1},
+            'anything': None, 'window': None, 'kinds': None,
+            # a None default says what it takes: `window: int | None = None` in a script
+            '__annotations__': {'rope_scaling': dict | None, 'window': int | None,
+                                'kinds': list[str] | None}}
 
 
 def write(tmp_path, text, name='cfg.py'):
@@ -86,13 +92,33 @@ def test_bool_spellings(text, value):
     assert g['compile'] is value and g['dry_run'] is value
 
 
-def test_none_default_takes_anything():
+def test_none_default_takes_its_annotation():
     g = defaults()
-    configure(g, ["--rope_scaling={'factor': 8.0}"])
-    assert g['rope_scaling'] == {'factor': 8.0}
+    configure(g, ["--rope_scaling={'factor': 8.0}", '--window=4', "--kinds=['a', 'b']"])
+    assert g['rope_scaling'] == {'factor': 8.0} and g['window'] == 4 and g['kinds'] == ['a', 'b']
+    configure(g, ['--rope_scaling=None', '--window=None', '--kinds=None'])
+    assert g['rope_scaling'] is None and g['window'] is None and g['kinds'] is None
+    # without an annotation, a None default takes anything (a fork's new key)
+    configure(g, ['--anything=llama3'])
+    assert g['anything'] == 'llama3'
+
+
+def test_a_tuple_for_a_list_key_becomes_a_list(tmp_path):
     g = defaults()
-    configure(g, ['--rope_scaling=llama3'])
-    assert g['rope_scaling'] == 'llama3'
+    configure(g, [write(tmp_path, "kinds = ('a', 'b')\nlayers = (3, 4)\n")])
+    assert g['kinds'] == ['a', 'b'] and g['layers'] == [3, 4]
+
+
+def test_every_none_default_of_every_script_says_what_it_takes():
+    # train.py, eval.py, plan.py and sample.py: their keys as configure() sees them
+    import ast as _ast
+    for script in ('train.py', 'eval.py', 'plan.py', 'sample.py'):
+        tree = _ast.parse(open(os.path.join(ROOT, script)).read())
+        for node in tree.body:
+            if isinstance(node, _ast.Assign) and isinstance(node.value, _ast.Constant):
+                name = node.targets[0]
+                untyped = node.value.value is None and isinstance(name, _ast.Name)
+                assert not (untyped and name.id[0].islower()), f"{script}: {name.id} = None"
 
 
 def test_str_default_kept_as_str():
@@ -151,8 +177,23 @@ def test_private_and_module_names_are_not_keys(capsys):
     ('--learning_rate=fast', "error: --learning_rate expects float, got 'fast'"),
     ('--compile=yes', "error: --compile expects bool, got 'yes'"),
     ('--compile=2', "error: --compile expects bool, got '2'"),
-    ('--betas=[0.9, 0.95]', "error: --betas expects tuple, got '[0.9, 0.95]'"),
+    ('--betas=[0.9, 0.95]', "error: --betas expects tuple[float], got '[0.9, 0.95]'"),
     ('--max_iters=\n', "error: --max_iters expects int, got '\\n'"),
+    # a None default's annotation, and a list's elements (the examples, on train.py's keys)
+    ('--window=abc', "error: --window expects int | None, got 'abc'"),
+    ('--window=True', "error: --window expects int | None, got 'True'"),
+    ('--window=1.5', "error: --window expects int | None, got '1.5'"),
+    ('--kinds=[[1],[2]]', "error: --kinds expects list[str] | None, got '[[1],[2]]'"),
+    ("--kinds={0: 'a'}", "error: --kinds expects list[str] | None, got \"{0: 'a'}\""),
+    ('--rope_scaling=llama3', "error: --rope_scaling expects dict | None, got 'llama3'"),
+    ('--layers=[128.5]', "error: --layers expects list[int], got '[128.5]'"),
+    ("--layers=['long']", "error: --layers expects list[int], got \"['long']\""),
+    ('--betas=(0.9, True)', "error: --betas expects tuple[float], got '(0.9, True)'"),
+    # numbers must be finite, inside containers too
+    ('--learning_rate=1e999', "error: --learning_rate=1e999" + FINITE),
+    ("--rope_scaling={'factor': 1e999}",
+     "error: --rope_scaling={'factor': 1e999}" + FINITE),
+    ('--betas=(0.9, -1e999)', "error: --betas=(0.9, -1e999)" + FINITE),
 ])
 def test_wrong_type(capsys, arg, msg):
     assert error(capsys, [arg]) == msg
@@ -225,3 +266,10 @@ print('trained', batch_size, learning_rate)
     assert r.stderr.count('\n') == 1 and 'Traceback' not in r.stderr
     assert r.stderr == "error: unknown config key 'lerning_rate' (did you mean 'learning_rate'?)\n"
     assert 'trained' not in r.stdout
+
+
+def test_config_file_nan_and_a_set_are_one_line(capsys, tmp_path):
+    err = error(capsys, [write(tmp_path, "learning_rate = float('nan')\n")])
+    assert err.endswith("learning_rate=nan" + FINITE), err
+    err = error(capsys, [write(tmp_path, "anything = {1, 2}\n")])
+    assert err.endswith("anything={1, 2}" + FINITE), err

@@ -353,3 +353,37 @@ def test_stdlib_prepare(tmp_path):
             seen[rel.decode()] = split
     assert sorted(seen) == expected
     assert [p for p in expected if seen[p] == "val"] == expected[9::10]
+
+
+# (case, data/<script>/prepare.py, its arguments ({d}: a scratch folder), what the error line names)
+PREPARE_CASES = [
+    ('passkey: no train documents', 'passkey', ['--train_docs=0'], '--train_docs'),
+    ('passkey: negative val documents', 'passkey', ['--val_docs=-1'], '--val_docs'),
+    ('passkey: a word for seq_len', 'passkey', ['--seq_len=abc'], '--seq_len'),
+    ('passkey: a seq_len too short for a prompt', 'passkey', ['--seq_len=8'], '--seq_len=8'),
+    ('passkey: an unknown encoding', 'passkey', ['--tokenizer=llama3'], '--tokenizer=llama3'),
+    ('hf: neither dataset nor files', 'hf', [], '--dataset'),
+    ('hf: a missing file', 'hf', ['--data_files={d}/none.txt'], 'none.txt'),
+    ('hf: val_fraction past 1', 'hf', ['--data_files={d}/a.txt', '--val_fraction=2'], '--val_fraction'),
+    ('hf: an unknown encoding', 'hf', ['--data_files={d}/a.txt', '--encoding=llama3'], 'llama3'),
+    ('hf: a bad sample_by', 'hf', ['--data_files={d}/a.txt', '--sample_by=word'], '--sample_by'),
+    ('char: a missing text file', 'char', ['{d}/none.txt'], 'none.txt'),
+    ('char: a binary file', 'char', ['{d}/binary.bin'], 'binary.bin'),
+]
+
+
+@pytest.mark.parametrize('case, script, args, names', PREPARE_CASES, ids=[c[0] for c in PREPARE_CASES])
+def test_prepare_bad_input_is_one_line_and_writes_nothing(case, script, args, names, tmp_path):
+    (tmp_path / 'a.txt').write_text('some text\n' * 50)
+    (tmp_path / 'binary.bin').write_bytes(bytes(range(256)) * 4)
+    out = tmp_path / 'out'
+    args = [a.format(d=tmp_path) for a in args] + [f'--out_dir={out}']
+    p = subprocess.run([sys.executable, os.path.join(REPO, "data", script, "prepare.py"), *args],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1'})
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    # one line of ours, or argparse's usage and then its one error line
+    assert 'error: ' in lines[-1] and names in lines[-1], p.stderr[-3000:]
+    assert len(lines) == 1 or lines[0].startswith('usage:'), p.stderr[-3000:]
+    assert not out.exists()

@@ -61,7 +61,7 @@ def broken_links(docs):
 def help_keys():
     """The keys `python train.py --help` lists."""
     out = subprocess.run([sys.executable, 'train.py', '--help'], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+                         text=True, check=True, timeout=300).stdout
     return set(re.findall(r'^\s+--(\w+)=', out, flags=re.M))
 
 
@@ -146,7 +146,7 @@ def test_readme_commands_on_a_trained_checkpoint_run(tmp_path):
     env = {**os.environ, 'OMP_NUM_THREADS': '2'}
     subprocess.run([sys.executable, 'train.py', 'config/train_tiny.py', '--max_iters=2',
                     '--eval_iters=1', '--device=cpu', f'--out_dir={out}'], cwd=ROOT, env=env,
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, timeout=600)
     ran = []
     for command in readme_commands():
         if 'out-tiny' not in command:
@@ -154,7 +154,7 @@ def test_readme_commands_on_a_trained_checkpoint_run(tmp_path):
         words = shlex.split(command.replace('out-tiny', str(out)))
         assert words[0] == 'python'
         result = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=env,
-                                capture_output=True, text=True)
+                                capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
         ran.append(words[1])
     assert 'sample.py' in ran and 'eval.py' in ran

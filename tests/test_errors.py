@@ -57,7 +57,7 @@ CASES = [
      'offload.py cuts attention by tokens, not heads'),
     ('intermediate_size=0', ['--intermediate_size=0'], 'intermediate_size'),
     ('rope_theta=0', ['--rope_theta=0'], 'rope_theta'),
-    ('rope_scaling a list', ['--rope_scaling=[1,2]'], 'rope_scaling=[1, 2]: must be None or a dict'),
+    ('rope_scaling a list', ['--rope_scaling=[1,2]'], "--rope_scaling expects dict | None, got '[1,2]'"),
     ('timeout_s not positive', ['--timeout_s=-1'], 'timeout_s=-1: must be a number of seconds > 0'),
     ('more experts a token than experts', ['--n_experts=4', '--experts_per_token=5'],
      'experts_per_token=5: must be <= n_experts=4'),
@@ -119,6 +119,16 @@ CASES = [
     ('HF extended with a rope_scaling missing a field',  # the user's mistake, not config.json's
      ['--init_from={d}/hf_ok', "--rope_scaling={{'rope_type': 'yarn'}}"], "error: rope_scaling={'rope_type': 'yarn'}"),
     ('HF safetensors cut short', ['--init_from={d}/hf_cut'], 'model.safetensors'),
+    # a None default's type (its annotation in train.py), a list's elements, finite numbers
+    ('sliding_window a word', ['--sliding_window=abc'], '--sliding_window expects int | None'),
+    ('sliding_window True', ['--sliding_window=True'], '--sliding_window expects int | None'),
+    ('sliding_window fractional', ['--sliding_window=1.5'], '--sliding_window expects int | None'),
+    ('layer_types of lists', ['--layer_types=[[1],[2],[3],[4]]'], '--layer_types expects list[str]'),
+    ('layer_types a dict', ["--layer_types={{0: 'x'}}"], '--layer_types expects list[str]'),
+    ('rope_theta infinite', ['--rope_theta=1e999'], '--rope_theta=1e999: numbers must be finite'),
+    ('rope_scaling factor infinite', ["--rope_scaling={{'rope_type': 'linear', 'factor': 1e999}}"],
+     'numbers must be finite'),
+    ('learning_rate nan from a config file', ['{d}/nan_config.py'], 'learning_rate=nan'),
 ]
 
 
@@ -145,9 +155,45 @@ def hf_dir(path, ok, edit=lambda hf: None):
         json.dump(hf, f)
 
 
+EVAL = ['eval.py', '--init_from=scratch', '--dataset=stdlib', '--device=cpu']
+SAMPLE = ['sample.py', '--device=cpu']
+PLAN = ['plan.py', '--svg={d}/plan.svg']
+# the other entry points: (case, the whole argv, what the line must name)
+SCRIPT_CASES = [
+    ('eval: a fractional passkey length', [*EVAL, '--passkey_lengths=[128.5]'], '--passkey_lengths'),
+    ('eval: a word for a passkey length', [*EVAL, "--passkey_lengths=['long']"], '--passkey_lengths'),
+    ('eval: a passkey length of 0', [*EVAL, '--passkey_lengths=[0]'], 'passkey_lengths: 0'),
+    ('eval: no depth', [*EVAL, '--passkey_depths=[]'], 'passkey_depths=[]'),
+    ('eval: a depth past 1', [*EVAL, '--passkey_depths=[0.5, 2]'], 'passkey_depths: 2'),
+    ('eval: negative trials', [*EVAL, '--passkey_trials=-3'], 'passkey_trials=-3'),
+    ('eval: a window of True', [*EVAL, '--sliding_window=True'], '--sliding_window'),
+    ('eval: no checkpoint', ['eval.py', '--device=cpu'], 'no checkpoint'),
+    ('sample: no such device', ['sample.py', '--device=bogus'], 'device=bogus'),
+    ('sample: a GPU this machine lacks', ['sample.py', f'--device={NO_DEVICE}'], 'device='),
+    ('sample: a negative temperature', [*SAMPLE, '--temperature=-1'], 'temperature=-1'),
+    ('sample: a negative top_k', [*SAMPLE, '--top_k=-1'], 'top_k=-1'),
+    ('sample: no samples', [*SAMPLE, '--num_samples=0'], 'num_samples=0'),
+    ('sample: a word for num_samples', [*SAMPLE, '--num_samples=many'], '--num_samples'),
+    ('sample: a missing prompt file', [*SAMPLE, '--start=FILE:{d}/no_prompt'], '--start=FILE:'),
+    ('sample: a lone surrogate', [*SAMPLE, '--start=\udcff'], '--start'),
+    ('sample: no checkpoint', SAMPLE, 'no checkpoint'),
+    ('sample: an HF directory without weights', [*SAMPLE, '--init_from={d}/hf_no_weights'],
+     'model.safetensors'),
+    ('plan: a negative step', [*PLAN, '--step=-65536'], 'step=-65536'),
+    ('plan: a negative seq_len', [*PLAN, '--seq_len=-8'], 'seq_len=-8'),
+    ('plan: no peak', [*PLAN, '--peak_tflops=0'], 'peak_tflops=0'),
+    ('plan: no GPU memory', [*PLAN, '--gpu_gb=0'], 'gpu_gb=0'),
+    ('plan: negative host memory', [*PLAN, '--host_gb=-5'], 'host_gb=-5'),
+    ('plan: infinite GPU memory', [*PLAN, '--gpu_gb=1e999'], '--gpu_gb=1e999'),
+    ('plan: gpus not a multiple of nodes', [*PLAN, '--gpus=3', '--nodes=2'], 'gpus=3'),
+]
+
+
 def spoiled_inputs(d):
     """Every bad file the cases name, under d."""
     open(os.path.join(d, 'a_file'), 'w').close()
+    with open(os.path.join(d, 'nan_config.py'), 'w') as f:
+        f.write("learning_rate = float('nan')\n")
     dataset(os.path.join(d, 'no_meta'))
     os.remove(os.path.join(d, 'no_meta', 'meta.json'))
     dataset(os.path.join(d, 'bad_json'))
@@ -193,6 +239,8 @@ def spoiled_inputs(d):
     hf_dir(os.path.join(d, 'hf_cut'), ok)
     with open(os.path.join(d, 'hf_cut', 'model.safetensors'), 'r+b') as f:
         f.truncate(100)
+    hf_dir(os.path.join(d, 'hf_no_weights'), ok)
+    os.remove(os.path.join(d, 'hf_no_weights', 'model.safetensors'))
     hf_dir(os.path.join(d, 'hf_tok'), ok)
     tiny_bpe(['any text'], vocab_size=256).save(os.path.join(d, 'hf_tok', 'tokenizer.json'))
 
@@ -210,7 +258,7 @@ def snapshot(path):
 
 
 def fork_each():
-    """Run train.py as `__main__` once per run of stdin's JSON {'runs': [[argv, stdout file, stderr
+    """Run a script (argv[0]: train.py, eval.py, plan.py, sample.py) as `__main__` once per run of stdin's JSON {'runs': [[argv, stdout file, stderr
     file], ...], 'jobs': n}, n at a time, each in a process of its own forked from this one; print their
     exit codes as JSON. Run as the fresh `python -c` of the fixture below: importing torch and train.py's
     modules is ~90% of a case's seconds, so this process imports them once and each case forks from it.
@@ -223,9 +271,11 @@ def fork_each():
     import signal
     import sys
     import types
-    import train  # noqa: F401 (torch and every module train.py imports; main() does not run)
-    script = os.path.abspath('train.py')  # as `python train.py` has __file__ and sys.path[0]
-    sys.path[0] = os.path.dirname(script)
+    import importlib
+    sys.path[0] = os.path.abspath('.')  # as `python train.py` has, the scripts' folder
+    for name in ('train', 'eval', 'plan', 'sample'):
+        # torch and every module the scripts import (their main() does not run)
+        importlib.import_module(name)
     todo = json.load(sys.stdin)
     runs, jobs = todo['runs'], todo['jobs']
     codes, running = [None] * len(runs), {}
@@ -233,6 +283,7 @@ def fork_each():
         if len(running) == jobs:
             pid, status = os.wait()
             codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+        script = os.path.abspath(argv[0])  # as `python train.py` has __file__
         sys.stdout.flush()  # (or a child would write this process's buffer into its file)
         sys.stderr.flush()
         pid = os.fork()
@@ -280,7 +331,8 @@ def results(tmp_path_factory):
     logs = str(tmp_path_factory.mktemp('logs'))
     spoiled_inputs(d)
     runs = []
-    for i, (case, args, _) in enumerate(CASES):
+    every = [(case, ['train.py', *BASE, *args], names) for case, args, names in CASES]
+    for i, (case, args, _) in enumerate(every + SCRIPT_CASES):
         out_dir = os.path.join(d, 'out', str(i))
         if i % 2:  # half of them into an out_dir that holds something already
             os.makedirs(out_dir)
@@ -290,7 +342,7 @@ def results(tmp_path_factory):
         if not any(a.startswith('--out_dir=') for a in args):
             args.append(f'--out_dir={out_dir}')
         out_dir = next(a for a in args if a.startswith('--out_dir='))[len('--out_dir='):]
-        runs.append((case, ['train.py', *BASE, *args], out_dir, snapshot(out_dir)))
+        runs.append((case, args, out_dir, snapshot(out_dir)))
     files = [(os.path.join(logs, f'{i}.out'), os.path.join(logs, f'{i}.err')) for i in range(len(runs))]
     todo = {'runs': [(argv, *f) for (_, argv, _, _), f in zip(runs, files)],
             'jobs': max(2, os.cpu_count() or 1)}
@@ -307,7 +359,8 @@ def results(tmp_path_factory):
     return done
 
 
-@pytest.mark.parametrize('case,names', [(c, n) for c, _, n in CASES], ids=[c for c, _, _ in CASES])
+@pytest.mark.parametrize('case,names', [(c, n) for c, _, n in CASES + SCRIPT_CASES],
+                         ids=[c for c, _, _ in CASES + SCRIPT_CASES])
 def test_bad_input_is_one_line_and_leaves_out_dir_alone(results, case, names):
     p, out_dir, before = results[case]
     output = p.stdout + p.stderr

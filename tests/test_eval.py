@@ -150,6 +150,22 @@ def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
     assert err == f'error: no checkpoint in {tmp_path} (train one first: python train.py)\n'
 
 
+@pytest.mark.parametrize('arg, says', [
+    ('--passkey_lengths=[128.5]', "--passkey_lengths expects list[int], got '[128.5]'"),
+    ("--passkey_lengths=['long']", "--passkey_lengths expects list[int], got \"['long']\""),
+    ('--passkey_lengths=[0]', 'passkey_lengths: 0 must be a positive number of tokens'),
+    ('--passkey_depths=[]', 'passkey_depths=[]: give at least one depth'),
+    ('--passkey_depths=[1.5]', 'passkey_depths: 1.5 must be in [0, 1]'),
+    ('--passkey_trials=-3', 'passkey_trials=-3: must be >= 0'),
+])
+def test_a_bad_eval_key_is_one_line_before_any_work(arg, says, capsys, train_globals):
+    with pytest.raises(SystemExit) as e:
+        ev.read_config(['--init_from=scratch', '--dataset=stdlib', '--device=cpu', arg])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith('error: ') and says in err, err
+
+
 # ----------------------------------------------------------------------------- loss by position
 @pytest.mark.parametrize('doc_mask, loss_chunks', [(False, 1), (True, 3)])
 def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, tmp_path,
@@ -290,3 +306,20 @@ def test_passkey_corpus_is_documents_of_prompt_and_answer(passkey_data):
             assert doc.endswith(f'{QUESTION} {key}.\n')
             # before the needle: the filler from its start
             assert (FILLER * 3).startswith(doc.split('The pass key is')[0])
+
+
+def test_write_curves_skips_foreign_lines_of_any_kind_and_says_so_once(tmp_path, capsys):
+    """A resumed log holding bytes that aren't UTF-8, a bare number, a list, a row without a step
+    or with text for a number: each line skipped, the rest drawn; said once, not at each call."""
+    good = [{'iter': 0, 'loss': 5.0}, {'iter': 1, 'loss': 4.0, 'tokens_per_s': 'fast'},
+            {'iter': 2, 'loss': float('nan')}, {'iter': 3, 'loss': 3.0}]
+    foreign = [b'\xff\xfe', b'42', b'[1, 2]', b'{"loss": 2.0}', b'{"iter": "4", "loss": 2.0}', b'']
+    text = b'\n'.join([json.dumps(r).encode() for r in good[:2]] + foreign
+                      + [json.dumps(r).encode() for r in good[2:]])
+    (tmp_path / 'log.jsonl').write_bytes(text)
+    measure.write_curves(tmp_path)
+    measure.write_curves(tmp_path)
+    lines = svg(tmp_path / 'curves.svg').findall('{http://www.w3.org/2000/svg}polyline')
+    # train loss: steps 0, 1 and 3 (step 2's NaN left out); no val loss, tokens/s or memory
+    assert len(lines[0].get('points').split()) == 3
+    assert capsys.readouterr().out.count('not train.py') == 1

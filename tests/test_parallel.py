@@ -72,6 +72,9 @@ LAYOUTS = {
     # packed documents (doc_mask): attention within each, as in one process (which equals each alone: test_model)
     'tp_docs':       (2, 2, 1, 'ulysses', True, 0, dict(docs=True, recompute='selective')),
     'cp_docs':       (2, 1, 2, 'ulysses', True, 0, dict(docs=True, recompute='full')),
+    # and over dp (each rank its rows' documents) with FSDP2's sharded states
+    'dp_docs_zero2': (2, 1, 1, 'ulysses', True, 2, dict(docs=True)),
+    'dp_docs_zero3': (2, 1, 1, 'ulysses', True, 3, dict(docs=True, recompute='full')),
     # attention by head groups (attention_chunks): each against one process with all heads at once (reference)
     'tp_groups':     (2, 2, 1, 'ulysses', True, 0, dict(n_head=8, n_kv_head=4, attention_chunks=2,
                                                         recompute='selective')),
@@ -304,8 +307,9 @@ def test_one_step_equals_single_process(results, name):
             torch.testing.assert_close(weights[n], ref_weights[n], rtol=0, atol=1e-3 * LR)
         else:
             assert rel(weights[n], ref_weights[n]) <= RTOL, n
-    if 'window' in overrides or 'docs' in overrides:  # the variant ran: not the causal model's gradients
-        causal = reference({k: v for k, v in overrides.items() if k not in ('window', 'docs')}, zero)[2]
+    variant = ('sliding_window', 'layer_types', 'docs')
+    if any(k in overrides for k in variant):  # the variant ran: not the causal model's gradients
+        causal = reference({k: v for k, v in overrides.items() if k not in variant}, zero)[2]
         assert rel(grads['layers.0.attention.wq.weight'], causal['layers.0.attention.wq.weight']) > 0.05
 
 
@@ -343,6 +347,8 @@ EXPECTED_PER_BLOCK = {
     'ring4_window': {'ring_shift': 12},  # (a step whose sides are both empty posts no message: ring.py)
     'tp_docs': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_docs': {'all_to_all': 4},
+    'dp_docs_zero2': {},
+    'dp_docs_zero3': {},
     # per group: its all-to-alls (or ring shifts) forward, again in its checkpoint's recompute, and backward
     'tp_groups': {'all_gather': 4, 'reduce_scatter': 4},
     'cp_groups': {'all_to_all': 4 * 6},
@@ -550,8 +556,9 @@ F16_WINDOW = '--sliding_window=48'
 
 @pytest.mark.parametrize('nproc,layout', [
     (1, ['--mlp_chunks=3', '--loss_chunks=3', '--recompute=selective', '--offload=1.0']),
-    # (tp, Ulysses and zero=2 are left out for the suite's time: fp16 changes nothing in them that the ring and
-    # zero=3 rows don't run)
+    (2, ['--tp_size=2']),
+    (2, ['--cp_size=2', '--cp_impl=ulysses']),
+    (2, ['--batch_size=2', '--zero=2']),  # dp 2: half the rows each, FSDP2 gathering fp16
     (2, ['--cp_size=2', '--cp_impl=ring']),
     (2, ['--batch_size=2', '--zero=3', '--offload_states=True']),  # FSDP2's rows and AdamW on the host
     (2, ['--pp_size=2', '--pp_schedule=gpipe']),
@@ -704,6 +711,12 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, pp=2, microbatches=2, offload=0.5), 'offload=0.5 with pp_size > 1'),
     (dict(world=4, pp=2, microbatches=2, zero=3), None),  # FSDP2 over the dp ranks of each stage
     (dict(world=2, pp=2, microbatches=2, zero=3), 'zero=3 shards over the dp x cp ranks: there is one'),
+    # FSDP2 over 3 or 6 ranks: the vocabulary's columns (n_embd=32) split unevenly, which it can't
+    (dict(world=3, zero=3), 'zero=3 splits the vocabulary\'s tensors by column over the 3 dp x cp ranks: '
+                            'n_embd=32 is not divisible by them'),
+    (dict(world=6, tp=2, zero=2), 'over the 3 dp x cp ranks: n_embd=32'),
+    (dict(world=3, zero=0), None),
+    (dict(world=4, zero=2), None),
     # mixture of experts (moe.py): ep over the dp x cp ranks holding the same weights
     (dict(world=4, ep=4, n_experts=4), None),
     (dict(world=8, tp=2, cp=2, ep=2, n_experts=4), None),  # 2 dp x cp ranks a tp rank

@@ -215,6 +215,23 @@ def test_plan_py_finds_prints_and_confirms_by_dry_run(tmp_path):
     assert 'at 4,096 tokens, fastest first' in p.stdout and '--seq_len=4096' in p.stdout
 
 
+def test_plan_py_on_3_gpus_proposes_a_layout_whose_dry_run_fits(tmp_path):
+    """3 GPUs: FSDP2 can't split n_embd=64 columns 3 ways (check_layout refuses zero 2 and 3 there),
+    so plan.py proposed dp 3 zero 3 and then failed its own dry run; now what it proposes runs."""
+    tiny = ['--n_layer=2', '--n_embd=64', '--n_head=4', '--n_kv_head=2', '--intermediate_size=128',
+            '--vocab_size=256']
+    p = subprocess.run([sys.executable, 'plan.py', *tiny, '--gpus=3', '--gpu_gb=4', '--host_gb=4',
+                        '--step=1024', '--svg='], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    command = p.stdout.split('the plan: ')[1].splitlines()[1].split()
+    assert command[:3] == ['torchrun', '--nproc_per_node=3', 'train.py']
+    dry = subprocess.run([sys.executable, *command[2:], '--dry_run=True', '--memory_budget_gb=4',
+                          f'--out_dir={tmp_path / "dry"}'], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, 'WORLD_SIZE': '3'}, timeout=300)
+    assert dry.returncode == 0 and 'verdict: fits' in dry.stdout, dry.stderr[-3000:]
+
+
 def test_plan_svg_draws_a_line_per_gpu_memory(tmp_path, monkeypatch):
     """plan.svg, drawn for 1 to 4 GPUs here (1 to 64 in plan.py: 21 searches, 20 s of this test
     on 2 cores): a line per GPU memory, longer with more GPUs."""
@@ -232,6 +249,6 @@ def test_plan_svg_draws_a_line_per_gpu_memory(tmp_path, monkeypatch):
 
 def test_plan_py_says_what_is_wrong_in_one_line():
     p = subprocess.run([sys.executable, 'plan.py', '--gpus=3', '--nodes=2'], cwd=ROOT,
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 2
     assert p.stderr.strip() == 'error: gpus=3 must be a positive multiple of nodes=2'

