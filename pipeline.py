@@ -44,7 +44,9 @@ def _positions(x, positions):
 def _starts(x, docs, cp):
     """doc_mask's documents (docs: their starts in the flattened rows) as rows torch's schedule can
     split as it splits x: True at each document's first token of the rows' whole sequences
-    (x's tokens · cp), a numpy array."""
+    (x's tokens · cp), a numpy array. None without."""
+    if docs is None:
+        return None
     starts = np.zeros(x.numel() * cp, dtype=bool)
     starts[docs] = True
     return starts.reshape(len(x), -1)
@@ -59,6 +61,8 @@ class Pipeline(nn.Module):
         super().__init__()
         self.model, self.mesh, self.autocast = model, mesh, autocast
         self.first, self.last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp - 1
+        # what moves between the stages
+        self.dtype = getattr(autocast, 'fast_dtype', torch.float32)  # (nullcontext: fp32)
         # micro-batches in flight on this stage (the header)
         self.in_flight = (min(microbatches, mesh.pp - mesh.pp_rank) if schedule == '1f1b'
                           else microbatches)
@@ -66,21 +70,16 @@ class Pipeline(nn.Module):
         kind = Schedule1F1B if schedule == '1f1b' else ScheduleGPipe
         # scale_grads=False: forward's weights already make the sum of the micro-batches' losses
         # the step's mean
-        self.schedule = kind(stage, microbatches, loss_fn=self.loss, scale_grads=False)
+        self.schedule = kind(stage, microbatches, loss_fn=lambda h, y: self(h, targets=y),
+                             scale_grads=False)
 
-    def forward(self, x, positions=None, starts=None, docs=None):
-        """The stage's blocks on x, within documents docs (or starts: _starts', as torch's schedule
-        splits them)."""
-        if starts is not None:
-            docs = np.flatnonzero(starts)
+    def forward(self, x, positions=None, targets=None, starts=None):
+        """The stage's blocks on x (starts: _starts'); with targets (the last stage's loss_fn), the
+        LM head's loss of x, weighted by its share of the step's count of targets, scaled."""
         with self.autocast:
-            # contiguous: what a stage sends and receives is flat memory
-            return self.model(x, positions=positions, docs=docs, head=False).contiguous()
-
-    def loss(self, x, targets):
-        """The last stage's loss_fn: the LM head's loss of x, weighted by its share of the step's
-        count of targets, scaled."""
-        with self.autocast:
+            if targets is None:  # contiguous: what a stage sends and receives is flat memory
+                docs = None if starts is None else np.flatnonzero(starts)
+                return self.model(x, positions=positions, docs=docs, head=False).contiguous()
             loss = self.model.output(x, targets)[1] * ((targets != -100).sum() / self.count)
             return self.scaler.scale(loss)
 
@@ -118,9 +117,9 @@ class Pipeline(nn.Module):
         kept = []
         for i, (x, y, positions, docs) in enumerate(micro_batches):
             h = x if self.first else self.received(x).requires_grad_()
-            out = self(h, _positions(x, positions), docs=docs)
+            out = self(h, _positions(x, positions), starts=_starts(x, docs, self.mesh.cp))
             if self.last:  # the LM head and loss too
-                out = self.loss(out, y)
+                out = self(out, targets=y)
             kept.append(out)
             while len(kept) == self.in_flight or kept and i == len(micro_batches) - 1:
                 out = kept.pop(0)
@@ -130,9 +129,8 @@ class Pipeline(nn.Module):
 
     def received(self, x):
         """What the stage before sends for tokens x: its activations (sp's shard of them)."""
-        # in what moves between the stages: autocast's dtype (nullcontext: fp32)
         return x.new_empty(len(x), x.shape[1] // self.mesh.tp, self.model.config.n_embd,
-                           dtype=getattr(self.autocast, 'fast_dtype', torch.float32))
+                           dtype=self.dtype)
 
     @torch.no_grad()
     def evaluate(self, x, y, positions=None, docs=None):
@@ -143,7 +141,7 @@ class Pipeline(nn.Module):
         if not self.first:  # the stage before's output
             h = self.received(x)
             dist.recv(h, group_src=rank - 1, group=group)
-        out = self(h, _positions(x, positions), docs=docs)
+        out = self(h, _positions(x, positions), starts=_starts(x, docs, self.mesh.cp))
         loss = torch.zeros((), device=x.device)
         if self.last:
             with self.autocast:
