@@ -37,6 +37,7 @@ optimizer='muon': torch's Muon for the blocks' matrices, AdamW for the rest (opt
 """
 
 import fcntl
+import importlib.util
 import json
 import math
 import os
@@ -224,6 +225,14 @@ def read_dataset(world, rank):
     except ValueError as e:
         die(e)
     meta['dir'] = data_dir
+    # the ids against the vocabulary, on each split's first and last 2^20 tokens (cheap on any
+    # corpus): one past vocab_size would be an IndexError in the embedding, mid-run
+    for split in ('train', 'val'):
+        ids = np.memmap(data_dir / f'{split}.bin', dtype=meta['dtype'], mode='r')
+        largest = max(ids[:2**20].max(initial=0), ids[-2**20:].max(initial=0))
+        if largest >= meta['vocab_size']:
+            die(f"{data_dir / split}.bin holds token id {largest}, past meta.json's vocab_size="
+                f"{meta['vocab_size']} (another tokenizer's data?): prepare it again")
     if not doc_mask:
         return meta
     starts = read_docs(meta, 'train')
@@ -434,6 +443,11 @@ def make_out_dir(rank):
     crash included, the kernel letting go: a second run there stops here, having written nothing.
     Returns the lock's file (None on other ranks, and in a dry run: its stages run as processes of
     their own, each rank 0 to itself, and it trains nothing)."""
+    if wandb_log and importlib.util.find_spec('wandb') is None:
+        die("wandb_log=True needs wandb: pip install wandb")
+    if dry_run and (Path(out_dir, 'ckpt').is_dir() or Path(out_dir, 'log.jsonl').exists()):
+        die(f"out_dir={out_dir!r} holds a run: a dry run would overwrite its memory.json and "
+            f"memory.svg (give the dry run another out_dir)")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -541,10 +555,7 @@ def start_wandb(cfg):
     imported here only: it is no requirement of the trainer."""
     if not wandb_log:
         return
-    try:
-        import wandb
-    except ImportError:
-        die("wandb_log=True needs wandb: pip install wandb")
+    import wandb  # (make_out_dir checked it is installed)
     wandb.init(project=wandb_project, name=wandb_run_name, config=cfg, dir=out_dir)
 
 

@@ -129,6 +129,9 @@ CASES = [
     ('rope_scaling factor infinite', ["--rope_scaling={{'rope_type': 'linear', 'factor': 1e999}}"],
      'numbers must be finite'),
     ('learning_rate nan from a config file', ['{d}/nan_config.py'], 'learning_rate=nan'),
+    # checks before out_dir is made: the data's ids, a dry run into a run's out_dir
+    ('token ids past the vocabulary', ['--dataset={d}/ids_past_vocab'], "past meta.json's vocab_size=200"),
+    ('a dry run into a run', ['--dry_run=True', '--out_dir={d}/a_run'], 'holds a run'),
 ]
 
 
@@ -216,6 +219,10 @@ def spoiled_inputs(d):
     dataset(os.path.join(d, 'docs_repeated'), docs={'train': good, 'val': np.array([0, 100, 100])})
     dataset(os.path.join(d, 'docs_past_end'), docs={'train': np.array([0, 1000]), 'val': good})
     dataset(os.path.join(d, 'other_hf'), tokenizer='hf', tokenizer_sha256='0' * 64)
+    dataset(os.path.join(d, 'ids_past_vocab'), vocab_size=200)  # ids 0..255
+    os.makedirs(os.path.join(d, 'a_run', 'ckpt'))  # an out_dir holding a run
+    with open(os.path.join(d, 'a_run', 'log.jsonl'), 'w') as f:
+        f.write('{"iter": 0, "loss": 5.0}\n')
     ok = os.path.join(d, 'hf_ok')
     torch.manual_seed(0)
     Llama(Knobs(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256)
