@@ -77,6 +77,15 @@ def collective_failed(e, timeout_s):
           file=sys.stderr, flush=True)
     os._exit(3)
 
+def check(cfg, rules):
+    """Stop at the first value a key does not allow. rules: (keys, what is allowed, test) rows, the
+    keys space-separated, the test a function of the value; every script's ranges are a table of
+    them, so each mistake reads the same: `key=value: what is allowed`."""
+    for keys, allowed, ok in rules:
+        for key in keys.split():
+            if not ok(cfg[key]):
+                die(f"{key}={cfg[key]!r}: {allowed}")
+
 def has_device(name):
     """False for 'cuda' on a CPU build, 'cuda:1' with one GPU, or a device type torch does not
     know."""

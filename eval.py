@@ -46,7 +46,7 @@ import checkpoint
 import chunked
 import measure
 import train
-from configurator import configure, die
+from configurator import check, configure, die
 from data.passkey.prompt import passkey_prompt
 from data.tokenizer import check_tokenizer, get_tokenizer
 from knobs import KNOBS, with_knobs
@@ -62,6 +62,11 @@ EVAL_KEYS = dict(
     passkey_trials=5,  # prompts per (length, depth), each with its own key; 0: no passkey test
 )
 EVAL_TYPES = {'passkey_lengths': list[int]}  # (an empty default says nothing of its elements)
+EVAL_RULES = [  # configurator.check's rows, beside train.RULES
+    ('passkey_trials', 'must be >= 0 (0: no passkey test)', lambda v: v >= 0),
+    ('passkey_depths', 'at least one depth, each in [0, 1], a fraction of the filler',
+     lambda v: v and all(0 <= d <= 1 for d in v)),
+    ('passkey_lengths', 'each a positive number of tokens', lambda v: all(n >= 1 for n in v))]
 # -----------------------------------------------------------------------------
 
 
@@ -80,18 +85,8 @@ def read_config(argv=None):
         g.update(checkpoint.meta(path)['config'], init_from='resume', out_dir=cfg['out_dir'])
         cfg = configure(g, argv)
         cfg['path'] = path
-    train.check_config(cfg)
     # before the loss pass: a mistake here would else come after minutes of it
-    if cfg['passkey_trials'] < 0:
-        die(f"passkey_trials={cfg['passkey_trials']}: must be >= 0 (0: no passkey test)")
-    if cfg['passkey_trials'] and not cfg['passkey_depths']:
-        die("passkey_depths=[]: give at least one depth, or passkey_trials=0 for no passkey test")
-    for depth in cfg['passkey_depths']:
-        if not 0 <= depth <= 1:
-            die(f"passkey_depths: {depth} must be in [0, 1], a fraction of the filler")
-    for length in cfg['passkey_lengths']:
-        if length < 1:
-            die(f"passkey_lengths: {length} must be a positive number of tokens")
+    check(cfg, train.RULES + EVAL_RULES)
     return cfg
 
 
@@ -191,6 +186,9 @@ def main():
     dev, ptdtype, autocast = train.device_and_dtype()
     meta = train.read_dataset(1, 0)
     encode, decode = get_tokenizer(meta)
+    lengths = cfg['passkey_lengths'] or [train.seq_len // 2, train.seq_len]
+    for length in lengths:  # too short for the needle and question: said before the loss pass
+        passkey_prompt(encode, length, 0.0, 10000)
     model = load_model(cfg, meta).to(dev, ptdtype).eval()
     out = Path(train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +203,6 @@ def main():
                         [('val loss by bit length of the position', [list(enumerate(means))])])
 
     if cfg['passkey_trials']:
-        lengths = cfg['passkey_lengths'] or [train.seq_len // 2, train.seq_len]
         depths = cfg['passkey_depths']
         accuracy = passkey(model, encode, decode, lengths, depths, cfg['passkey_trials'], dev)
         print('passkey accuracy', 'depth \\ length', *lengths, sep='\t')

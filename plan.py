@@ -80,7 +80,7 @@ import torch
 
 import parallel
 import train
-from configurator import configure, die
+from configurator import check, configure, die
 from measure import GiB
 from memory import FIT_FRACTION, PCIE, cost, estimate, overhead_bytes, variants
 from knobs import KNOBS, Knobs, architecture
@@ -90,6 +90,11 @@ NVLINK, NETWORK = 450e9, 50e9
 EFFICIENCY = 0.473  # fitted (the header): tests/test_plan.py
 # plan.py's own keys and their defaults (train.py's are read beside them)
 KEYS = dict(gpus=1, nodes=1, gpu_gb=80.0, host_gb=0.0, step=0, peak_tflops=989.0, svg='plan.svg')
+RULES = [  # configurator.check's rows: (keys, what they allow, the check of one value)
+    ('gpus nodes seq_len', 'must be >= 1', lambda v: v >= 1),
+    ('gpu_gb peak_tflops', 'must be > 0', lambda v: v > 0),
+    ('host_gb', 'must be >= 0 (0: 256 GB a GPU)', lambda v: v >= 0),
+    ('step', 'must be >= 0 (0: 8,192 a GPU)', lambda v: v >= 0)]
 # the sizes a layout's groups take, and plan.svg's GPU counts
 POWERS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -340,14 +345,10 @@ def main():
     passed = [a for a in argv if a[2:].partition('=')[0] not in [*KEYS, 'seq_len']]
     # the fastest at the command line's --seq_len; without it, the longest
     seq_len = cfg['seq_len'] if any(a.startswith('--seq_len=') for a in argv) else None
+    check(cfg, RULES)
     n, nodes = cfg['gpus'], cfg['nodes']
-    if n < 1 or nodes < 1 or n % nodes:
-        die(f"gpus={n} must be a positive multiple of nodes={nodes}")
-    if cfg['gpu_gb'] <= 0 or cfg['host_gb'] < 0 or cfg['peak_tflops'] <= 0:
-        die(f"gpu_gb={cfg['gpu_gb']:g} and peak_tflops={cfg['peak_tflops']:g} must be > 0, "
-            f"host_gb={cfg['host_gb']:g} >= 0 (0: 256 GB a GPU)")
-    if cfg['step'] < 0 or (seq_len is not None and seq_len < 1):
-        die(f"step={cfg['step']} must be >= 0 (0: 8,192 a GPU) and seq_len={seq_len} >= 1")
+    if n % nodes:
+        die(f"gpus={n} must be a multiple of nodes={nodes}")
     per_node = n // nodes
     settings = {k: cfg[k] for k in ('batch_size', 'pp_schedule', 'gradient_accumulation_steps',
                                     'doc_mask', 'optimizer')}

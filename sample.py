@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from configurator import configure, die, has_device, pick_device
+from configurator import check, configure, die, has_device, pick_device
 from data.tokenizer import get_tokenizer
 from model import Llama
 import checkpoint
@@ -32,6 +32,10 @@ top_k = 50  # sample among the k most likely tokens only; 0 = all
 seed = 1337
 device = 'auto'  # 'auto' (the first of cuda, mps, cpu this machine has) | 'cpu' | 'cuda' | 'mps'
 # -----------------------------------------------------------------------------
+RULES = [  # configurator.check's rows: (keys, what they allow, the check of one value)
+    ('temperature top_k max_new_tokens', 'must be >= 0', lambda v: v >= 0),
+    ('num_samples', 'must be >= 1', lambda v: v >= 1),
+    ('device', 'must be a device this machine has', lambda v: has_device(pick_device(v)))]
 
 class KVCache:
     """Keys and values of one layer for sampling, preallocated to max_len: model.Attention.cached
@@ -76,13 +80,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0):
 
 def main():
     configure(globals())
-    dev = pick_device(device)  # 'auto': the first this machine has
     # each mistake one line before the model loads
-    if not has_device(dev):
-        die(f"device={device}: this machine has no such device")
-    if temperature < 0 or top_k < 0 or num_samples < 1 or max_new_tokens < 0:
-        die(f"temperature={temperature} and top_k={top_k} must be >= 0, num_samples="
-            f"{num_samples} >= 1, max_new_tokens={max_new_tokens} >= 0")
+    check(globals(), RULES)
     prompt = start
     if start.startswith('FILE:'):
         try:
@@ -114,6 +113,7 @@ def main():
     else:
         die("--dataset is needed to find the tokenizer (data/<dataset>/meta.json)")
     encode, decode = get_tokenizer(meta)
+    dev = pick_device(device)  # 'auto': the first this machine has
     model.to(dev).eval()
 
     ids = encode(prompt)

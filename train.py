@@ -57,7 +57,8 @@ from knobs import KNOBS, Knobs, architecture, hardware_flops, with_knobs
 from model import Llama, flops_per_token, num_params, read_config
 import checkpoint
 import chunked
-from configurator import collective_failed, configure, die, has_device, pick_device, writable
+from configurator import (check, collective_failed, configure, die, has_device, pick_device,
+                          writable)
 from data.tokenizer import check_tokenizer, read_docs, read_meta
 import parallel
 import pipeline
@@ -175,7 +176,7 @@ auto_memory = False
 # model's keys: knobs.Knobs, a model.LlamaConfig and the memory knobs; the rules between the layout
 # keys: parallel.check_layout):
 # (keys, what they allow, the check of one value)
-_RULES = [
+RULES = [
     ('batch_size seq_len gradient_accumulation_steps eval_interval log_interval eval_iters '
      'tp_size cp_size pp_size ep_size', 'must be >= 1', lambda v: v >= 1),
     ('max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay grad_clip '
@@ -560,14 +561,6 @@ def start_wandb(cfg):
 
 
 # ----------------------------------------------------------------------------- setup
-def check_config(cfg):
-    """Stop at the first value a key does not allow (_RULES)."""
-    for keys, allowed, ok in _RULES:
-        for key in keys.split():
-            if not ok(cfg[key]):
-                die(f"{key}={cfg[key]!r}: {allowed}")
-
-
 def device_and_dtype():
     """The device, the weights' dtype and the autocast context (bf16 on CUDA, fp16 on a CUDA GPU
     without bf16, fp32 elsewhere)."""
@@ -741,7 +734,7 @@ def catch_signals():
 def main():
     """Setup, in the order it happens, then the loop: evaluate, set the lr, step, log."""
     cfg = configure(globals())  # a config file, then --key=value, over the defaults above
-    check_config(cfg)
+    check(cfg, RULES)
     dev, ptdtype, autocast = device_and_dtype()
     torch.manual_seed(seed)  # on every rank: each builds the same full model, then shards it
     world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s,

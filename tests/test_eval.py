@@ -153,9 +153,9 @@ def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
 @pytest.mark.parametrize('arg, says', [
     ('--passkey_lengths=[128.5]', "--passkey_lengths expects list[int], got '[128.5]'"),
     ("--passkey_lengths=['long']", "--passkey_lengths expects list[int], got \"['long']\""),
-    ('--passkey_lengths=[0]', 'passkey_lengths: 0 must be a positive number of tokens'),
-    ('--passkey_depths=[]', 'passkey_depths=[]: give at least one depth'),
-    ('--passkey_depths=[1.5]', 'passkey_depths: 1.5 must be in [0, 1]'),
+    ('--passkey_lengths=[0]', 'passkey_lengths=[0]: each a positive number of tokens'),
+    ('--passkey_depths=[]', 'passkey_depths=[]: at least one depth'),
+    ('--passkey_depths=[1.5]', 'passkey_depths=[1.5]: at least one depth, each in [0, 1]'),
     ('--passkey_trials=-3', 'passkey_trials=-3: must be >= 0'),
 ])
 def test_a_bad_eval_key_is_one_line_before_any_work(arg, says, capsys, train_globals):
