@@ -516,7 +516,8 @@ class Report:
 
     def check(self, config):
         """config's estimate (the model's, as built): printed, its host memory checked, a run that
-        can't fit stopped, then memory.json written."""
+        can't fit stopped. memory.json is written by write(), once the run has started (a run
+        stopped before, by a check or a checkpoint that won't load, writes nothing)."""
         self.config, self.est = config, estimate(config, **self.layout)
         if self.rank == 0:
             print(self.table(self.title))
@@ -527,8 +528,6 @@ class Report:
             self.stop([f"error: does not fit: {gib(self.est.total)} per rank + "
                        f"{gib(self.overhead)} overhead > 80% of {gib(self.budget)}, peak at "
                        f"{self.est.moment}"] + self.suggest())
-        if self.rank == 0:  # only now: a run stopped by a check writes nothing
-            self.write()
 
     def check_host(self, states):
         """This rank's offloaded blocks (offload.host_bytes) and the states' rows in host memory:

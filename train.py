@@ -59,7 +59,7 @@ import checkpoint
 import chunked
 from configurator import (check, collective_failed, configure, die, has_device, pick_device,
                           writable)
-from data.tokenizer import check_tokenizer, read_docs, read_meta
+from data.tokenizer import check_tokenizer, read_docs, read_meta, tokenizer_name
 import parallel
 import pipeline
 import measure
@@ -613,6 +613,12 @@ def model_config(meta, cfg, world, dev, ptdtype):
     try:
         if init_from == 'resume':
             ckpt = checkpoint.resume(out_dir, cfg)  # the weights load after sharding (main)
+            # the ids' meaning: another tokenizer's data trains the model on nonsense (older
+            # checkpoints don't say)
+            made = ckpt.get('tokenizer', tokenizer_name(meta))
+            if made != tokenizer_name(meta):
+                die(f"{out_dir} was trained on data of tokenizer {made}, dataset {dataset!r} is "
+                    f"of {tokenizer_name(meta)}: prepare it again with the run's tokenizer")
             config = Knobs(**ckpt['model_args'], **knobs)
         elif init_from == 'scratch' or not os.path.isdir(init_from):  # (a dry run's: the config's)
             config = Knobs(**{**given, 'vocab_size': vocab_size or meta['vocab_size']})
@@ -761,6 +767,8 @@ def main():
     if ckpt:  # weights, masters, moments and RNGs of any layout, into our pieces
         checkpoint.load(ckpt['path'], model, optimizer, mesh, data_gen)
         iter_num, best_val_loss = ckpt['iter_num'], ckpt['best_val_loss']
+    if rank == 0:  # the estimate, only now: a run stopped before has written nothing but its lock
+        mem.write()
     raw_model = model
     model = torch.compile(model) if compile else model
     pipe = (pipeline.Pipeline(model, mesh, pp_schedule, gradient_accumulation_steps, autocast, dev)
@@ -777,7 +785,8 @@ def main():
     def save():
         """A checkpoint of the run as it is now (every rank calls it); its directory."""
         return checkpoint.save(out_dir, raw_model, optimizer, mesh, data_gen, iter_num=iter_num,
-                               best_val_loss=best_val_loss, config=cfg, loss_scale=scaler.state())
+                               best_val_loss=best_val_loss, config=cfg, loss_scale=scaler.state(),
+                               tokenizer=tokenizer_name(meta))
     signals = catch_signals()  # the signals this rank received
     stop = False  # what every rank agreed on
     bar = tqdm(total=max_iters, initial=iter_num, dynamic_ncols=True, disable=rank > 0 or None)

@@ -134,6 +134,17 @@ def check_tokenizer(meta, hf_dir):
                          f"(sha256 {theirs[:16]}...): prepare it with python data/hf/prepare.py --tokenizer={hf_dir}")
 
 
+def tokenizer_name(meta):
+    """What made a dataset's ids, as a checkpoint records it: the kind, and for "hf" and "char" the sha256
+    of their vocabulary (two char-level datasets of other texts give the same id other characters)."""
+    kind = meta["tokenizer"]
+    if kind == "hf":
+        return f"hf (tokenizer.json sha256 {meta.get('tokenizer_sha256')})"
+    if kind == "char":
+        return f"char (chars sha256 {hashlib.sha256(meta['chars'].encode()).hexdigest()})"
+    return repr(kind)
+
+
 def dtype_for(vocab_size):
     return "uint16" if vocab_size <= 2**16 else "uint32"
 

@@ -108,6 +108,23 @@ def test_a_muon_run_resumes_bit_for_bit(tmp_path):
     # its checkpoint holds Muon's state, not AdamW's: resuming it with AdamW is one line
     p = run_train(*SMALL, '--max_iters=8', f'--out_dir={split}', '--init_from=resume', check=False)
     assert p.returncode != 0 and "optimizer='adamw', but" in p.stderr and 'Traceback' not in p.stderr
+    # and on data of another tokenizer (the same ids, read as 256 characters): one line, nothing
+    # written
+    other = tmp_path / 'other'
+    shutil.copytree(os.path.join(ROOT, 'data', 'stdlib'), other, ignore=shutil.ignore_patterns('*.py'))
+    meta = json.loads((other / 'meta.json').read_text())
+    (other / 'meta.json').write_text(json.dumps({**meta, 'tokenizer': 'char',
+                                                 'chars': ''.join(map(chr, range(256)))}))
+    before = {f: open(os.path.join(split, f), 'rb').read() for f in sorted(os.listdir(split))
+              if os.path.isfile(os.path.join(split, f))}
+    p = run_train(*muon, '--max_iters=8', f'--out_dir={split}', f'--dataset={other}',
+                  '--init_from=resume', check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode != 0 and len(lines) == 1, p.stderr[-3000:]
+    assert "was trained on data of tokenizer 'bytes'" in lines[0] and 'char (chars sha256' in lines[0]
+    after = {f: open(os.path.join(split, f), 'rb').read() for f in sorted(os.listdir(split))
+             if os.path.isfile(os.path.join(split, f))}
+    assert after == before
 
 
 def test_resume_of_a_bf16_run_keeps_fp32_master_weights(tmp_path):
