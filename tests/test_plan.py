@@ -185,30 +185,37 @@ def test_the_time_model_by_hand():
 
 
 # ---------------------------------------------------------------------------- the command line
-def test_plan_py_finds_prints_and_confirms_by_dry_run(tmp_path):
-    tiny = ['--n_layer=2', '--n_embd=64', '--n_head=4', '--n_kv_head=2', '--intermediate_size=128',
-            '--vocab_size=256']
-    p = subprocess.run([sys.executable, 'plan.py', *tiny, '--gpus=2', '--gpu_gb=4', '--host_gb=4',
-                        '--step=1024', '--svg='], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+TINY = ['--n_layer=2', '--n_embd=64', '--n_head=4', '--n_kv_head=2', '--intermediate_size=128',
+        '--vocab_size=256']
+
+
+def plan_then_dry_run(gpus, dry_dir):
+    """plan.py's proposal for `gpus` GPUs of 4 GB, and that command's own dry run (WORLD_SIZE
+    standing in for torchrun's processes), which must fit; returns (plan.py's stdout, command)."""
+    p = subprocess.run([sys.executable, 'plan.py', *TINY, f'--gpus={gpus}', '--gpu_gb=4',
+                        '--host_gb=4', '--step=1024', '--svg='], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
     assert p.returncode == 0, p.stderr
-    out = p.stdout
+    command = p.stdout.split('the plan: ')[1].splitlines()[1].split()
+    assert command[:3] == ['torchrun', f'--nproc_per_node={gpus}', 'train.py']
+    dry = subprocess.run([sys.executable, *command[2:], '--dry_run=True', '--memory_budget_gb=4',
+                          f'--out_dir={dry_dir}'], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, 'WORLD_SIZE': str(gpus)}, timeout=300)
+    assert dry.returncode == 0 and 'verdict: fits' in dry.stdout, dry.stderr[-3000:]
+    return p.stdout, command
+
+
+def test_plan_py_finds_prints_and_confirms_by_dry_run(tmp_path):
+    out, command = plan_then_dry_run(2, tmp_path / 'dry')
     assert 'layout(s) fit on 2 x 4 GB' in out and 'the longest in steps of 1,024' in out
     confirmed = [line for line in out.splitlines() if line.startswith('dry run:')]
     assert confirmed and confirmed[0].endswith('fits')
-    command = out.split('the plan: ')[1].splitlines()[1].split()
-    assert command[:3] == ['torchrun', '--nproc_per_node=2', 'train.py']
     length = int(next(a for a in command if a.startswith('--seq_len=')).split('=')[1])
     assert length % 1024 == 0
-    assert any(line.startswith(f'dry run: ') and f' at {length:,} tokens' in line
+    assert any(line.startswith('dry run: ') and f' at {length:,} tokens' in line
                and line.endswith(' fits') for line in confirmed)
-    # the command's own dry run agrees
-    dry = subprocess.run([sys.executable, *command[2:], '--dry_run=True', '--memory_budget_gb=4',
-                          f'--out_dir={tmp_path / "dry"}'], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, 'WORLD_SIZE': '2'}, timeout=300)
-    assert dry.returncode == 0 and 'verdict: fits' in dry.stdout, dry.stderr
     # with --seq_len: the fastest at that length
-    p = subprocess.run([sys.executable, 'plan.py', *tiny, '--gpus=2', '--gpu_gb=4',
+    p = subprocess.run([sys.executable, 'plan.py', *TINY, '--gpus=2', '--gpu_gb=4',
                         '--seq_len=4096', '--svg='], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr
@@ -218,18 +225,7 @@ def test_plan_py_finds_prints_and_confirms_by_dry_run(tmp_path):
 def test_plan_py_on_3_gpus_proposes_a_layout_whose_dry_run_fits(tmp_path):
     """3 GPUs: FSDP2 can't split n_embd=64 columns 3 ways (check_layout refuses zero 2 and 3 there),
     so plan.py proposed dp 3 zero 3 and then failed its own dry run; now what it proposes runs."""
-    tiny = ['--n_layer=2', '--n_embd=64', '--n_head=4', '--n_kv_head=2', '--intermediate_size=128',
-            '--vocab_size=256']
-    p = subprocess.run([sys.executable, 'plan.py', *tiny, '--gpus=3', '--gpu_gb=4', '--host_gb=4',
-                        '--step=1024', '--svg='], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stderr
-    command = p.stdout.split('the plan: ')[1].splitlines()[1].split()
-    assert command[:3] == ['torchrun', '--nproc_per_node=3', 'train.py']
-    dry = subprocess.run([sys.executable, *command[2:], '--dry_run=True', '--memory_budget_gb=4',
-                          f'--out_dir={tmp_path / "dry"}'], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, 'WORLD_SIZE': '3'}, timeout=300)
-    assert dry.returncode == 0 and 'verdict: fits' in dry.stdout, dry.stderr[-3000:]
+    plan_then_dry_run(3, tmp_path / 'dry')
 
 
 def test_plan_svg_draws_a_line_per_gpu_memory(tmp_path, monkeypatch):

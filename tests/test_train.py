@@ -798,3 +798,18 @@ def test_wandb_log_writes_an_offline_run_of_the_logged_rows(tmp_path):
     for row in rows:
         assert json.dumps(row['loss']).encode() in data
     assert b'tiny' in data  # the run's name
+
+
+def test_wandb_log_without_wandb_is_one_line_and_makes_no_out_dir(tmp_path):
+    """README: a run that stops on its input writes nothing. With wandb not importable (None in
+    sys.modules: find_spec answers None, as for a package not installed) wandb_log=True stops
+    before out_dir is made."""
+    out = tmp_path / 'out'
+    code = ("import runpy, sys; sys.modules['wandb'] = None; "
+            f"sys.argv = ['train.py', *{[*SMALL, f'--out_dir={out}', '--wandb_log=True']!r}]; "
+            "runpy.run_path('train.py', run_name='__main__')")
+    p = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert p.returncode != 0 and lines == ['error: wandb_log=True needs wandb: pip install wandb']
+    assert not out.exists()
