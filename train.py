@@ -545,15 +545,19 @@ def write_log(rank, bar, row, val_loss, mem):
     if val_loss is not None:
         measure.write_curves(out_dir)  # curves.svg, the run so far
     if wandb_log:
-        import wandb  # (start_wandb imported it)
+        import wandb  # (start_log imported it)
         wandb.log(row, step=row['iter'])
     if bar.disable:  # not a terminal: a plain line per log step instead of the bar
         print(f"iter {row['iter']}: {text}", flush=True)
 
 
-def start_wandb(cfg):
-    """With wandb_log, a Weights & Biases run in out_dir/wandb, the config its config. wandb is
+def start_log(cfg, config, mesh):
+    """The run's size said (rank 0; the device, dtype and layout: in the memory report's title);
+    with wandb_log, a Weights & Biases run in out_dir/wandb, the config its config. wandb is
     imported here only: it is no requirement of the trainer."""
+    tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # global batch
+    print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
+          f"{tokens_per_iter:,} tokens per step")
     if not wandb_log:
         return
     import wandb  # (make_out_dir checked it is installed)
@@ -775,12 +779,9 @@ def main():
             if pp_size > 1 else None)  # pp: torch's pipeline schedule over this rank's stage
     if dry_run:
         return dry_run_step(mem, config, model, raw_model, autocast, mesh, optimizer, pipe)
-    tokens_per_iter = gradient_accumulation_steps * batch_size * mesh.dp * seq_len  # global batch
     device_flops = peak_flops(dev, ptdtype, world)  # MFU is per device: against all of them
-    if rank == 0:  # (the device, dtype and layout: in the memory report's title)
-        print(f"{num_params(config) / 1e6:.2f}M parameters (non-embedding), "
-              f"{tokens_per_iter:,} tokens per step")
-        start_wandb(cfg)
+    if rank == 0:
+        start_log(cfg, config, mesh)
 
     def save():
         """A checkpoint of the run as it is now (every rank calls it); its directory."""
