@@ -101,7 +101,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from configurator import configure
+from configurator import check, configure, die, writable
 
 # -----------------------------------------------------------------------------
 mode = 'step'                 # 'step' | 'loss' | 'docs' | 'moe'
@@ -128,6 +128,65 @@ worker = ''                   # internal: run one variant in this process and pr
 seed = 1337
 # -----------------------------------------------------------------------------
 configure(globals())
+
+
+def ints(text):
+    """The whole numbers of a comma-separated list ('2048,8192'; blanks between commas skipped)."""
+    return [int(s) for s in str(text).split(',') if s.strip()]
+
+
+def ints_at_least(text, least):
+    """Whether text is a comma-separated list of whole numbers, each >= least ('' holds none):
+    what ints() reads without a ValueError."""
+    items = [s.strip() for s in str(text).split(',') if s.strip()]
+    return all(s.isdecimal() and int(s) >= least for s in items)
+
+
+def appendable(path):
+    """Whether the table can be appended to path: a file we can write, or one we could create (its
+    folder made as needed). Checked before the benchmark: a traceback after hours of it loses the
+    table."""
+    if os.path.exists(path):
+        return os.path.isfile(path) and os.access(path, os.W_OK)
+    return writable(os.path.dirname(os.path.abspath(path)))
+
+
+# what each key allows, checked before any worker starts, in the driver and in each worker (a bad
+# value would be a traceback, or an error in every row): configurator.check's rows (keys, what
+# they allow, the check of one value), the cross-key ones after the keys they read
+RULES = [
+    ('mode', "must be 'step', 'loss', 'docs' or 'moe'",
+     lambda v: v in ('step', 'loss', 'docs', 'moe')),
+    ('warmup', "must be 'cheap' or 'full'", lambda v: v in ('cheap', 'full')),
+    ('n_layer n_embd n_head n_kv_head intermediate_size vocab_size batch_size loss_tokens reps '
+     'rounds slow_reps q_heads kv_heads head_dim rank_threads', 'must be >= 1', lambda v: v >= 1),
+    ('threads cp mem_limit_gb', 'must be >= 0', lambda v: v >= 0),
+    # torch's generators and numpy's take 64 bits, and no sign
+    ('seed', 'must be in [0, 2**63)', lambda v: 0 <= v < 2 ** 63),
+    ('seq_lens', 'must be comma-separated whole numbers >= 1', lambda v: ints_at_least(v, 1)),
+    ('documents windows', 'must be comma-separated whole numbers >= 0 (0: none)',
+     lambda v: ints_at_least(v, 0)),
+    # SDPA's grouped-query attention shares each kv head among q_heads / kv_heads query heads
+    ('q_heads', f'must be a multiple of kv_heads={kv_heads}', lambda v: v % kv_heads == 0),
+    ('cp', 'must be >= 1 with one_process=False (else nothing runs)',
+     lambda v: one_process or v >= 1),
+    # the ring's zigzag shard cuts a sequence into 2 * cp equal chunks
+    ('seq_lens', f'must be multiples of 2 * cp = {2 * cp} in docs mode (the ring\'s chunks)',
+     lambda v: mode != 'docs' or all(S % max(1, 2 * cp) == 0 for S in ints(v))),
+    # n documents are n - 1 distinct cut points among a sequence's S - 1
+    ('documents', f'must be at most the shortest of seq_lens={seq_lens!r} in docs mode',
+     lambda v: mode != 'docs' or all(n <= S for n in ints(v) for S in ints(seq_lens))),
+    ('results', "must be '' or a file we can append to, or create",
+     lambda v: not v or appendable(v))]
+check(globals(), RULES)
+# (imported after the table: a refused key is said without the second this import takes)
+from model import LlamaConfig  # noqa: E402
+try:
+    # the model's own rules (n_embd by n_head, ...), here rather than in every worker's row
+    LlamaConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=n_kv_head,
+                intermediate_size=intermediate_size, vocab_size=vocab_size)
+except ValueError as e:
+    die(e)
 
 STEP_VARIANTS = {  # name -> (recompute, mlp_chunks, loss_chunks, attention_chunks)
     'plain': ('none', 1, 1, 1),
@@ -555,15 +614,15 @@ def docs_row(S, cells, r, base, load):
 def docs_table():
     """docs mode's rows, printed as they come: each sequence length, each run (one process, then
     the ring), each sliding window, each document count."""
-    counts = [int(d) for d in str(documents).split(',') if d.strip()]
-    widths = [int(w) for w in str(windows).split(',') if w.strip()]
+    counts = ints(documents)
+    widths = ints(windows)
     labels = {}
     if one_process:
         labels[0] = f'1 process, {plural(rank_threads, "thread")}'
     if cp:
         labels[cp] = f'ring cp {cp}, {plural(rank_threads, "thread")} a rank'
     table = []
-    for S in [int(s) for s in str(seq_lens).split(',') if s.strip()]:
+    for S in ints(seq_lens):
         for world in labels:
             full = None  # this run's tokens/s with no mask and no window, the ratio's base
             for window in widths:
@@ -584,7 +643,7 @@ rows, loads = [], []
 if mode == 'step':
     header = ('| seq_len | variant | peak RSS rise | tokens/s | model GFLOP/s | hardware GFLOP/s | step time '
               '| loss | load avg before |\n|---:|---|---:|---:|---:|---:|---:|---:|---|')
-    for S in [int(s) for s in str(seq_lens).split(',') if s.strip()]:
+    for S in ints(seq_lens):
         for name in pick(STEP_VARIANTS):
             la = loadavg()
             est = 3 * batch_size * S * vocab_size * 4
@@ -631,9 +690,6 @@ elif mode == 'moe':
               f'{tiny["seq_len"]}, fp32: MLP | I (an expert\'s) | step (median) | steps (ms) '
               '| vs dense | load avg before (each round) |\n|---|---:|---:|---|---:|---|')
     rows = moe_table()
-else:
-    print(f"error: mode must be 'step', 'loss', 'docs' or 'moe', got {mode!r}", file=sys.stderr)
-    sys.exit(2)
 
 if results:
     cmd = 'python ' + ' '.join(shlex.quote(a) for a in ['bench.py'] + sys.argv[1:])

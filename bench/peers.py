@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from configurator import configure  # noqa: E402
+from configurator import check, configure, has_device  # noqa: E402
 
 # -----------------------------------------------------------------------------
 device = 'cpu'                   # 'cpu' | 'cuda'
@@ -96,10 +96,41 @@ if device == 'cuda':
 OURS = {'ours plain': dict(recompute='none', mlp_chunks=1, loss_chunks=1),
         'ours chunked': dict(recompute='full', mlp_chunks=0, loss_chunks=0)}
 VOCAB = 128256
-if shape not in SHAPES:
-    sys.exit(f"error: --shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-if device not in ('cpu', 'cuda'):
-    sys.exit(f"error: --device must be cpu or cuda, got {device!r}")
+
+
+def ints_at_least(text, least):
+    """Whether text is a comma-separated list of whole numbers, each >= least ('' holds none):
+    what main() reads without a ValueError."""
+    items = [s.strip() for s in str(text).split(',') if s.strip()]
+    return all(s.isdecimal() and int(s) >= least for s in items)
+
+
+def appendable(path):
+    """Whether the table can be appended to path (from the repository's root): a file we can
+    write, or one we could create in a folder we can write in. Checked before the runs: a
+    traceback after them loses the table."""
+    path = os.path.join(ROOT, path)
+    if os.path.exists(path):
+        return os.path.isfile(path) and os.access(path, os.W_OK)
+    folder = os.path.dirname(path)
+    return os.path.isdir(folder) and os.access(folder, os.W_OK)
+
+
+# what each key allows, checked before anything runs, in the driver and in each worker (a bad
+# value would be a traceback, or an error in every row): configurator.check's rows (keys, what
+# they allow, the check of one value)
+RULES = [
+    ('shape', f"must be one of {', '.join(SHAPES)}", lambda v: v in SHAPES),
+    ('device', "must be 'cpu' or 'cuda' (on a machine with a GPU)",
+     lambda v: v in ('cpu', 'cuda') and has_device(v)),
+    ('rounds steps max_len', 'must be >= 1', lambda v: v >= 1),
+    ('threads mem_gb', 'must be >= 0', lambda v: v >= 0),
+    # torch's generators take 64 bits, and no sign
+    ('seed', 'must be in [0, 2**63)', lambda v: 0 <= v < 2 ** 63),
+    ('seq_lens', 'must be comma-separated whole numbers >= 1', lambda v: ints_at_least(v, 1)),
+    ('results', "must be '' or a file we can append to, or create",
+     lambda v: not v or appendable(v))]
+check(globals(), RULES)
 if threads:
     torch.set_num_threads(threads)
 DTYPE = torch.float32

@@ -22,7 +22,6 @@ tokens/s.
     python data/char/prepare.py input.txt --out_dir=data/mychar
     python bench/vs_nanogpt.py --dataset=mychar [--compile=both|nanolong] [--steps=300]
 """
-import json
 import math
 import os
 import sys
@@ -36,12 +35,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import optim  # noqa: E402
-import train  # noqa: E402
-from configurator import configure  # noqa: E402
-import chunked  # noqa: E402
-from knobs import Knobs  # noqa: E402
-from model import Llama, LlamaConfig  # noqa: E402
+from configurator import check, configure, die  # noqa: E402
 
 # -----------------------------------------------------------------------------
 dataset = 'char'   # a folder of data/ (or any path) with train.bin, val.bin, meta.json
@@ -53,14 +47,35 @@ threads = 0        # torch.set_num_threads; 0 = torch's default
 seed = 1337
 # -----------------------------------------------------------------------------
 configure(globals())
-if compile not in ('none', 'both', 'nanolong'):
-    sys.exit(f"error: --compile must be none, both or nanolong, got {compile!r}")
-if threads:
-    torch.set_num_threads(threads)
 B, S, LAYERS, HEADS, WIDTH = 12, 64, 4, 4, 128
 data_dir = os.path.join(ROOT, 'data', dataset)  # an absolute path stays as it is
-with open(os.path.join(data_dir, 'meta.json')) as f:
-    meta = {**json.load(f), 'dir': data_dir}
+# what each key allows, checked before any model is built (a bad value would be a traceback, or
+# a run of no steps): configurator.check's rows (keys, what they allow, the check of one value),
+# the dataset last: a mistake in a number is named even where no data is prepared yet
+RULES = [
+    ('compile', "must be 'none', 'both' or 'nanolong'",
+     lambda v: v in ('none', 'both', 'nanolong')),
+    ('steps', 'must be >= 1', lambda v: v >= 1),
+    ('warmup threads', 'must be >= 0', lambda v: v >= 0),
+    # torch's generators take 64 bits, and no sign
+    ('seed', 'must be in [0, 2**63)', lambda v: 0 <= v < 2 ** 63),
+    ('dataset', 'not prepared (no meta.json): run python data/char/prepare.py input.txt '
+     f'--out_dir={data_dir}', lambda v: os.path.isfile(os.path.join(data_dir, 'meta.json')))]
+check(globals(), RULES)
+# (imported after the table: a refused key is said without the seconds train.py's import takes)
+import optim  # noqa: E402
+import train  # noqa: E402
+import chunked  # noqa: E402
+from knobs import Knobs  # noqa: E402
+from model import Llama, LlamaConfig  # noqa: E402
+from data.tokenizer import read_meta  # noqa: E402
+try:
+    # meta.json against its .bin files, and enough tokens for a batch's windows (as train.py's)
+    meta = {**read_meta(data_dir, S + 2), 'dir': data_dir}
+except ValueError as e:
+    die(f"dataset={dataset!r}: {e}")
+if threads:
+    torch.set_num_threads(threads)
 V = meta['vocab_size']
 torch.manual_seed(seed)
 

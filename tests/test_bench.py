@@ -1,9 +1,11 @@
 """bench.py, bench/vs_nanogpt.py and bench/peers.py run end to end at toy sizes (their figures are for bench/RESULTS.md, not
 for tests: nothing here is timed). What they compute is checked where it has a right answer: the step
-benchmark's four variants train the same model, so their losses agree."""
+benchmark's four variants train the same model, so their losses agree. A bad value of a key is one
+'error: ' line naming it, before any benchmark starts (BAD_KEYS)."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -125,3 +127,63 @@ def test_peers_side_by_side_trains_the_same_weights_to_the_same_loss():
     assert "longest hf plain S=1,024: {'times'" in out  # HF's step ran, and its peak passed the limit: no error
     longest = {r[0]: r[1] for r in table_rows(out) if len(r) == 3 and r[0] != 'system'}
     assert longest == {'hf plain': '< 1,024', 'ours chunked': '1,024'}, longest
+
+
+# (case, the script and its arguments ({d}: a scratch folder holding an empty file, afile), what
+# the error line names): each a key's bad value, refused in one line before any benchmark starts
+BAD_KEYS = [
+    ('bench: a word for seq_lens', ['bench.py', '--seq_lens=abc'], 'seq_lens='),
+    ('bench: a word among documents', ['bench.py', '--mode=docs', '--documents=a'], 'documents='),
+    ('bench: no timed runs', ['bench.py', '--reps=0'], 'reps='),
+    ('bench: negative loss tokens', ['bench.py', '--mode=loss', '--loss_tokens=-5'],
+     'loss_tokens='),
+    ('bench: negative threads', ['bench.py', '--threads=-1'], 'threads='),
+    ('bench: an unknown mode', ['bench.py', '--mode=fast'], 'mode='),
+    ('bench: a negative window', ['bench.py', '--mode=docs', '--windows=0,-4'], 'windows='),
+    ("bench: a length the ring can't cut", ['bench.py', '--mode=docs', '--seq_lens=100', '--cp=3'],
+     'seq_lens='),
+    ('bench: more documents than tokens',
+     ['bench.py', '--mode=docs', '--seq_lens=256', '--documents=300'], 'documents='),
+    ('bench: no rounds', ['bench.py', '--mode=moe', '--rounds=0'], 'rounds='),
+    ('bench: heads that do not divide the width', ['bench.py', '--n_head=3'], 'n_head=3'),
+    ('bench: results under a file', ['bench.py', '--results={d}/afile/r.md'], 'results='),
+    ('peers: a word for seq_lens', ['bench/peers.py', '--seq_lens=x'], 'seq_lens='),
+    ('peers: no rounds', ['bench/peers.py', '--rounds=0'], 'rounds='),
+    ('peers: an unknown device', ['bench/peers.py', '--device=tpu'], 'device='),
+    ('vs_nanogpt: a dataset not prepared', ['bench/vs_nanogpt.py', '--dataset={d}/none'],
+     'dataset='),
+    ('vs_nanogpt: no steps', ['bench/vs_nanogpt.py', '--steps=0'], 'steps='),
+]
+
+
+def refuse(argv, folder):
+    """Run argv (a BAD_KEYS row's) with {d} as folder, made holding an empty file, afile."""
+    (folder / 'afile').write_text('')
+    argv = [a.format(d=folder) for a in argv]
+    # a row that starts benchmarking instead is stopped here, and fails
+    return subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope='module')
+def refused(request, tmp_path_factory):
+    """{case: (its process, its folder)} of the BAD_KEYS rows this session runs, two processes at a
+    time: each spends its seconds importing torch."""
+    chosen = [item.callspec.params['case'] for item in request.session.items
+              if item.originalname == 'test_a_bad_key_is_one_line_before_any_work']
+    rows = [row for row in BAD_KEYS if row[0] in chosen]
+    folders = [tmp_path_factory.mktemp('refused') for _ in rows]
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(refuse, [row[1] for row in rows], folders))
+    return {row[0]: (p, folder) for row, p, folder in zip(rows, done, folders)}
+
+
+@pytest.mark.parametrize('case, argv, names', BAD_KEYS, ids=[row[0] for row in BAD_KEYS])
+def test_a_bad_key_is_one_line_before_any_work(refused, case, argv, names):
+    p, folder = refused[case]
+    lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
+    assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith('error: '), p.stdout + p.stderr[-3000:]
+    assert names in lines[0], lines
+    # nothing written: the folder as it was made
+    assert os.listdir(folder) == ['afile'] and (folder / 'afile').read_text() == ''

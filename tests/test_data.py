@@ -369,6 +369,14 @@ PREPARE_CASES = [
     ('hf: a bad sample_by', 'hf', ['--data_files={d}/a.txt', '--sample_by=word'], '--sample_by'),
     ('char: a missing text file', 'char', ['{d}/none.txt'], 'none.txt'),
     ('char: a binary file', 'char', ['{d}/binary.bin'], 'binary.bin'),
+    # a row's own out_dir is the one refused ({d}/afile: a file)
+    ('char: an out_dir under a file', 'char', ['{d}/a.txt', '--out_dir={d}/afile/x'], '--out_dir='),
+    ('char: an out_dir nothing can be made in', 'char', ['{d}/a.txt', '--out_dir=/proc/x'],
+     '--out_dir=/proc/x'),
+    ('stdlib: an out_dir under a file', 'stdlib', ['--out_dir={d}/afile/x'], '--out_dir='),
+    ('stdlib: an out_dir nothing can be made in', 'stdlib', ['--out_dir=/proc/x'],
+     '--out_dir=/proc/x'),
+    ('stdlib: an unknown argument', 'stdlib', ['--outdir=x'], '--outdir'),
 ]
 
 
@@ -376,8 +384,12 @@ PREPARE_CASES = [
 def test_prepare_bad_input_is_one_line_and_writes_nothing(case, script, args, names, tmp_path):
     (tmp_path / 'a.txt').write_text('some text\n' * 50)
     (tmp_path / 'binary.bin').write_bytes(bytes(range(256)) * 4)
+    (tmp_path / 'afile').write_text('')
+    made = sorted(os.listdir(tmp_path))
     out = tmp_path / 'out'
-    args = [a.format(d=tmp_path) for a in args] + [f'--out_dir={out}']
+    args = [a.format(d=tmp_path) for a in args]
+    if not any(a.startswith('--out_dir=') for a in args):  # a row's own out_dir wins
+        args.append(f'--out_dir={out}')
     p = subprocess.run([sys.executable, os.path.join(REPO, "data", script, "prepare.py"), *args],
                        cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, 'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1'})
@@ -386,4 +398,5 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(case, script, args, na
     # one line of ours, or argparse's usage and then its one error line
     assert 'error: ' in lines[-1] and names in lines[-1], p.stderr[-3000:]
     assert len(lines) == 1 or lines[0].startswith('usage:'), p.stderr[-3000:]
-    assert not out.exists()
+    # nothing written: no out, no folder made, afile still empty
+    assert sorted(os.listdir(tmp_path)) == made and (tmp_path / 'afile').read_text() == ''

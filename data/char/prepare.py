@@ -19,6 +19,18 @@ from data.tokenizer import dtype_for, get_tokenizer, write_docs, write_meta, wri
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def make_out_dir(out_dir):
+    """Create out_dir (or find it), a folder we can write in; else a ValueError naming it: a path
+    under a file, or where no folder can be made (/proc), is the user's to fix, said in one line
+    before anything is written."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out_dir={out_dir}: cannot create it: {e.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"--out_dir={out_dir}: cannot write in it")
+
+
 def prepare(input_path=None, out_dir=None):
     input_path = input_path or os.path.join(HERE, "input.txt")
     out_dir = out_dir or HERE
@@ -34,7 +46,7 @@ def prepare(input_path=None, out_dir=None):
     chars = "".join(sorted(set(text)))
     encode, _ = get_tokenizer(dict(tokenizer="char", chars=chars))
     n = int(len(text) * 0.9)
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     meta = dict(
         tokenizer="char", vocab_size=len(chars), dtype=dtype_for(len(chars)),
         train_tokens=write_split(os.path.join(out_dir, "train.bin"), encode(text[:n]), len(chars)),
@@ -59,6 +71,7 @@ if __name__ == "__main__":
     try:
         prepare(args.input, args.out_dir)
     except (FileNotFoundError, ValueError) as e:
-        # a wrong path or a binary file is the user's to fix: one line, not a traceback
+        # a wrong path, a binary file or an out_dir that can't be made is the user's to fix:
+        # one line, not a traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

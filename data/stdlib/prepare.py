@@ -31,6 +31,18 @@ SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__
 VAL_EVERY = 10
 
 
+def make_out_dir(out_dir):
+    """Create out_dir (or find it), a folder we can write in; else a ValueError naming it: a path
+    under a file, or where no folder can be made (/proc), is the user's to fix, said in one line
+    before anything is written."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out_dir={out_dir}: cannot create it: {e.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"--out_dir={out_dir}: cannot write in it")
+
+
 def list_files(root=None):
     """Relative paths ('/'-separated) of the stdlib .py files that make up the corpus, sorted."""
     root = root or sysconfig.get_paths()["stdlib"]
@@ -53,7 +65,7 @@ def document(root, rel):
 
 def prepare(out_dir=None):
     out_dir = out_dir or os.path.dirname(os.path.abspath(__file__))
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     root = sysconfig.get_paths()["stdlib"]
     files = list_files(root)
     train, val = [], []
@@ -78,4 +90,9 @@ if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", default=None, help="default: the folder of this script")
-    prepare(p.parse_args().out_dir)
+    try:
+        prepare(p.parse_args().out_dir)
+    except ValueError as e:
+        # an out_dir that can't be made is the user's to fix: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
