@@ -145,6 +145,18 @@ def tokenizer_name(meta):
     return repr(kind)
 
 
+def make_out_dir(out_dir):
+    """Every prepare.py's out_dir, created (or found): a folder we can write in; else a ValueError
+    naming it: a path under a file, or where no folder can be made (/proc), is the user's to fix,
+    said in one line before anything is written."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out_dir={out_dir}: cannot create it: {e.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"--out_dir={out_dir}: cannot write in it")
+
+
 def dtype_for(vocab_size):
     return "uint16" if vocab_size <= 2**16 else "uint32"
 

@@ -25,22 +25,10 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data.tokenizer import dtype_for, write_docs, write_meta, write_split  # noqa: E402
+from data.tokenizer import dtype_for, make_out_dir, write_docs, write_meta, write_split  # noqa: E402
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 VAL_EVERY = 10
-
-
-def make_out_dir(out_dir):
-    """Create out_dir (or find it), a folder we can write in; else a ValueError naming it: a path
-    under a file, or where no folder can be made (/proc), is the user's to fix, said in one line
-    before anything is written."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out_dir={out_dir}: cannot create it: {e.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise ValueError(f"--out_dir={out_dir}: cannot write in it")
 
 
 def list_files(root=None):
