@@ -93,14 +93,13 @@ class Tracker(ExitStack):
         self.on_host, self.adam = [], []
         if states_on_host:
             self.on_host = [parallel.local(p) for p in self.params]
-            for state in optimizer.state.values():
-                self.adam += [parallel.local(v) for v in state.values()]
+            # (every state's tensors: {parameter: {name: tensor}}'s leaves)
+            self.adam = [parallel.local(v) for v in tree_leaves(optimizer.state)]
         self.masters = [m for m in masters if all(m is not p for p in self.params)]
         # optim.MasterWeights' fp32 master rows, unless they are views of fp32 parameters:
         # optimizer bytes
         own = {parallel.local(p).untyped_storage() for p in self.params}
-        pieces = getattr(optimizer, 'pieces', ())
-        self.state = [x for x in pieces if x.untyped_storage() not in own]
+        self.state = [x for x in getattr(optimizer, 'pieces', ()) if x.untyped_storage() not in own]
         # torch's optimizers inside optim.MasterWeights: their states are MemTracker's Optstate
         self.optimizers = optimizer.optimizers if optimizer else []
         self.mt.track_external(model, *self.state, *self.inputs, *self.optimizers)
@@ -611,10 +610,11 @@ class Report:
                 **{k: self.layout[k] for k in ('tp_size', 'cp_size', 'seq_len')}}
         report = {'ranks': [rank], 'peak_at': self.est.moment,
                   'fits': fits(self.est, self.budget, self.overhead), **extra}
-        path = os.path.join(self.cfg['out_dir'], self.name)
+        path = Path(self.cfg['out_dir'], self.name)
         # written beside it, then renamed: a reader never sees half a file
-        Path(path + '.tmp').write_text(json.dumps(report, indent=1))
-        os.replace(path + '.tmp', path)
+        tmp = Path(f'{path}.tmp')
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)
         return path
 
     @contextmanager
@@ -672,23 +672,20 @@ class Report:
             extra['host'] = {'estimate': round(self.est.host), 'measured': host}
             print(f"  host memory per rank: {gib(self.est.host)} estimated, {gib(host)} measured")
         if self.dry:
-            extra.update(self.verdict(m['total'], host))
+            # the dry run's verdict: its total, and its host memory where a budget is given
+            ok = m['total'] + self.overhead <= FIT_FRACTION * self.budget
+            host_ok = self.host is None or host <= self.host
+            fit = ok and host_ok
+            verdict = (f"verdict: {'fits' if fit else 'DOES NOT FIT'} on a "
+                       f"{gib(self.budget)} device: dry run {gib(m['total'])} + "
+                       f"{gib(self.overhead)} overhead "
+                       f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget)})")
+            if not host_ok:
+                verdict += f"; host {gib(host)} > {gib(self.host)}"
+            print(verdict)
+            if not fit:
+                print('\n'.join(self.suggest()))
+            extra.update(fits=fit, verdict=verdict)
         path = self.write(dry_run=self.dry, **extra)
         if 'timeline' in extra:
-            write_svg(path.replace('.json', '.svg'), extra['timeline'], m, self.est, self.budget)
-
-    def verdict(self, total, host):
-        """The dry run's: its total, and its host memory where a budget is given."""
-        ok = total + self.overhead <= FIT_FRACTION * self.budget
-        host_ok = self.host is None or host <= self.host
-        fit = ok and host_ok
-        verdict = (f"verdict: {'fits' if fit else 'DOES NOT FIT'} on a "
-                   f"{gib(self.budget)} device: dry run {gib(total)} + "
-                   f"{gib(self.overhead)} overhead "
-                   f"{'<=' if ok else '>'} 80% ({gib(FIT_FRACTION * self.budget)})")
-        if not host_ok:
-            verdict += f"; host {gib(host)} > {gib(self.host)}"
-        print(verdict)
-        if not fit:
-            print('\n'.join(self.suggest()))
-        return {'fits': fit, 'verdict': verdict}
+            write_svg(path.with_suffix('.svg'), extra['timeline'], m, self.est, self.budget)
