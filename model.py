@@ -40,6 +40,7 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -425,7 +426,7 @@ class Llama(nn.Module):
     def from_pretrained(cls, hf_dir, **overrides):
         """Load a local HF Llama, Mistral, Ministral or Mixtral directory: config.json +
         model.safetensors, or shards with an index, into Llama(config), its sliding
-        window the one transformers computes (_config_from_hf). `overrides` set LlamaConfig
+        window the one transformers computes (read_config). `overrides` set LlamaConfig
         fields: a new rope_theta or rope_scaling extends its context (the memory knobs: knobs.py,
         applied by the techniques)."""
         from safetensors.torch import load_file
@@ -501,12 +502,11 @@ class Llama(nn.Module):
             p = self.get_parameter(ours).detach().cpu()
             if isinstance(theirs, list):
                 # an expert's matrix apiece, each a copy: safetensors refuses views of one storage
-                state.update((name, w.clone()) for name, w in zip(theirs, p))
+                state.update(zip(theirs, map(torch.clone, p)))
             else:
                 state[theirs] = p.contiguous()
-        save_file(state, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
-        with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-            json.dump(hf, f, indent=2)
+        save_file(state, Path(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
+        Path(out_dir, 'config.json').write_text(json.dumps(hf, indent=2))
 
 
 # LlamaConfig's fields as HF's config.json names them (the RoPE fields apart: two forms)
@@ -537,47 +537,43 @@ def read_config(hf_dir, **overrides):
     set: no weights read (train.py settles the layout and the memory knobs before it builds)."""
     path = os.path.join(hf_dir, 'config.json')
     with _reading(path), open(path) as f:
-        config = _config_from_hf(json.load(f))
+        hf = json.load(f)
+        # other families differ in what the names can't say (Qwen2's attention biases, Gemma's
+        # (1 + w) norms): refused, not loaded to wrong logits. No model_type: a hand-made Llama's
+        model_type = hf.get('model_type', 'llama')
+        if model_type not in HF_WINDOW:
+            raise ValueError(f"model_type {model_type!r} is not a Llama (nanolong reads "
+                             "'llama', 'mistral', 'ministral' and 'mixtral')")
+        # transformers 5's form, or the older one (with 'type' for 'rope_type')
+        rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
+        theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
+        rope = {'rope_type': rope.pop('type', 'default'), **rope}
+        n_head, h = hf['num_attention_heads'], hf['hidden_size']
+        # (Mixtral writes head_dim null: hidden_size / num_attention_heads)
+        if (hf.get('head_dim') or h // n_head) * n_head != h:
+            raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+        # The sliding window as transformers computes it, for the same logits. Mistral and
+        # Mixtral window every layer by sliding_window (null: none); Ministral the layers its
+        # layer_types say (None: every layer). Mixtral reads no layer_types; MistralForCausalLM
+        # neither (it warns), but AutoModel reads a 'mistral' config.json that has the key as
+        # Ministral's, so we do. LlamaForCausalLM reads neither key: a Llama config.json that
+        # carries them is full attention there, so here.
+        window = hf.get('sliding_window', HF_WINDOW[model_type]) or 0
+        if model_type == 'llama':
+            window = 0
+        layer_types = hf.get('layer_types') if model_type in ('mistral', 'ministral') else None
+        # HF's defaults for the keys it may leave out
+        hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, **hf}
+        hf['num_key_value_heads'] = hf.get('num_key_value_heads') or n_head
+        names = HF_CONFIG
+        if model_type == 'mixtral':
+            names = HF_CONFIG | HF_MOE_CONFIG
+        fields = {ours: hf[theirs] for ours, theirs in names.items()}
+        rope_scaling = None if rope['rope_type'] == 'default' else rope
+        config = LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling,
+                             sliding_window=window, layer_types=layer_types)
     # checked again: a bad override is the user's, not the file's
     return replace(config, **overrides)
-
-
-def _config_from_hf(hf):
-    """LlamaConfig from HF's config.json (a dict)."""
-    # other families differ in what the names can't say (Qwen2's attention biases, Gemma's
-    # (1 + w) norms): refused, not loaded to wrong logits. No model_type: a hand-made Llama's
-    model_type = hf.get('model_type', 'llama')
-    if model_type not in HF_WINDOW:
-        raise ValueError(f"model_type {model_type!r} is not a Llama (nanolong reads "
-                         "'llama', 'mistral', 'ministral' and 'mixtral')")
-    # transformers 5's form, or the older one (with 'type' for 'rope_type')
-    rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
-    theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
-    rope = {'rope_type': rope.pop('type', 'default'), **rope}
-    n_head, h = hf['num_attention_heads'], hf['hidden_size']
-    # (Mixtral writes head_dim null: hidden_size / num_attention_heads)
-    if (hf.get('head_dim') or h // n_head) * n_head != h:
-        raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
-    # The sliding window as transformers computes it, for the same logits. Mistral and Mixtral
-    # window every layer by sliding_window (null: none); Ministral the layers its layer_types say
-    # (None: every layer). Mixtral reads no layer_types; MistralForCausalLM neither (it warns),
-    # but AutoModel reads a 'mistral' config.json that has the key as Ministral's, so we do.
-    # LlamaForCausalLM reads neither key: a Llama config.json that carries them is full attention
-    # there, so here.
-    window = hf.get('sliding_window', HF_WINDOW[model_type]) or 0
-    if model_type == 'llama':
-        window = 0
-    layer_types = hf.get('layer_types') if model_type in ('mistral', 'ministral') else None
-    # HF's defaults for the keys it may leave out
-    hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, **hf}
-    hf['num_key_value_heads'] = hf.get('num_key_value_heads') or n_head
-    names = HF_CONFIG
-    if model_type == 'mixtral':
-        names = HF_CONFIG | HF_MOE_CONFIG
-    fields = {ours: hf[theirs] for ours, theirs in names.items()}
-    rope_scaling = None if rope['rope_type'] == 'default' else rope
-    return LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling,
-                       sliding_window=window, layer_types=layer_types)
 
 
 def _hf_names(config):

@@ -122,7 +122,7 @@ class MoE(nn.Module):
         top, chosen = logits.topk(self.config.experts_per_token, dim=-1)
         weights = F.softmax(top, dim=-1).to(x.dtype)
         y = self.route(x, chosen, weights)
-        aux = balance_loss(logits, chosen, self.config.n_experts, self.pair_counts(chosen))
+        aux = balance_loss(logits, chosen, self.pair_counts(chosen))
         return _AuxLoss.apply(y, aux, self)
 
     def pair_counts(self, chosen):
@@ -162,14 +162,14 @@ def expert_counts(chosen, n_experts):
     return torch.bincount(chosen.flatten(), minlength=n_experts).tolist()
 
 
-def balance_loss(logits, chosen, n_experts, counts):
+def balance_loss(logits, chosen, counts):
     """This rank's share of the header's aux loss, E · Σ_e f_e · P_e: f (counts, the pairs of each
     expert, no gradient) and T of the whole micro-batch, P summed over our tokens (the router's:
     under sp a tp rank's share of the sequence, else the ranks' copies are equal and autograd takes
-    one)."""
+    one). E is the count of counts, one an expert."""
     T = counts.sum() / chosen.shape[-1]
     probability = F.softmax(logits, dim=-1).flatten(0, -2).sum(0)
-    return n_experts * (counts * probability).sum() / T ** 2
+    return len(counts) * (counts * probability).sum() / T ** 2
 
 
 class _AuxLoss(torch.autograd.Function):
