@@ -284,7 +284,7 @@ def _offload(block, x, cos, sin, docs):
             # 'none' with α = 1: no token is recomputed, all the block saves goes to host
             y = _keep_or_recompute(block.hooked, c.recompute, x, cos, sin, docs)
         else:
-            y = _Split(block, saved, cos, sin, docs, S, S - n).forward(x)
+            y = _Split(block, cos, sin, docs, S, S - n).forward(x)
     saved.send()
     _offloaded[block.i] = saved  # for block i+1's _prefetch
     return y
@@ -300,16 +300,18 @@ def _offload(block, x, cos, sin, docs):
 #      them again in backward.
 #   2. The second range, tokens [s0, S): its q, k, v; what they save goes to host.
 #   3. The core once, on both ranges' q, k, v joined: every token. What it saves goes to host
-#      whole; its output `a` is packed once more, as `replay` (the tensor the core saved: no
-#      second copy, but under Ulysses, whose `a` is another tensor).
+#      whole; its output `a` is not dropped (5 needs it).
 #   4. The second range's rest (wo, the residual, the MLP) on its tokens of `a`: what
 #      it saves goes to host.
-#   5. The first range's rest on its tokens of `a`, under torch's checkpoint (its input: the
-#      first step's, sent once). The block's output: the first range's, then the second's.
+#   5. The first range's rest on its tokens of `a`, under torch's checkpoint, whose inputs are the
+#      first step's x (sent once) and the whole `a`: checkpoint saves its inputs through our hooks,
+#      so `a` goes to host too (the tensor the core saved: no second copy, but under Ulysses, whose
+#      `a` is another tensor). The block's output: the first range's, then the second's.
 # backward (autograd, once the next block's backward has fetched this block's tensors back)
 #   6. The first range's MLP and wo need what they saved: checkpoint runs its rest again, from its
-#      input (back from host) and its tokens of `replay` (back from host), detached (the gradient
-#      flows through the forward's graph). Their backward runs.
+#      inputs, x and `a` (back from host, requiring grad as in forward, so that the ops after them
+#      save what they saved then; the gradient flows through the forward's graph). Their backward
+#      runs.
 #   7. The second range's MLP and wo run backward on what they saved, from host.
 #   8. The core's backward gets its output's gradient from both ranges, and gives every token's
 #      q, k, v theirs: the second range's projections and norm run backward on what they saved,
@@ -318,15 +320,11 @@ def _offload(block, x, cos, sin, docs):
 @dataclass
 class _Split:
     block: object           # the block (a Policy): its parts
-    saved: object           # the Offloaded that takes what the block saves to host
     cos: torch.Tensor
     sin: torch.Tensor
     docs: object
     S: int                  # tokens in a run
     s0: int                 # the first range is [0, s0) of each run, the second [s0, S)
-    a: torch.Tensor = None  # 3 -> 5: the core's output, dropped once taken
-    replay: object = None   # 3 -> 6: `a`, packed (an index into `saved`)
-    requires_grad: bool = False  # 3 -> 6: whether `a` did
 
     def forward(self, x):
         first = x[:, :self.s0]
@@ -341,16 +339,12 @@ class _Split:
             q, k, v = map(self.join, (q, k, v), second_qkv)
         # 3.
         a = self.block.attention.core(q, k, v, self.docs, self.block.attention.window)
-        self.replay = self.saved.pack(a)
-        self.requires_grad = a.requires_grad
         y2 = None
         if self.s0 < self.S:
             # 4.
-            y2 = self.rest(second, self.tokens(a, self.s0, self.S))
-        # 5.
-        self.a = a
-        y = checkpoint(self.rest_first, first, use_reentrant=False)
-        self.a = None
+            y2 = self.rest(second, a, self.s0, self.S)
+        # 5. (and 6: checkpoint's recompute in backward)
+        y = checkpoint(self.rest, first, a, 0, self.s0, use_reentrant=False)
         if y2 is None:
             return y
         return torch.cat([y, y2], 1)
@@ -360,18 +354,11 @@ class _Split:
         cos, sin = self.tokens(self.cos, lo, hi), self.tokens(self.sin, lo, hi)
         return self.block.attention.project(self.block.attention_norm(x), cos, sin)
 
-    def rest_first(self, x):
-        """Step 5, and its recompute in backward (6): the first range's rest."""
-        if self.a is not None:
-            return self.rest(x, self.tokens(self.a, 0, self.s0))
-        # 6. requiring grad as in forward, so that the ops after it save what they saved then
-        a = self.tokens(self.saved.unpack(self.replay), 0, self.s0)
-        return self.rest(x, a.detach().requires_grad_(self.requires_grad))
-
-    def rest(self, x, a):
-        """Steps 4 and 5: the block's output for x's tokens, given their core's output a (the
-        attention half's output hooked for the prefetch, as Policy.hooked does)."""
-        h = x + self.block.attention.finish(a)
+    def rest(self, x, a, lo, hi):
+        """Steps 4 and 5 (and 5's recompute, 6): the block's output for x's tokens [lo, hi) of each
+        run, given the core's output a of every token (the attention half's output hooked for the
+        prefetch, as Policy.hooked does)."""
+        h = x + self.block.attention.finish(self.tokens(a, lo, hi))
         _prefetch(self.block.i, h)
         return self.block.with_mlp(h)
 
