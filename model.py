@@ -77,13 +77,24 @@ class LlamaConfig:
     # None windows every layer, else one 'sliding_attention' or 'full_attention' a layer
     sliding_window: int = 0
     layer_types: list | None = None
+    # the Qwen families (docs/models.md): a head's width (0: n_embd / n_head; Qwen3 and
+    # Mistral-Nemo decouple it), Qwen2's biases on q, k and v, Qwen3's RMSNorm over each head's q
+    # and k before RoPE; Qwen3-MoE's expert width (0: intermediate_size, Mixtral's), its chosen
+    # weights renormalised over the k (True: Mixtral's) or not, and the layers whose MLP stays
+    # dense (HF's mlp_only_layers)
+    head_dim: int = 0
+    attention_bias: bool = False
+    qk_norm: bool = False
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: list | None = None
 
     def __post_init__(self):
         # every field's rule, as one line naming it: train.py stops on it before anything is
         # allocated
         at_least = dict(n_layer=1, n_head=1, n_kv_head=1, n_embd=1, intermediate_size=1,
                         vocab_size=1, n_experts=0, experts_per_token=1, sliding_window=0,
-                        router_aux_loss_coef=0)
+                        router_aux_loss_coef=0, head_dim=0, moe_intermediate_size=0)
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}")
@@ -92,12 +103,14 @@ class LlamaConfig:
              'must be a number > 0'),
             ('rope_scaling', rope_scaling_ok(self.rope_scaling), ROPE_SCALING_RULE),
             ('norm_eps', self.norm_eps > 0, 'must be > 0'),
-            ('n_embd', self.n_embd % self.n_head == 0,
-             f"must be divisible by n_head={self.n_head}"),
+            ('n_embd', self.head_dim or self.n_embd % self.n_head == 0,
+             f"must be divisible by n_head={self.n_head} (or give head_dim)"),
             ('n_head', self.n_head % self.n_kv_head == 0,
              f"must be divisible by n_kv_head={self.n_kv_head}"),
-            ('n_embd', self.head_dim % 2 == 0,
-             f"n_embd / n_head = {self.head_dim} must be even (RoPE)"),
+            ('head_dim', (self.head_dim or self.n_embd // self.n_head) % 2 == 0,
+             "a head's width (n_embd / n_head where head_dim=0) must be even (RoPE)"),
+            ('dense_layers', set(self.dense_layers or []) <= set(range(self.n_layer)),
+             f"must be None or layers of range(n_layer={self.n_layer})"),
             ('experts_per_token', self.n_experts == 0 or self.experts_per_token <= self.n_experts,
              f"must be <= n_experts={self.n_experts}"),
             ('layer_types', self.layer_types is None or (
@@ -109,10 +122,13 @@ class LlamaConfig:
         for key, ok, allowed in rules:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
+        # the widths 0 stands for, stored: every formula reads head_dim, an expert's width
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
 
-    @property
-    def head_dim(self):
-        return self.n_embd // self.n_head
+    def is_moe(self, layer):
+        """Whether layer `layer`'s MLP is a mixture of experts (the others: the dense MLP)."""
+        return self.n_experts > 0 and layer not in (self.dense_layers or [])
 
     def window(self, layer):
         """Layer `layer`'s sliding window: the keys a query sees, itself included (0: all)."""
@@ -234,10 +250,16 @@ class Attention(nn.Module):
         h, H, K, hd = config.n_embd, config.n_head, config.n_kv_head, config.head_dim
         self.head_dim = hd
         self.core = Core()
-        self.wq = nn.Linear(h, H * hd, bias=False)
-        self.wk = nn.Linear(h, K * hd, bias=False)
-        self.wv = nn.Linear(h, K * hd, bias=False)
+        self.wq = nn.Linear(h, H * hd, bias=config.attention_bias)
+        self.wk = nn.Linear(h, K * hd, bias=config.attention_bias)
+        self.wv = nn.Linear(h, K * hd, bias=config.attention_bias)
         self.wo = nn.Linear(H * hd, h, bias=False)
+        # Qwen3's norms of each head's q and k (one weight [hd] for all heads: replicated under
+        # tp); None: Llama's
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.norm_eps)
+            self.k_norm = RMSNorm(hd, config.norm_eps)
         # Megatron's f and g: every tp rank gets all of x, and wo's partial sums are summed.
         # Nothing in one process; parallel.py's tensor-parallel plan puts its collectives here
         self.enter_tp = NoCollective()
@@ -264,9 +286,20 @@ class Attention(nn.Module):
         default all heads; chunked.py's head groups ask for one), RoPE applied: group g's rows of
         wq, wk, wv (a kv head's query heads are next to each other)."""
         B, S, _ = x.shape
-        q, k, v = (F.linear(x, w.weight.chunk(groups)[g]).view(B, S, -1, self.head_dim)
-                   .transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+        def heads(w, norm=None):
+            """Group g's heads of x w [B, heads, S, hd], with w's bias (Qwen2's) and a norm
+            (Qwen3's) where the layer has them."""
+            bias = w.bias
+            if bias is not None:
+                bias = bias.chunk(groups)[g]
+            y = F.linear(x, w.weight.chunk(groups)[g], bias).view(B, S, -1, self.head_dim)
+            if norm is not None:
+                y = norm(y)
+            return y.transpose(1, 2)
+
+        q, k = heads(self.wq, self.q_norm), heads(self.wk, self.k_norm)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), heads(self.wv)
 
     def out(self, y, g=0, groups=1):
         """The output projection of head group g's attention output y [B, heads, S, hd]: its
@@ -325,12 +358,12 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, window):
+    def __init__(self, config, layer):
         super().__init__()
         self.attention_norm = RMSNorm(config.n_embd, config.norm_eps)
-        self.attention = Attention(config, window)
+        self.attention = Attention(config, config.window(layer))
         self.ffn_norm = RMSNorm(config.n_embd, config.norm_eps)
-        if config.n_experts:
+        if config.is_moe(layer):
             # Mixtral's block: the same, its MLP a mixture of experts
             self.feed_forward = MoE(config)
         else:
@@ -377,7 +410,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
         # by index, not a list: a pipeline stage (parallel.py) drops the blocks it doesn't own, the
         # names stay
-        self.layers = nn.ModuleDict({str(i): Block(config, config.window(i))
+        self.layers = nn.ModuleDict({str(i): Block(config, i)
                                      for i in range(config.n_layer)})
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         # f before the LM head: under tensor parallelism each rank's rows of the vocabulary need
@@ -389,6 +422,8 @@ class Llama(nn.Module):
         for m in self.modules():  # (a tied matrix twice, as nanoGPT's self.apply does)
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, 'bias', None) is not None:  # Qwen2's q, k, v biases: 0, as HF's init
+                nn.init.zeros_(m.bias)
         for name, p in self.named_parameters():
             if name.endswith(('wo.weight', 'w2.weight')):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
@@ -465,7 +500,8 @@ class Llama(nn.Module):
         """HF's Llama config.json (rope_scaling's older form, read by every transformers), or
         Mixtral's when n_experts > 0, + model.safetensors. A sliding window on every layer is
         Mistral's config (Mixtral's with experts), on some layers Ministral's: transformers' Llama
-        reads no window."""
+        reads no window. Biases on q, k, v are Qwen2's config, q and k norms Qwen3's (Qwen3-MoE's
+        with experts)."""
         from safetensors.torch import save_file
         c = self.config
         s = c.rope_scaling or {}
@@ -488,14 +524,33 @@ class Llama(nn.Module):
         if mixed:
             # Ministral: a Llama whose layer_types say which layers are windowed
             hf.update(model_type='ministral', layer_types=c.layer_types)
-        if c.n_experts:
-            if mixed:
-                raise ValueError("layer_types: Mixtral windows every layer or none")
+        qwen_moe = c.n_experts and (c.dense_layers or not c.norm_topk_prob)
+        # what no family we write can say, each refused in one line
+        refusals = [(c.attention_bias and (c.qk_norm or c.n_experts),
+                     "attention_bias: Qwen2's, a dense model without qk_norm"),
+                    ((c.attention_bias or c.qk_norm) and hf['model_type'] != 'llama',
+                     "sliding_window: Qwen's families are written without windows"),
+                    (qwen_moe and not c.qk_norm,
+                     "dense_layers, norm_topk_prob=False: Qwen3-MoE's, whose heads have qk_norm"),
+                    (c.n_experts and mixed, "layer_types: Mixtral windows every layer or none")]
+        for refused, why in refusals:
+            if refused:
+                raise ValueError(why)
+        if c.attention_bias:
+            hf.update(model_type='qwen2')
+        if c.qk_norm:
+            hf.update(model_type='qwen3')
+        if c.n_experts and c.qk_norm:
+            hf.update({theirs: getattr(c, ours) for ours, theirs in HF_QWEN_MOE_CONFIG.items()},
+                      model_type='qwen3_moe', mlp_only_layers=c.dense_layers or [],
+                      decoder_sparse_step=1)
+        elif c.n_experts:
             # (sliding_window stays: Mixtral windows every layer with it)
             hf.update({theirs: getattr(c, ours) for ours, theirs in HF_MOE_CONFIG.items()},
-                      model_type='mixtral')
-        # transformers' class is the family's: LlamaForCausalLM, MistralForCausalLM, ...
-        hf['architectures'] = [f"{hf['model_type'].capitalize()}ForCausalLM"]
+                      model_type='mixtral', intermediate_size=c.moe_intermediate_size)
+        # transformers' class is the family's: LlamaForCausalLM, Qwen3MoeForCausalLM, ...
+        family = hf['model_type'].title().replace('_', '')
+        hf['architectures'] = [f"{family}ForCausalLM"]
         os.makedirs(out_dir, exist_ok=True)
         state = {}
         for ours, theirs in _hf_names(c).items():
@@ -516,10 +571,15 @@ HF_CONFIG = {'n_layer': 'num_hidden_layers', 'n_head': 'num_attention_heads',
              'norm_eps': 'rms_norm_eps', 'tie_embeddings': 'tie_word_embeddings'}
 # the families nanolong reads (model_type), each with the sliding_window transformers gives it when
 # config.json leaves the key out (None: no window)
-HF_WINDOW = {'llama': None, 'mistral': 4096, 'ministral': 4096, 'mixtral': None}
+HF_WINDOW = {'llama': None, 'mistral': 4096, 'ministral': 4096, 'mixtral': None, 'qwen2': None,
+             'qwen3': None, 'qwen3_moe': None}
 # and Mixtral's, which a 'mixtral' config.json always has
 HF_MOE_CONFIG = {'n_experts': 'num_local_experts', 'experts_per_token': 'num_experts_per_tok',
                  'router_aux_loss_coef': 'router_aux_loss_coef'}
+# Qwen3-MoE's (its dense-layer pattern apart)
+HF_QWEN_MOE_CONFIG = HF_MOE_CONFIG | {'n_experts': 'num_experts',
+                                      'moe_intermediate_size': 'moe_intermediate_size',
+                                      'norm_topk_prob': 'norm_topk_prob'}
 
 
 @contextmanager
@@ -538,70 +598,93 @@ def read_config(hf_dir, **overrides):
     path = os.path.join(hf_dir, 'config.json')
     with _reading(path), open(path) as f:
         hf = json.load(f)
-        # other families differ in what the names can't say (Qwen2's attention biases, Gemma's
-        # (1 + w) norms): refused, not loaded to wrong logits. No model_type: a hand-made Llama's
+        # other families differ in what the names can't say (Gemma's (1 + w) norms, Qwen2-MoE's
+        # shared experts): refused, not loaded to wrong logits. No model_type: a hand-made Llama's
         model_type = hf.get('model_type', 'llama')
         if model_type not in HF_WINDOW:
             raise ValueError(f"model_type {model_type!r} is not a Llama (nanolong reads "
-                             "'llama', 'mistral', 'ministral' and 'mixtral')")
+                             f"{', '.join(map(repr, HF_WINDOW))})")
+        qwen = model_type.startswith('qwen')
+        # Qwen2's biases are on q, k, v; the others' attention_bias puts one on o_proj too
+        if hf.get('attention_bias') and model_type != 'qwen2':
+            raise ValueError(f"attention_bias=True on a {model_type!r} (o_proj's bias too) is not "
+                             "supported")
+        if hf.get('use_sliding_window'):
+            raise ValueError("use_sliding_window=True (Qwen's windowed layers) is not supported")
         # transformers 5's form, or the older one (with 'type' for 'rope_type')
         rope = dict(hf.get('rope_parameters') or hf.get('rope_scaling') or {})
         theta = rope.pop('rope_theta', hf.get('rope_theta', 10000.0))
         rope = {'rope_type': rope.pop('type', 'default'), **rope}
-        n_head, h = hf['num_attention_heads'], hf['hidden_size']
-        # (Mixtral writes head_dim null: hidden_size / num_attention_heads)
-        if (hf.get('head_dim') or h // n_head) * n_head != h:
-            raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
         # The sliding window as transformers computes it, for the same logits. Mistral and
         # Mixtral window every layer by sliding_window (null: none); Ministral the layers its
         # layer_types say (None: every layer). Mixtral reads no layer_types; MistralForCausalLM
         # neither (it warns), but AutoModel reads a 'mistral' config.json that has the key as
-        # Ministral's, so we do. LlamaForCausalLM reads neither key: a Llama config.json that
-        # carries them is full attention there, so here.
+        # Ministral's, so we do. LlamaForCausalLM reads neither key (Qwen's, unless
+        # use_sliding_window): a config.json that carries them is full attention there, so here.
         window = hf.get('sliding_window', HF_WINDOW[model_type]) or 0
-        if model_type == 'llama':
+        if model_type == 'llama' or qwen:
             window = 0
         layer_types = hf.get('layer_types') if model_type in ('mistral', 'ministral') else None
-        # HF's defaults for the keys it may leave out
-        hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, **hf}
-        hf['num_key_value_heads'] = hf.get('num_key_value_heads') or n_head
+        # HF's defaults for the keys it may leave out (Qwen3's head_dim: 128; Mixtral writes it
+        # null: hidden_size / num_attention_heads)
+        hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, 'norm_topk_prob': False,
+              'decoder_sparse_step': 1, 'router_aux_loss_coef': 0.001,
+              'head_dim': 128 if model_type == 'qwen3' else None,
+              # (Qwen3-MoE's name, the hub's; transformers 5 writes Mixtral's)
+              'num_experts': hf.get('num_local_experts'), **hf}
+        hf['num_key_value_heads'] = hf.get('num_key_value_heads') or hf['num_attention_heads']
         names = HF_CONFIG
         if model_type == 'mixtral':
             names = HF_CONFIG | HF_MOE_CONFIG
+        if model_type == 'qwen3_moe':
+            names = HF_CONFIG | HF_QWEN_MOE_CONFIG
         fields = {ours: hf[theirs] for ours, theirs in names.items()}
         rope_scaling = None if rope['rope_type'] == 'default' else rope
+        # Qwen3-MoE's dense layers: mlp_only_layers, and those off every decoder_sparse_step-th
+        step = hf['decoder_sparse_step']
+        dense = [i for i in range(hf['num_hidden_layers'])
+                 if i in (hf.get('mlp_only_layers') or []) or (i + 1) % step]
         config = LlamaConfig(**fields, rope_theta=float(theta), rope_scaling=rope_scaling,
-                             sliding_window=window, layer_types=layer_types)
+                             sliding_window=window, layer_types=layer_types,
+                             head_dim=hf['head_dim'] or 0, attention_bias=model_type == 'qwen2',
+                             qk_norm=model_type in ('qwen3', 'qwen3_moe'),
+                             dense_layers=dense if model_type == 'qwen3_moe' and dense else None)
     # checked again: a bad override is the user's, not the file's
     return replace(config, **overrides)
 
 
 def _hf_names(config):
-    """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too). Mixtral's
-    stacked experts -> a list of E names, one matrix each, as its checkpoints store them."""
+    """Our parameter names -> HF's (the LM head is absent when tied: HF shares it too). Stacked
+    experts -> a list of E names, one matrix each, as Mixtral's and Qwen3-MoE's checkpoints store
+    them (transformers 5 fuses them in memory and still reads and writes these names)."""
     names = {'tok_embeddings.weight': 'model.embed_tokens.weight',
              'norm.weight': 'model.norm.weight'}
     if not config.tie_embeddings:
         names['output.weight'] = 'lm_head.weight'
-    block = {'attention.wq': 'self_attn.q_proj', 'attention.wk': 'self_attn.k_proj',
-             'attention.wv': 'self_attn.v_proj', 'attention.wo': 'self_attn.o_proj',
-             'attention_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm'}
-    if config.n_experts:
-        # Mixtral's router (its experts below)
-        block['feed_forward.router'] = 'block_sparse_moe.gate'
-    else:
-        block |= {'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
-                  'feed_forward.w2': 'mlp.down_proj'}
+    projections = {'wq': 'q_proj', 'wk': 'k_proj', 'wv': 'v_proj', 'wo': 'o_proj'}
+    # a MoE block's router and experts: Mixtral's block_sparse_moe, or Qwen3-MoE's mlp (qk_norm)
+    moe, experts = 'block_sparse_moe', {'w1': 'w1', 'w2': 'w2', 'w3': 'w3'}
+    if config.qk_norm:
+        moe, experts = 'mlp', {'w1': 'gate_proj', 'w2': 'down_proj', 'w3': 'up_proj'}
     for i in range(config.n_layer):
-        for ours, theirs in block.items():
-            names[f'layers.{i}.{ours}.weight'] = f'model.layers.{i}.{theirs}.weight'
-        if config.n_experts:
-            # the experts as Mixtral's checkpoints store them (transformers 5 fuses them in
-            # memory, mlp.experts.gate_up_proj, and still reads and writes these names)
-            for w in ('w1', 'w2', 'w3'):
-                names[f'layers.{i}.feed_forward.experts.{w}'] = [
-                    f'model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight'
-                    for j in range(config.n_experts)]
+        ours, theirs = f'layers.{i}.', f'model.layers.{i}.'
+        block = {'attention_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm'}
+        block |= {f'attention.{w}': f'self_attn.{p}' for w, p in projections.items()}
+        if config.qk_norm:
+            block |= {'attention.q_norm': 'self_attn.q_norm', 'attention.k_norm': 'self_attn.k_norm'}
+        if config.is_moe(i):
+            block['feed_forward.router'] = f'{moe}.gate'
+            for w, p in experts.items():
+                names[f'{ours}feed_forward.experts.{w}'] = [
+                    f'{theirs}{moe}.experts.{j}.{p}.weight' for j in range(config.n_experts)]
+        else:
+            block |= {'feed_forward.w1': 'mlp.gate_proj', 'feed_forward.w3': 'mlp.up_proj',
+                      'feed_forward.w2': 'mlp.down_proj'}
+        for o, t in block.items():
+            names[f'{ours}{o}.weight'] = f'{theirs}{t}.weight'
+        if config.attention_bias:  # Qwen2's
+            for w in ('wq', 'wk', 'wv'):
+                names[f'{ours}attention.{w}.bias'] = f'{theirs}self_attn.{projections[w]}.bias'
     return names
 
 
@@ -610,17 +693,19 @@ def num_params(config, non_embedding=True, active=False):
     """Parameters of Llama(config), without the embedding table by default (a lookup, not a
     matmul); active: of the experts, only the k a token computes. The one parameter count:
     train.py's MFU and memory.py's model states read it."""
-    h, I, V = config.n_embd, config.intermediate_size, config.vocab_size
-    kv = config.n_kv_head * config.head_dim
-    # two norms, wq wo, wk wv, w1 w2 w3
-    per_layer = 2 * h + 2 * h * h + 2 * h * kv + 3 * h * I
-    if config.n_experts:
-        # the router, and E experts (k of them computed)
-        experts = config.experts_per_token if active else config.n_experts
-        per_layer += h * config.n_experts + 3 * h * I * (experts - 1)
+    h, V, E, hd = config.n_embd, config.vocab_size, config.n_experts, config.head_dim
+    q, kv = config.n_head * hd, config.n_kv_head * hd
+    # two norms, wq wo, wk wv; Qwen2's biases on q, k and v, Qwen3's norms of a head's q and k
+    attention = 2 * h + 2 * h * q + 2 * h * kv
+    attention += config.attention_bias * (q + 2 * kv) + config.qk_norm * 2 * hd
+    # w1 w2 w3, or the router and E experts (k of them computed)
+    dense = 3 * h * config.intermediate_size
+    experts = config.experts_per_token if active else E
+    moe = h * E + 3 * h * config.moe_intermediate_size * experts
+    mlps = sum(moe if config.is_moe(i) else dense for i in range(config.n_layer))
     # a tied matrix counts once, as the head
     embedding = 0 if non_embedding or config.tie_embeddings else V * h
-    return config.n_layer * per_layer + h + V * h + embedding
+    return config.n_layer * attention + mlps + h + V * h + embedding
 
 
 def attention_pairs(lengths, window=0):
@@ -646,7 +731,7 @@ def flops_per_token(config, *lengths):
     What the memory knobs run again on top: knobs.hardware_flops."""
     N = num_params(config, active=True)
     pairs = sum(attention_pairs(lengths, config.window(i)) for i in range(config.n_layer))
-    return 6 * N + 12 * config.n_embd * pairs / sum(lengths)
+    return 6 * N + 12 * config.n_head * config.head_dim * pairs / sum(lengths)
 
 
 # ----------------------------------------------------------------------------- RMSNorm in fp32

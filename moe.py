@@ -89,7 +89,7 @@ class Experts(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        E, h, I = config.n_experts, config.n_embd, config.intermediate_size
+        E, h, I = config.n_experts, config.n_embd, config.moe_intermediate_size
         # model.py's init: N(0, 0.02), the projection into the residual stream scaled by depth
         down_std = 0.02 / math.sqrt(2 * config.n_layer)
         self.w1 = nn.Parameter(torch.empty(E, I, h).normal_(std=0.02))  # gate
@@ -120,7 +120,12 @@ class MoE(nn.Module):
     def forward(self, x):
         logits = self.router(x).float()
         top, chosen = logits.topk(self.config.experts_per_token, dim=-1)
-        weights = F.softmax(top, dim=-1).to(x.dtype)
+        # the k chosen weights: renormalised over them (Mixtral's, norm_topk_prob), or their
+        # probabilities over all E (Qwen3-MoE's norm_topk_prob=False)
+        weights = F.softmax(top, dim=-1)
+        if not self.config.norm_topk_prob:
+            weights = F.softmax(logits, dim=-1).gather(-1, chosen)
+        weights = weights.to(x.dtype)
         y = self.route(x, chosen, weights)
         aux = balance_loss(logits, chosen, self.pair_counts(chosen))
         return _AuxLoss.apply(y, aux, self)
@@ -187,7 +192,10 @@ class _AuxLoss(torch.autograd.Function):
         moe = ctx.moe
         moe.aux_loss += ctx.aux
         moe.aux_count += 1
-        weight = moe.config.router_aux_loss_coef / moe.config.n_layer * moe.aux_weight
+        c = moe.config
+        # (a mean over the MoE layers: Qwen3-MoE may keep some dense)
+        layers = sum(map(c.is_moe, range(c.n_layer)))
+        weight = c.router_aux_loss_coef / layers * moe.aux_weight
         return g, torch.full_like(ctx.aux, weight), None
 
 
@@ -208,7 +216,7 @@ def memory_terms(config, batch, sequence, b, t, ep, chunks, dense_chunks):
     k, E = config.experts_per_token, config.n_experts
     if not E:
         return 0, 0, 0
-    h, I = config.n_embd, config.intermediate_size / t
+    h, I = config.n_embd, config.moe_intermediate_size / t
     T = batch * sequence
     n = T * k
     # the routed copies, the experts' outputs, their weighted copies (index_add keeps them); the

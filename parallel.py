@@ -140,8 +140,9 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
     if K % tp and tp % K:
         return (f"n_kv_head={K} and tp_size={tp}: one must divide the other (kv heads split or "
                 "copied)")
-    if c.intermediate_size % tp:
-        return f"intermediate_size={c.intermediate_size} is not divisible by tp_size={tp}"
+    for key in ('intermediate_size', 'moe_intermediate_size'):
+        if getattr(c, key) % tp:
+            return f"{key}={getattr(c, key)} is not divisible by tp_size={tp}"
     if cp_impl not in ('ulysses', 'ring'):
         return f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"
     if zero == 1:
@@ -196,7 +197,7 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         if S % (2 * cp):
             return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"
         # (None: the kernel runs here)
-        if kernel := flash_error(device_type, dtype, c.n_embd // H):
+        if kernel := flash_error(device_type, dtype, c.head_dim):
             return kernel
         # (the ring's output is merged from several kernel calls: it can't be replayed)
         instead = (", cp_impl='ulysses' or offload=1" if c.recompute == 'none'
@@ -391,8 +392,9 @@ def leave_tp(x, mesh):
 
 # ----------------------------------------------------------------------------- sharding the weights
 TP_SPLITS = {('tok_embeddings.weight', 'output.weight'): (0, 'vocab'),
-             ('wk.weight', 'wv.weight'): (0, 'kv'),
-             ('wq.weight', 'w1.weight', 'w3.weight'): (0, 'even'),
+             # (Qwen2's biases split with their rows)
+             ('wk.weight', 'wv.weight', 'wk.bias', 'wv.bias'): (0, 'kv'),
+             ('wq.weight', 'wq.bias', 'w1.weight', 'w3.weight'): (0, 'even'),
              ('wo.weight', 'w2.weight'): (1, 'even'),
              # moe.py's experts, stacked [E, I, h] and [E, h, I]: each expert's I split
              ('experts.w1', 'experts.w3'): (1, 'even'),
@@ -684,13 +686,15 @@ def sync_grads(named_params, mesh, config):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [(n, local(p.grad)) for n, p in named_params]
-    if mesh.sequence_parallel:
-        # the norms and MoE's router, whole on every tp rank (t = 1: all, and no group)
-        all_reduce_buckets([g for n, g in grads if shard_spec(n, config, mesh.tp) is None],
-                           mesh.tp_group)
+    # the norms and MoE's router, whole on every tp rank (t = 1: all, and no group): under sp
+    # each saw its tokens; Qwen3's q and k norms saw the rank's heads, sp or not
+    whole = [(n, g) for n, g in grads if shard_spec(n, config, mesh.tp) is None]
+    if not mesh.sequence_parallel:
+        whole = [(n, g) for n, g in whole if n.endswith(('q_norm.weight', 'k_norm.weight'))]
+    all_reduce_buckets([g for _, g in whole], mesh.tp_group)
     # replicated kv heads: over their copies (K >= t: no group)
-    all_reduce_buckets([g for n, g in grads if n.endswith(('wk.weight', 'wv.weight'))],
-                       mesh.kv_group)
+    kv = ('wk.weight', 'wv.weight', 'wk.bias', 'wv.bias')
+    all_reduce_buckets([g for n, g in grads if n.endswith(kv)], mesh.kv_group)
     # zero=2, 3: FSDP2 reduce-scattered them over dp·cp in backward
     if not isinstance(named_params[0][1], DTensor):
         all_reduce_buckets([g for n, g in grads if '.experts.' not in n], mesh.dpcp_group)
@@ -706,7 +710,8 @@ def local(x):
 def clip_grad_norm_(named_params, max_norm, mesh, config):
     """torch.nn.utils.clip_grad_norm_ over the whole model: squares of every shard, each element
     once."""
-    squares, experts = 0, 0
+    # (tensors: under ep a stage may hold only dense layers, Qwen3-MoE's)
+    squares, experts = torch.zeros(()), torch.zeros(())
     for n, p in named_params:
         if is_replica(n, mesh, config):
             continue
@@ -719,7 +724,6 @@ def clip_grad_norm_(named_params, max_norm, mesh, config):
     # ep ranks' experts are others (FSDP2's rows of them too: summed over dp·cp)
     fsdp = isinstance(named_params[0][1], DTensor)
     if mesh.ep_group is not None and not fsdp:
-        # (a tensor: under ep every block is an MoE, every stage holds one)
         all_reduce(experts, mesh.ep_group)
     squares = squares + experts
     for group in (mesh.tp_group, mesh.pp_group, mesh.dpcp_group if fsdp else None):

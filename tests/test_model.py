@@ -149,16 +149,17 @@ def test_mixtral_loads_from_shards_and_exports_to_the_same_logits(tmp_path):
         assert rel_err(theirs.float()(idx).logits, ref) < 1e-5
 
 
-NOT_OURS = "is not a Llama (nanolong reads 'llama', 'mistral', 'ministral' and 'mixtral')"
+NOT_OURS = ("is not a Llama (nanolong reads 'llama', 'mistral', 'ministral', 'mixtral', 'qwen2', 'qwen3', "
+            "'qwen3_moe')")
 
 
 @pytest.mark.parametrize('model_type,edit,message', [
-    ('qwen2', {}, f"model_type 'qwen2' {NOT_OURS}"),  # attention biases
+    ('qwen2_moe', {}, f"model_type 'qwen2_moe' {NOT_OURS}"),  # shared experts
     ('gemma', {}, f"model_type 'gemma' {NOT_OURS}"),  # (1 + w) norms
     ('mistral', {'sliding_window': -1}, "sliding_window=-1: must be >= 0"),
     ('ministral', {'layer_types': ['sliding_attention'] * 3}, "layer_types=['sliding_attention', "
      "'sliding_attention', 'sliding_attention']: must be None or n_layer=32 of 'sliding_attention', 'full_attention'")],
-    ids=['qwen2', 'gemma', 'mistral window -1', 'ministral layer_types too short'])
+    ids=['qwen2_moe', 'gemma', 'mistral window -1', 'ministral layer_types too short'])
 def test_other_families_are_refused_in_one_line_naming_them(tmp_path, model_type, edit, message):
     transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)  # config.json is enough
     config = json.loads((tmp_path / 'config.json').read_text())
@@ -745,3 +746,114 @@ def test_each_layer_gets_its_window():
     assert [block.attention.window for block in Llama(mixed).layers.values()] == [8, 0, 8]
     assert [LlamaConfig(n_layer=2, sliding_window=8).window(i) for i in range(2)] == [8, 8]
     assert [LlamaConfig(n_layer=2).window(i) for i in range(2)] == [0, 0]
+
+
+# ----------------------------------------------------------------------------- Qwen2, Qwen3, Qwen3-MoE
+QWEN_CLASSES = {'qwen2': transformers.Qwen2ForCausalLM, 'qwen3': transformers.Qwen3ForCausalLM,
+                'qwen3_moe': transformers.Qwen3MoeForCausalLM, 'llama': transformers.LlamaForCausalLM}
+QWEN_CASES = {
+    # biases on q, k, v; Llama's head width
+    'qwen2': ('qwen2', dict(num_attention_heads=4, num_key_value_heads=2)),
+    # an odd head count of a decoupled width (3 x 24 = 72 on a 64 wide model), tied
+    'qwen2 3 heads of 24, tied': ('qwen2', dict(num_attention_heads=3, num_key_value_heads=1, head_dim=24,
+                                                tie_word_embeddings=True)),
+    # q and k norms, 6 x 32 = 192 wide heads
+    'qwen3 6 heads of 32': ('qwen3', dict(num_attention_heads=6, num_key_value_heads=2, head_dim=32)),
+    'qwen3 tied': ('qwen3', dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                 tie_word_embeddings=True)),
+    # experts of their own width, weights not renormalised, layer 1 dense
+    'qwen3_moe dense layer 1': ('qwen3_moe', dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                  norm_topk_prob=False, mlp_only_layers=[1])),
+    # every other layer sparse, weights renormalised
+    'qwen3_moe sparse step 2': ('qwen3_moe', dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  norm_topk_prob=True, decoder_sparse_step=2)),
+    # a Llama (Mistral-Nemo's shape, small) whose config.json sets head_dim
+    'llama head_dim 32': ('llama', dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+}
+
+
+def hf_qwen(family, seed=0, **fields):
+    """A tiny transformers model of `family` (3 layers, 64 wide, fp32, eager), its norms and biases perturbed
+    (HF inits them to one and zero: the mapping is then really tested)."""
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(family, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                            vocab_size=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                            max_position_embeddings=256, **fields)
+    cfg._attn_implementation = 'eager'
+    m = QWEN_CLASSES[family](cfg).float().eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if 'norm' in name or name.endswith('bias'):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith('gate.weight'):  # the router: HF inits it to zero (every expert alike)
+                p.normal_(std=0.5)
+    return m
+
+
+@pytest.mark.parametrize('case', QWEN_CASES)
+def test_qwen_families_load_and_export_to_the_same_logits(tmp_path, case):
+    family, fields = QWEN_CASES[case]
+    hf = hf_qwen(family, **fields)
+    hf.save_pretrained(tmp_path / 'hf')
+    ours = Llama.from_pretrained(tmp_path / 'hf').eval()
+    c = ours.config
+    assert c.head_dim == fields.get('head_dim', 64 // fields['num_attention_heads'])
+    assert (c.attention_bias, c.qk_norm) == (family == 'qwen2', family.startswith('qwen3'))
+    idx = torch.randint(0, 128, (2, 40))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        assert rel_err(ours(idx), ref) < 1e-5
+        ours.save_pretrained(tmp_path / 'export')
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'export', attn_implementation='eager')
+        assert type(theirs) is QWEN_CLASSES[family]  # the same family, not a Llama with weights dropped
+        assert rel_err(theirs.float()(idx).logits, ref) < 1e-5
+        again = Llama.from_pretrained(tmp_path / 'export')
+        assert again.config == c and torch.equal(again(idx), ours(idx))
+
+
+def test_qwen3_moe_dense_layers_and_routing_are_read_as_transformers_has_them(tmp_path):
+    hf_qwen('qwen3_moe', **QWEN_CASES['qwen3_moe sparse step 2'][1]).save_pretrained(tmp_path / 'step')
+    c = Llama.from_pretrained(tmp_path / 'step').config
+    # decoder_sparse_step 2: layers 1 (of 0, 1, 2) sparse
+    assert (c.dense_layers, c.n_experts, c.moe_intermediate_size, c.norm_topk_prob) == ([0, 2], 4, 32, True)
+    model = Llama.from_pretrained(tmp_path / 'step')
+    assert [type(b.feed_forward).__name__ for b in model.layers.values()] == ['MLP', 'MoE', 'MLP']
+    # norm_topk_prob=False: the k weights are the probabilities over all E, not renormalised
+    moe = Llama(replace(c, norm_topk_prob=False, dense_layers=None)).layers['0'].feed_forward
+    x = torch.randn(5, 64)
+    probs = F.softmax(moe.router(x).float(), dim=-1)
+    seen = {}
+
+    def route(x, chosen, weights):  # records the weights the experts' outputs would be weighed by
+        seen['weights'] = weights
+        return x
+
+    moe.route = route
+    moe(x)
+    assert torch.allclose(seen['weights'], probs.topk(2).values)
+    assert not torch.allclose(seen['weights'].sum(-1), torch.ones(5))
+
+
+@pytest.mark.parametrize('model_type,edit,message', [
+    ('qwen3', {'attention_bias': True}, "attention_bias=True on a 'qwen3' (o_proj's bias too) is not supported"),
+    ('qwen2', {'use_sliding_window': True}, "use_sliding_window=True (Qwen's windowed layers) is not supported")])
+def test_what_qwen_we_do_not_read_is_refused_in_one_line(tmp_path, model_type, edit, message):
+    transformers.AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / 'config.json').read_text())
+    (tmp_path / 'config.json').write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError) as e:
+        Llama.from_pretrained(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: {message}")
+
+
+@pytest.mark.parametrize('fields,message', [
+    (dict(attention_bias=True, qk_norm=True), "attention_bias: Qwen2's, a dense model without qk_norm"),
+    (dict(qk_norm=True, sliding_window=4), "sliding_window: Qwen's families are written without windows"),
+    (dict(n_experts=4, norm_topk_prob=False), "dense_layers, norm_topk_prob=False: Qwen3-MoE's, whose heads"
+     " have qk_norm")])
+def test_an_export_no_family_says_is_refused_before_anything_is_written(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        Llama(LlamaConfig(**fields)).save_pretrained(tmp_path / 'out')
+    assert not (tmp_path / 'out').exists()
