@@ -114,6 +114,16 @@ router_aux_loss_coef = 0.02
 # A key whose default is None says what it takes (`int | None`): the configurator checks it
 sliding_window: int | None = None
 layer_types: list[str] | None = None
+# the Qwen families (docs/models.md; a Hugging Face model's own from init_from): a head's width
+# (0: n_embd / n_head), biases on q, k, v (Qwen2), norms of each head's q and k (Qwen3); an
+# expert's width (0: intermediate_size), its k weights renormalised (Mixtral) or not, the layers
+# whose MLP stays dense (Qwen3-MoE)
+head_dim = 0
+attention_bias = False
+qk_norm = False
+moe_intermediate_size = 0
+norm_topk_prob = True
+dense_layers: list[int] | None = None
 # memory knobs (chunked.py; offload.py)
 mlp_chunks = 1
 loss_chunks = 1
