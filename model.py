@@ -12,7 +12,7 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   document, positions restarting at each.
 - RMSNorm in fp32 with the config's eps, as HF computes it, a chunk of positions at a time (the
   Function at the end of this file), keeping no fp32 copy of x.
-- no biases; optional tied embeddings; weight init as GPT-2/nanoGPT do for Llama-shaped models:
+- no biases (Qwen2's on q, k, v apart); optional tied embeddings; weight init as GPT-2/nanoGPT do for Llama-shaped models:
   every weight N(0, 0.02) (Llama's `initializer_range`), the two projections writing into the
   residual stream (wo, w2) scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow
   with depth; norms at 1.
@@ -30,9 +30,13 @@ or a config field afterwards (tests/test_budget.py checks), so a new attention v
 the architecture alone, what a config.json holds; the memory knobs (mlp_chunks, loss_chunks,
 attention_chunks, recompute, offload) are knobs.py's, which the techniques read. With
 config.n_experts > 0 each block's MLP is moe.py's mixture of experts (Mixtral's block).
-`Llama.from_pretrained()` reads a local HF Llama, Mistral, Ministral or Mixtral directory;
-`save_pretrained()` writes one that transformers loads back to the same logits (a Mistral when every
-layer is windowed, a Ministral when some are).
+`Llama.from_pretrained()` reads a local HF Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen3 or
+Qwen3-MoE directory; `save_pretrained()` writes one that transformers loads back to the same logits
+(a Mistral when every layer is windowed, a Ministral when some are, a Qwen2 with q, k, v biases, a
+Qwen3 with q and k norms). Qwen's four differences (docs/models.md): a head's width decoupled from
+the model's (head_dim: n_head·head_dim need not be n_embd), Qwen2's biases, Qwen3's RMSNorm over
+each head's q and k before RoPE (Attention.qkv), Qwen3-MoE's experts of their own width, weights
+not renormalised over the k (norm_topk_prob=False) and dense layers among the sparse ones.
 """
 
 import json
@@ -524,27 +528,21 @@ class Llama(nn.Module):
         if mixed:
             # Ministral: a Llama whose layer_types say which layers are windowed
             hf.update(model_type='ministral', layer_types=c.layer_types)
-        qwen_moe = c.n_experts and (c.dense_layers or not c.norm_topk_prob)
-        # what no family we write can say, each refused in one line
-        refusals = [(c.attention_bias and (c.qk_norm or c.n_experts),
-                     "attention_bias: Qwen2's, a dense model without qk_norm"),
-                    ((c.attention_bias or c.qk_norm) and hf['model_type'] != 'llama',
-                     "sliding_window: Qwen's families are written without windows"),
-                    (qwen_moe and not c.qk_norm,
-                     "dense_layers, norm_topk_prob=False: Qwen3-MoE's, whose heads have qk_norm"),
-                    (c.n_experts and mixed, "layer_types: Mixtral windows every layer or none")]
-        for refused, why in refusals:
-            if refused:
-                raise ValueError(why)
-        if c.attention_bias:
-            hf.update(model_type='qwen2')
-        if c.qk_norm:
-            hf.update(model_type='qwen3')
+        if c.attention_bias or c.qk_norm:
+            # Qwen2: biases on q, k, v, a dense model; Qwen3: norms of q and k (Qwen3-MoE's with
+            # experts); neither windowed
+            if hf['model_type'] != 'llama' or c.attention_bias and (c.qk_norm or c.n_experts):
+                raise ValueError("attention_bias, qk_norm: Qwen2's (biases, dense) or Qwen3's "
+                                 "(norms), without windows")
+            hf['model_type'] = 'qwen2' if c.attention_bias else 'qwen3'
         if c.n_experts and c.qk_norm:
             hf.update({theirs: getattr(c, ours) for ours, theirs in HF_QWEN_MOE_CONFIG.items()},
                       model_type='qwen3_moe', mlp_only_layers=c.dense_layers or [],
                       decoder_sparse_step=1)
         elif c.n_experts:
+            if mixed or c.dense_layers or not c.norm_topk_prob:
+                raise ValueError("layer_types, dense_layers, norm_topk_prob=False: Mixtral has "
+                                 "none (Qwen3-MoE, whose heads have qk_norm, the last two)")
             # (sliding_window stays: Mixtral windows every layer with it)
             hf.update({theirs: getattr(c, ours) for ours, theirs in HF_MOE_CONFIG.items()},
                       model_type='mixtral', intermediate_size=c.moe_intermediate_size)
@@ -604,7 +602,6 @@ def read_config(hf_dir, **overrides):
         if model_type not in HF_WINDOW:
             raise ValueError(f"model_type {model_type!r} is not a Llama (nanolong reads "
                              f"{', '.join(map(repr, HF_WINDOW))})")
-        qwen = model_type.startswith('qwen')
         # Qwen2's biases are on q, k, v; the others' attention_bias puts one on o_proj too
         if hf.get('attention_bias') and model_type != 'qwen2':
             raise ValueError(f"attention_bias=True on a {model_type!r} (o_proj's bias too) is not "
@@ -622,7 +619,7 @@ def read_config(hf_dir, **overrides):
         # Ministral's, so we do. LlamaForCausalLM reads neither key (Qwen's, unless
         # use_sliding_window): a config.json that carries them is full attention there, so here.
         window = hf.get('sliding_window', HF_WINDOW[model_type]) or 0
-        if model_type == 'llama' or qwen:
+        if model_type == 'llama' or model_type.startswith('qwen'):
             window = 0
         layer_types = hf.get('layer_types') if model_type in ('mistral', 'ministral') else None
         # HF's defaults for the keys it may leave out (Qwen3's head_dim: 128; Mixtral writes it
@@ -671,7 +668,8 @@ def _hf_names(config):
         block = {'attention_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm'}
         block |= {f'attention.{w}': f'self_attn.{p}' for w, p in projections.items()}
         if config.qk_norm:
-            block |= {'attention.q_norm': 'self_attn.q_norm', 'attention.k_norm': 'self_attn.k_norm'}
+            block |= {'attention.q_norm': 'self_attn.q_norm',
+                      'attention.k_norm': 'self_attn.k_norm'}
         if config.is_moe(i):
             block['feed_forward.router'] = f'{moe}.gate'
             for w, p in experts.items():
@@ -720,10 +718,11 @@ def attention_pairs(lengths, window=0):
 
 
 def flops_per_token(config, *lengths):
-    """The model FLOPs per trained token (what MFU counts): 6·N + 12·h·P/T a token, N the
+    """The model FLOPs per trained token (what MFU counts): 6·N + 12·a·P/T a token, N the
     non-embedding parameters plus the LM head, P the (query, key) pairs of the L layers
-    (attention_pairs) in T tokens. Attention trains 12·h FLOPs a pair (q·k and p·v, 2·h each
-    forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·h·(S + 1), half of
+    (attention_pairs) in T tokens, a = n_head·head_dim the heads' width (h, Llama's n_embd, but
+    where head_dim is decoupled: Qwen3). Attention trains 12·a FLOPs a pair (q·k and p·v, 2·a
+    each forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·h·(S + 1), half of
     the 12·L·h·S that PaLM's appendix, Megatron's paper and torchtitan count (every query seeing
     every key), as FlashAttention's benchmarks (causal: half) and Megatron-LM's code (seq_len / 2)
     count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)

@@ -271,7 +271,7 @@ def test_a_mix_under_mixtral_is_refused_in_one_line_before_anything_is_written(t
     """Mixtral windows every layer or none, and transformers has no Mixtral that reads layer_types."""
     config = LlamaConfig(n_layer=2, n_experts=4, sliding_window=WINDOW, layer_types=['sliding_attention',
                                                                                        'full_attention'])
-    with pytest.raises(ValueError, match=r'^layer_types: Mixtral windows every layer or none$'):
+    with pytest.raises(ValueError, match=r'^layer_types, dense_layers, norm_topk_prob=False: Mixtral has none'):
         Llama(config).save_pretrained(tmp_path / 'export')
     assert not (tmp_path / 'export').exists()
 
@@ -849,10 +849,11 @@ def test_what_qwen_we_do_not_read_is_refused_in_one_line(tmp_path, model_type, e
 
 
 @pytest.mark.parametrize('fields,message', [
-    (dict(attention_bias=True, qk_norm=True), "attention_bias: Qwen2's, a dense model without qk_norm"),
-    (dict(qk_norm=True, sliding_window=4), "sliding_window: Qwen's families are written without windows"),
-    (dict(n_experts=4, norm_topk_prob=False), "dense_layers, norm_topk_prob=False: Qwen3-MoE's, whose heads"
-     " have qk_norm")])
+    (dict(attention_bias=True, qk_norm=True), "attention_bias, qk_norm: Qwen2's"),
+    (dict(attention_bias=True, n_experts=4), "attention_bias, qk_norm: Qwen2's"),
+    (dict(qk_norm=True, sliding_window=4), "attention_bias, qk_norm: Qwen2's"),
+    (dict(n_experts=4, norm_topk_prob=False), "layer_types, dense_layers, norm_topk_prob=False: Mixtral has none"),
+    (dict(n_experts=4, dense_layers=[1]), "layer_types, dense_layers, norm_topk_prob=False: Mixtral has none")])
 def test_an_export_no_family_says_is_refused_before_anything_is_written(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
         Llama(LlamaConfig(**fields)).save_pretrained(tmp_path / 'out')
