@@ -259,8 +259,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, K * hd, bias=config.attention_bias)
         self.wo = nn.Linear(H * hd, h, bias=False)
         # Qwen3's norms of each head's q and k (one weight [hd] for all heads: replicated under
-        # tp); None: Llama's
-        self.q_norm = self.k_norm = None
+        # tp); Llama's: none
+        self.q_norm = nn.Identity()
+        self.k_norm = nn.Identity()
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
@@ -291,19 +292,17 @@ class Attention(nn.Module):
         wq, wk, wv (a kv head's query heads are next to each other)."""
         B, S, _ = x.shape
 
-        def heads(w, norm=None):
-            """Group g's heads of x w [B, heads, S, hd], with w's bias (Qwen2's) and a norm
-            (Qwen3's) where the layer has them."""
+        def heads(w, norm):
+            """Group g's heads of x w [B, heads, S, hd], with w's bias (Qwen2's) where the layer
+            has one, normed (Qwen3's; else nn.Identity)."""
             bias = w.bias
             if bias is not None:
                 bias = bias.chunk(groups)[g]
             y = F.linear(x, w.weight.chunk(groups)[g], bias).view(B, S, -1, self.head_dim)
-            if norm is not None:
-                y = norm(y)
-            return y.transpose(1, 2)
+            return norm(y).transpose(1, 2)
 
         q, k = heads(self.wq, self.q_norm), heads(self.wk, self.k_norm)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), heads(self.wv)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), heads(self.wv, nn.Identity())
 
     def out(self, y, g=0, groups=1):
         """The output projection of head group g's attention output y [B, heads, S, hd]: its

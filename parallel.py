@@ -646,7 +646,8 @@ def shard_states(model, mesh, zero, dtype, on_host=False):
         module.set_force_sum_reduction_for_comms(True)
 
     for block in model.layers.values():
-        if mesh.ep > 1:
+        # (a dense layer among Qwen3-MoE's has no experts)
+        if mesh.ep > 1 and hasattr(block.feed_forward, 'experts'):
             # the experts' rows over the ranks holding the same experts
             shard(block.feed_forward.experts, mesh.edp_mesh, zero == 3)
         shard(block, mesh.dpcp_mesh, zero == 3)

@@ -354,7 +354,9 @@ def aux_loss(model, mesh):
     for group in (mesh.dpcp_group, mesh.pp_group, mesh.tp_group if sp else None):
         if group is not None:
             total = parallel.all_reduce(total, group)
-    return total.item() / model.config.n_layer
+    # (a mean over the MoE layers: Qwen3-MoE may keep some dense)
+    c = model.config
+    return total.item() / sum(map(c.is_moe, range(c.n_layer)))
 
 
 def make_optimizer(model, masters, device_type, mesh=None):

@@ -25,7 +25,7 @@ from knobs import Knobs  # noqa: E402
 from model import Llama  # noqa: E402
 from moe import Experts, MoE, moe_layers  # noqa: E402
 from test_parallel import (MODEL, RTOL, LR, TINY, assert_close_losses, free_port, gather_full,  # noqa: E402
-                           one_step, read_log, rel, torchrun)
+                           one_step, perturbed, read_log, rel, torchrun)
 
 CONFIG = dict(MODEL, n_experts=4, experts_per_token=2)
 
@@ -138,6 +138,8 @@ def test_balanced_routing_gives_an_aux_loss_of_k_and_training_pulls_toward_it():
 
 # ----------------------------------------------------------------------------- expert parallelism
 
+QWEN_MOE = dict(head_dim=12, qk_norm=True, moe_intermediate_size=32, norm_topk_prob=False, dense_layers=[1])
+
 # name: (world, tp, cp, cp_impl, sequence_parallel, zero, ep, model overrides)
 EP_LAYOUTS = {
     'ep2':          (2, 1, 1, 'ulysses', True, 0, 2, {}),
@@ -149,13 +151,16 @@ EP_LAYOUTS = {
     'dp_cp_zero3_ep2': (4, 1, 2, 'ulysses', True, 3, 2, {}),  # the experts' rows over the 2 ranks holding them
     'ring_ep4':     (4, 1, 2, 'ring', True, 0, 4, dict(recompute='full', sliding_window=5)),  # Mixtral's window
     'tp_cp_ep2':    (4, 2, 2, 'ulysses', True, 2, 2, {}),
+    # Qwen3-MoE's: experts of their own width, weights not renormalised, layer 1 dense, q and k norms, with tp and ep
+    'ep2_qwen':     (2, 1, 1, 'ulysses', True, 2, 2, QWEN_MOE),
+    'tp_ep2_qwen':  (4, 2, 1, 'ulysses', True, 0, 2, dict(QWEN_MOE, recompute='selective')),
 }
 
 
 def new_moe_model(overrides, mesh=None):
     torch.manual_seed(0)
     config = Knobs(**{**CONFIG, **{k: v for k, v in overrides.items() if k != 'bias'}})
-    model = Llama(config)
+    model = perturbed(Llama(config))
     if 'bias' in overrides:
         for block in model.layers.values():
             biased(block.feed_forward, overrides['bias'])

@@ -42,6 +42,11 @@ MODEL = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, 
              mlp_chunks=3, loss_chunks=3)
 B, S = 4, 16
 
+# Qwen's differences together (model.py): a decoupled head width (4 heads of 12 on a 32 wide model), biases on q, k
+# and v (each tp rank's rows of them, copied with kv heads when K < t), norms of each head's q and k (replicated over
+# tp: each rank's heads give a share of their gradients, summed over tp with sp or without)
+QWEN = dict(head_dim=12, attention_bias=True, qk_norm=True)
+
 # name: (world, tp, cp, cp_impl, sequence_parallel, zero, model overrides)
 LAYOUTS = {
     'tp':            (2, 2, 1, 'ulysses', False, 0, dict(recompute='selective')),
@@ -90,9 +95,17 @@ LAYOUTS = {
     # cp 4 (8 chunks of 2 tokens): 16 one-token documents, a window that is one document, documents across 3 and
     # more ranks' chunks
     'ring4_docs':    (4, 1, 4, 'ring', True, 0, dict(docs=[[1] * 16, [16], [2, 13, 1], [1, 1, 14]], recompute='full')),
+    # the Qwen block (QWEN) under tp without and with sp (kv heads copied), Ulysses with documents, the ring with a
+    # window, FSDP2 with head groups and offload, tp x Ulysses by head groups
+    'tp_qwen':       (2, 2, 1, 'ulysses', False, 0, dict(QWEN, recompute='selective')),
+    'sp_qwen':       (2, 2, 1, 'ulysses', True, 0, dict(QWEN, n_kv_head=1, recompute='full', offload=1.0)),
+    'cp_qwen':       (2, 1, 2, 'ulysses', True, 0, dict(QWEN, docs=True, recompute='selective')),
+    'ring_qwen':     (2, 1, 2, 'ring', True, 0, dict(QWEN, sliding_window=5, recompute='full')),
+    'zero3_qwen':    (2, 1, 1, 'ulysses', True, 3, dict(QWEN, attention_chunks=2, recompute='full', offload=1.0)),
+    'tp_cp_qwen':    (4, 2, 2, 'ulysses', True, 0, dict(QWEN, n_head=8, n_kv_head=4, attention_chunks=0)),  # 2
 }
 # the head groups attention runs per block in the layouts above (attention_chunks; 0 resolved by chunked.py)
-GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2, 'tp_window': 2}
+GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2, 'tp_window': 2, 'tp_cp_qwen': 2}
 DOC_LENS = [[5, 11], [16], [3, 3, 10], [9, 7]]  # the documents of global_batch's rows, for 'docs' layouts
 
 
@@ -110,7 +123,18 @@ def model_config(overrides):
 def new_model(overrides, mesh=None):
     """Llama from seed 0 (the same on every rank), before the techniques apply."""
     torch.manual_seed(0)
-    return Llama(model_config(overrides))
+    return perturbed(Llama(model_config(overrides)))
+
+
+def perturbed(model):
+    """Qwen's biases and q, k norms moved off their init (zeros, ones), the same on every rank: a bias shard or a norm
+    out of place then changes the loss."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(('bias', 'q_norm.weight', 'k_norm.weight')):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def global_batch(vocab_size=MODEL['vocab_size']):
@@ -359,6 +383,12 @@ EXPECTED_PER_BLOCK = {
     'ring_docs': {'ring_shift': 4},
     'tp_ring_docs': {'all_gather': 4, 'reduce_scatter': 4, 'ring_shift': 4},
     'ring4_docs': {'ring_shift': 10},
+    'tp_qwen': {'all_reduce': 4},
+    'sp_qwen': {'all_gather': 4, 'reduce_scatter': 4},
+    'cp_qwen': {'all_to_all': 4},
+    'ring_qwen': {'ring_shift': 4},
+    'zero3_qwen': {},
+    'tp_cp_qwen': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 2 * 6},
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
 # every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped.
@@ -927,6 +957,8 @@ PP_LAYOUTS = {
     'pp2_window':    (2, 2, 1, 1, 'ulysses', 0, 'gpipe', dict(sliding_window=5)),
     'pp2_ring2_window': (4, 2, 1, 2, 'ring', 0, '1f1b', dict(docs=True, sliding_window=3,
                                                              layer_types=['full_attention', 'sliding_attention'])),
+    # the Qwen block over stages, with tp
+    'pp2_tp2_qwen':  (4, 2, 2, 1, 'ulysses', 0, '1f1b', dict(QWEN, recompute='selective')),
 }
 PP_M = 4
 PP_DOCS = [[[5, 11], [16]], [[3, 3, 10], [1] * 16], [[16], [2, 13, 1]], [[9, 7], [4, 4, 4, 4]]]  # per micro-batch
