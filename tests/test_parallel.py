@@ -608,6 +608,33 @@ def test_float16_layouts_train_as_one_process(tmp_path, single_f16, nproc, layou
         assert a['loss_scale'] == b['loss_scale']
 
 
+# the Qwen block on train_tiny's model (4 heads of 48 on 128 wide, biases on q, k, v, q and k norms)
+QWEN_TINY = ['--head_dim=48', '--attention_bias=True', '--qk_norm=True']
+
+
+@pytest.fixture(scope='module')
+def single_f16_qwen(tmp_path_factory):
+    """single_f16 with the Qwen block."""
+    out = tmp_path_factory.mktemp('single_f16_qwen')
+    torchrun(1, *TINY, '--batch_size=4', '--max_iters=4', '--dtype=float16', *QWEN_TINY, f'--out_dir={out}')
+    return read_log(out)
+
+
+@pytest.mark.parametrize('nproc,layout', [(2, ['--tp_size=2']), (2, ['--cp_size=2', '--cp_impl=ulysses'])],
+                         ids=['tp2', 'ulysses2'])
+def test_float16_qwen_trains_as_one_process(tmp_path, single_f16_qwen, nproc, layout):
+    """fp16 through the Qwen block's biases and q, k norms (the norms in fp32, cast back): tp and Ulysses give
+    one process's losses and loss scale."""
+    out = str(tmp_path / 'run')
+    torchrun(nproc, *TINY, '--batch_size=4', *layout, '--max_iters=4', '--dtype=float16', *QWEN_TINY,
+             f'--out_dir={out}')
+    got = read_log(out)
+    assert [r['iter'] for r in got] == [r['iter'] for r in single_f16_qwen]
+    for a, b in zip(got, single_f16_qwen):
+        assert abs(a['loss'] - b['loss']) <= 2e-3 * b['loss'], (got, single_f16_qwen)
+        assert a['loss_scale'] == b['loss_scale']
+
+
 @pytest.fixture(scope='module')
 def single_muon(tmp_path_factory):
     """One process, optimizer='muon': 4 steps."""
