@@ -400,3 +400,71 @@ def test_prepare_bad_input_is_one_line_and_writes_nothing(case, script, args, na
     assert len(lines) == 1 or lines[0].startswith('usage:'), p.stderr[-3000:]
     # nothing written: no out, no folder made, afile still empty
     assert sorted(os.listdir(tmp_path)) == made and (tmp_path / 'afile').read_text() == ''
+
+
+# ----------------------------------------------------------------------------- a Qwen checkpoint's tokenizer
+QWEN_SPECIALS = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
+# Qwen2's pre-tokenizer: its regex splits, then bytes (tokenizer.json's Sequence)
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
+
+
+def qwen_tokenizer_dir(path, texts):
+    """path/ as a Qwen3 checkpoint has it: a byte-level BPE with Qwen2's split regex, no BOS (no post-processor),
+    <|endoftext|> its EOS by tokenizer_config.json (bos_token null), and a tiny random Qwen3 (q and k norms, 4
+    heads of 24 on a 64 wide model) of its vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from model import Llama, LlamaConfig
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior='isolated'),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIALS,
+                                                       show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    os.makedirs(path)
+    tok.save(os.path.join(path, 'tokenizer.json'))
+    Path(path, 'tokenizer_config.json').write_text(json.dumps(
+        {'bos_token': None, 'eos_token': '<|endoftext|>', 'tokenizer_class': 'Qwen2TokenizerFast'}))
+    import torch
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), n_layer=2, n_embd=64, n_head=4, n_kv_head=2, head_dim=24,
+                         qk_norm=True, intermediate_size=128)
+    Llama(config).save_pretrained(path)
+    return path, tok
+
+
+def test_a_qwen_tokenizer_prepares_trains_and_samples(tmp_path):
+    """data/hf/prepare.py with a Qwen checkpoint's tokenizer.json: no BOS, every document ends in <|endoftext|>,
+    the ids transformers' tokenizer gives; train.py fine-tunes the Qwen3 directory on it and sample.py decodes."""
+    docs = tiny_docs()
+    hf, tok = qwen_tokenizer_dir(str(tmp_path / 'qwen'), docs)
+    assert json.loads(Path(hf, 'config.json').read_text())['model_type'] == 'qwen3'
+    (tmp_path / 'docs.jsonl').write_text(''.join(json.dumps({'text': d}) + '\n' for d in docs))
+    data = tmp_path / 'data'
+    env = {'HF_DATASETS_OFFLINE': '1', 'HF_HUB_OFFLINE': '1', 'HF_DATASETS_CACHE': str(tmp_path / 'cache')}
+    p = run('data/hf/prepare.py', f'--data_files={tmp_path / "docs.jsonl"}', f'--tokenizer={hf}',
+            '--val_fraction=0.2', f'--out_dir={data}', env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    meta, train, _ = check_dataset(str(data))
+    eos = tok.token_to_id('<|endoftext|>')
+    assert (meta['bos_token'], meta['eos_token']) == (None, eos)
+    starts = read_docs({**meta, 'dir': str(data)}, 'train')
+    ends = [*starts[1:], len(train)]
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(hf)
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id) == (None, eos)
+    texts = set(docs)
+    for a, b in zip(starts, ends):
+        doc = train[a:b].tolist()
+        assert doc[-1] == eos and eos not in doc[:-1]
+        text = hf_tok.decode(doc[:-1])
+        assert text in texts and hf_tok(text)['input_ids'] == doc[:-1]  # the checkpoint's own ids, no BOS
+    out = tmp_path / 'out'
+    trained = run('train.py', f'--dataset={data}', f'--init_from={hf}', f'--out_dir={out}', '--device=cpu',
+                  '--max_iters=2', '--batch_size=2', '--seq_len=32', '--eval_iters=1', '--doc_mask=True')
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    sampled = run('sample.py', f'--out_dir={out}', '--device=cpu', '--num_samples=1', '--max_new_tokens=8',
+                  '--start=where each')
+    assert sampled.returncode == 0 and sampled.stdout.startswith('where each'), sampled.stderr[-3000:]
