@@ -468,3 +468,8 @@ def test_a_qwen_tokenizer_prepares_trains_and_samples(tmp_path):
     sampled = run('sample.py', f'--out_dir={out}', '--device=cpu', '--num_samples=1', '--max_new_tokens=8',
                   '--start=where each')
     assert sampled.returncode == 0 and sampled.stdout.startswith('where each'), sampled.stderr[-3000:]
+    exported = run('checkpoint.py', 'export', out, tmp_path / 'exported')
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    import transformers
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / 'exported')
+    assert type(theirs) is transformers.Qwen3ForCausalLM  # the trained run goes back out as its family

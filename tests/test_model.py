@@ -392,7 +392,8 @@ def test_init_residual_projections_scaled():
 
 
 @pytest.mark.parametrize('window', [{}, dict(sliding_window=3), dict(sliding_window=4, layer_types=[
-    'full_attention', 'sliding_attention'])], ids=['full', 'windowed', 'mixed'])
+    'full_attention', 'sliding_attention']), dict(head_dim=12, attention_bias=True, qk_norm=True)],
+    ids=['full', 'windowed', 'mixed', 'qwen block'])
 def test_kv_cache_decoding_matches_full_forward(window):
     """Prefill then one token at a time: the logits of the whole sequence at once (from the prompt's
     last token on); under a sliding window each new token sees only the cache's last W keys (the
