@@ -12,10 +12,10 @@ The Llama model, as Hugging Face's LlamaForCausalLM computes it, in one file.
   document, positions restarting at each.
 - RMSNorm in fp32 with the config's eps, as HF computes it, a chunk of positions at a time (the
   Function at the end of this file), keeping no fp32 copy of x.
-- no biases (Qwen2's on q, k, v apart); optional tied embeddings; weight init as GPT-2/nanoGPT do for Llama-shaped models:
-  every weight N(0, 0.02) (Llama's `initializer_range`), the two projections writing into the
-  residual stream (wo, w2) scaled by 1/sqrt(2·n_layer) so the residual's variance does not grow
-  with depth; norms at 1.
+- no biases (Qwen2's on q, k, v apart, at 0); optional tied embeddings; weight init as
+  GPT-2/nanoGPT do for Llama-shaped models: every weight N(0, 0.02) (Llama's `initializer_range`),
+  the two projections writing into the residual stream (wo, w2) scaled by 1/sqrt(2·n_layer) so the
+  residual's variance does not grow with depth; norms at 1.
 
 The layers: this file is the Llama on one device (it imports rope.py and moe.py, nothing else of
 nanolong), and a technique applies to a built model from outside, replacing whole modules with the
@@ -721,10 +721,10 @@ def flops_per_token(config, *lengths):
     non-embedding parameters plus the LM head, P the (query, key) pairs of the L layers
     (attention_pairs) in T tokens, a = n_head·head_dim the heads' width (h, Llama's n_embd, but
     where head_dim is decoupled: Qwen3). Attention trains 12·a FLOPs a pair (q·k and p·v, 2·a
-    each forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·h·(S + 1), half of
-    the 12·L·h·S that PaLM's appendix, Megatron's paper and torchtitan count (every query seeing
-    every key), as FlashAttention's benchmarks (causal: half) and Megatron-LM's code (seq_len / 2)
-    count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)
+    each forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·a·(S + 1),
+    half of the 12·L·a·S that PaLM's appendix, Megatron's paper and torchtitan count (every query
+    seeing every key), as FlashAttention's benchmarks (causal: half) and Megatron-LM's code
+    (seq_len / 2) count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)
     of the batch's sequences, each counting its own pairs; flops_per_token(config, S): one of S.
     What the memory knobs run again on top: knobs.hardware_flops."""
     N = num_params(config, active=True)
