@@ -724,8 +724,9 @@ def flops_per_token(config, *lengths):
     each forward, x3 with backward); causal attention's S(S + 1)/2 pairs make it 6·L·a·(S + 1),
     half of the 12·L·a·S that PaLM's appendix, Megatron's paper and torchtitan count (every query
     seeing every key), as FlashAttention's benchmarks (causal: half) and Megatron-LM's code
-    (seq_len / 2) count it. A windowed layer counts its window's pairs. `lengths`: of the documents (doc_mask)
-    of the batch's sequences, each counting its own pairs; flops_per_token(config, S): one of S.
+    (seq_len / 2) count it. A windowed layer counts its window's pairs. `lengths`: of the
+    documents (doc_mask) of the batch's sequences, each counting its own pairs;
+    flops_per_token(config, S): one of S.
     What the memory knobs run again on top: knobs.hardware_flops."""
     N = num_params(config, active=True)
     pairs = sum(attention_pairs(lengths, config.window(i)) for i in range(config.n_layer))
