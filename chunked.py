@@ -100,12 +100,13 @@ def auto_mlp_chunks(n_tokens, dim, intermediate):
 def auto_loss_chunks(n_tokens, dim, vocab):
     return _auto_chunks(n_tokens, math.ceil(vocab / dim))
 
-def mlp_chunks(config, n_tokens):
+def mlp_chunks(config, n_tokens, width=0):
     """config.mlp_chunks, with 0 resolved from one sequence's n_tokens and the whole intermediate
-    size (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input).
-    The one place a count is chosen: model.py, offload.py and memory.py all ask here."""
+    size (under tensor parallelism too: a rank's chunk, n·I/tp, is then about its block input),
+    or `width` (the experts' rows: moe_intermediate_size). The one place a count is chosen:
+    model.py, offload.py and memory.py all ask here."""
     return config.mlp_chunks or auto_mlp_chunks(int(n_tokens), config.n_embd,
-                                                 config.intermediate_size)
+                                                 width or config.intermediate_size)
 
 def attention_chunks(config, heads, kv_heads, ulysses=1):
     """config.attention_chunks, with 0 resolved for this rank's `heads` query and `kv_heads` kv
@@ -518,7 +519,7 @@ class GroupedExperts(Experts):
     def forward(self, x, counts):
         # where each expert's rows end, as grouped_mm takes them (int32)
         offsets = torch.tensor(counts, device=x.device).cumsum(0).int()
-        chunks = mlp_chunks(self.config, len(x))
+        chunks = mlp_chunks(self.config, len(x), self.config.moe_intermediate_size)
         return chunked_mlp(x, self.w1, self.w3, self.w2, chunks, offsets)
 
 
@@ -529,6 +530,8 @@ class HeadGroups(Attention):
     def __init__(self, attention, groups):
         adopt(self, attention)
         self.window, self.head_dim, self.groups = attention.window, attention.head_dim, groups
+        # (Qwen3's q and k norms are children; Llama's None, which adopt doesn't take)
+        self.q_norm, self.k_norm = attention.q_norm, attention.k_norm
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
         if kv_cache is not None:

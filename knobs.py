@@ -16,10 +16,11 @@ object, and model.py none of them:
                     fraction of the rest to host memory, overlapped with compute (offload.py)
 
 What they cost is compute, counted here beside them (hardware_flops): recompute re-runs forward,
-+2·N + 4·h·P/T FLOPs a token for 'full' (N the non-embedding parameters with the LM head, P the
-layers' (query, key) pairs in T tokens: model.flops_per_token), the MLP and the projections for
-'selective' (the attention kernel not); head groups run forward's projections wq, wk, wv, wo and
-the kernel again, +2·L·h·(2h + 2kv) + 4·h·P/T.
++2·N + 4·q·P/T FLOPs a token for 'full' (N the non-embedding parameters with the LM head, P the
+layers' (query, key) pairs in T tokens, q = H·hd the query width: model.flops_per_token), the MLP
+and the projections for 'selective' (the attention kernel not); head groups run forward's
+projections wq, wk, wv, wo (their matmuls; q and k's biases and norms are not counted) and the
+kernel again, +2·L·h·(2q + 2kv) + 4·q·P/T.
 
 The knobs are free to change between runs of one model (a resume, an evaluation): the checkpoint
 keeps the architecture alone (checkpoint.py).
@@ -74,10 +75,10 @@ def hardware_flops(c, *lengths):
     MFU counts) plus what recompute and head groups run again (the header)."""
     model_flops = flops_per_token(c, *lengths)
     N = num_params(c, active=True)
-    attn = model_flops - 6 * N  # attention's 12·h·P/T
+    attn = model_flops - 6 * N  # attention's 12·q·P/T
     again = {'none': 0, 'full': 2 * N + attn / 3,
              'selective': 2 * (N - c.vocab_size * c.n_embd)}[c.recompute]
     if c.attention_chunks != 1:
-        kv = c.n_kv_head * c.head_dim
-        again += 2 * c.n_layer * c.n_embd * (2 * c.n_embd + 2 * kv) + attn / 3
+        q, kv = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+        again += 2 * c.n_layer * c.n_embd * (2 * q + 2 * kv) + attn / 3
     return model_flops + again

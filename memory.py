@@ -11,14 +11,16 @@ the total for the verdict: it must be under 80% of the device (Fujii et al. 2024
 2411.06465: in 454 runs on A100/H100 estimates under 80% never ran out).
 
 The estimate, in these letters (the code's names are these letters or whole words): S tokens per
-sequence, B batch, h width, H heads, kv = K·hd, I MLP width, V vocabulary, L layers, b bytes per
+sequence, B batch, h width, H heads, q = H·hd (the query width: h but where head_dim decouples
+it), kv = K·hd, I MLP width, V vocabulary, L layers, b bytes per
 element, N parameters, t = tp, c = cp, d = dp·c, α = offload, M micro-batches. Under pp it is
 stage r's: its L/pp blocks, the embedding only on the first, the LM head only on the last;
 F = min(M, pp − r) micro-batches in flight (1F1B; GPipe: M) each keep their activations, the
 stage's output (b·h/t per token) and on the last stage their loss's kept bytes, all but the
 current one's "held" beside every moment (pipeline.py):
 
-  states       per parameter of this rank (N/t for the matrices, norms whole), Megatron's mixed
+  states       per parameter of this rank (N/t for the matrices and q, k, v's biases; norms,
+               Qwen3's q and k norms and an MoE layer's router whole), Megatron's mixed
                precision, bf16: 2 (weights) + 4 (fp32 grads) + 12 (fp32 master, Adam m, v);
                fp32: 4 + 4 + 8. The optimizer's state, from optim.STATE_BYTES: AdamW's m, v 8;
                optimizer='muon': Muon's momentum 4 for the blocks' matrices (attention's, a dense
@@ -63,14 +65,20 @@ current one's "held" beside every moment (pipeline.py):
                                         and the fp32 dW1..3, 12·h·I/t (unchunked: 3·b·I/t·T)
                             past it     R less the MLP's (unchunked: its four kept tensors,
                                         4·b·I/t), + the larger of attention's backward (gradient
-                                        in, dq, dk, dv, dx: b·(3h + 2kv)/t; by G > 1 head
+                                        in, dq, dk, dv, dx: b·(2h + q + 2kv)/t; by G > 1 head
                                         groups the gradient in, dx and one group's q, k, v,
-                                        output and their gradients, b·(2h + 2·(2h + 2kv)/G)/t)
+                                        output and their gradients, b·(2h + 2·(2q + 2kv)/G)/t)
                                         and an RMSNorm's
                                         (dx, dy, the residual's: 3u; 7 fp32 chunks,
                                         28·model.FP32_CHUNK), + the block before's input back
                                         from host. Under sp + 2·b·h per token of all t
-                                        (gathered inputs)
+                                        (gathered inputs). Qwen3's q norm (qk_norm): its
+                                        backward, an RMSNorm's of width w = q/(t·G) in chunks
+                                        of whole heads, 3·b·w·T + 28·min(w·T, max(hd·T,
+                                        FP32_CHUNK)), once the MLP's backward freed what it
+                                        kept and, without head groups, attention's its q, k,
+                                        v, output and the ffn norm's two: R less the MLP's
+                                        less b·(2q + 2kv + 2h)/t
                  root       zero > 1: at backward's end FSDP2 reduce-scatters the embedding's,
                             final norm's and LM head's gradients (N_root of them) from a whole
                             fp32 copy and its divided copy: (8 + 4/d)·N_root; beside the fp32
@@ -90,7 +98,10 @@ current one's "held" beside every moment (pipeline.py):
                backward at the MoE the incoming gradient and the larger of two [T·k, h] copies
                (three under ep: the forward's dispatch) and one expert's backward on its
                n = ep·T·k/E tokens (chunked.mlp_chunks(n): a chunk's 3·b·I/t and the fp32
-               12·h·I/t; unchunked 2·b·I/t·n)
+               12·h·I/t; unchunked 2·b·I/t·n), I an expert's (moe_intermediate_size). Dense
+               layers among them (dense_layers) keep a plain MLP's: activations count each layer
+               by its kind, a block's backward is an MoE layer's (the peak's), the states hold
+               the experts of the MoE layers alone
   workspace    on a CUDA target in bf16, flash attention's backward beside its outputs (torch's
                copy of FA2: flash_attn/flash_api.cpp, mha_bwd) for its call's q [B, a, Sa, hd]: an
                fp32 dq accumulator and softmax_d, 4·B·Sa·a·(hd + 1) (Sa rounded up to 128, hd to
@@ -172,6 +183,7 @@ class Rank(NamedTuple):
     moe_kept: float
     moe_backward: float
     away: float
+    moe_layers: int  # of the L (config.is_moe; the others' MLPs dense)
 
 
 class States(NamedTuple):
@@ -193,18 +205,21 @@ def model_states(r, d, zero, in_backward, on_host, name):
     c, b, t = r.config, r.b, r.t
     h, V = c.n_embd, c.vocab_size
     vocab = V * h / t  # the embedding's parameters on this rank, or the LM head's
-    # its norms not split; under ep (moe.py) E/ep experts
-    block = ((num_params(c) - V * h - h) / c.n_layer - 2 * h) / t + 2 * h - r.away
+    # a block's on average: its norms (Qwen3's q and k norms too) and an MoE layer's router not
+    # split; under ep (moe.py) E/ep experts of each MoE layer
+    moe = r.moe_layers / r.L
+    whole = 2 * h + 2 * c.head_dim * c.qk_norm + h * c.n_experts * moe
+    block = ((num_params(c) - V * h - h) / c.n_layer - whole) / t + whole - r.away * moe
     # the root's (FSDP2's root module's): the embedding, the LM head (untied), the final norm
     root = vocab * (r.first + r.last * (not c.tie_embeddings)) + h * r.last
     N = r.L * block + root
     # the optimizer's state (optim.STATE_BYTES) + bf16's fp32 master
-    params, grads, optimizer = b * N, 4 * N, optimizer_bytes(c, name, b, N, r.L)
+    params, grads, optimizer = b * N, 4 * N, optimizer_bytes(c, name, b, N, range(r.lo, r.lo + r.L))
     # gradients made first (the LM head's and final norm's; tied, its share, waiting for the
     # embedding's), in a block's backward, and last (the embedding's)
     head, in_block, embedding = 4 * (vocab + h) * r.last, 4 * block, 4 * vocab * r.first
     # under FSDP2: this rank's rows of every parameter, in fp32 (of its E/ep experts', over d/ep)
-    shard = 4 * (N + r.L * r.away) / d
+    shard = 4 * (N + r.moe_layers * r.away) / d
     at_root = gathered = 0
     if zero > 1:
         # at backward's end the root's gradients, whole, go to fp32 for the reduce-scatter: that
@@ -282,19 +297,27 @@ def block_backward(r, rebuilt, back=0):
     else:
         mlp_kept = 4 * b * I / t
         at_mlp = (u + gathered + 3 * b * I / t) * T
-    if c.n_experts:
-        # moe.py's in place of the plain MLP's: what it keeps (freed past it), its backward
+    if r.moe_layers:
+        # moe.py's in place of the plain MLP's: what it keeps (freed past it), its backward (the
+        # peak's: an MoE layer's, dense ones among them or not)
         mlp_kept += r.moe_kept
         at_mlp = r.moe_backward
     # gradient in, dq, dk, dv, dx; by G head groups the gradient in, dx and one group's q, k, v,
     # output and their gradients
-    G, kv = c.attention_chunks, c.n_kv_head * c.head_dim
-    per_token = 3 * h + 2 * kv
+    G, q, kv = c.attention_chunks, c.n_head * c.head_dim, c.n_kv_head * c.head_dim
+    per_token = 2 * h + q + 2 * kv
     if G > 1:
-        per_token = 2 * h + 2 * (2 * h + 2 * kv) / G
+        per_token = 2 * h + 2 * (2 * q + 2 * kv) / G
     attention = (b * per_token / t + gathered) * T
     norm = 3 * u * T + 28 * min(h / t * T, FP32_CHUNK)
-    past_mlp = max(attention, norm) + max(0, rebuilt - mlp_kept) * T + back
+    # Qwen3's q norm's backward, as an RMSNorm's, on a group's q [T, heads, hd] (fp32_chunks cuts
+    # dim -2: chunks of whole heads), once the MLP's backward freed what it kept, and without head
+    # groups attention's: q, k, v and the output, and the ffn norm's two
+    w = c.qk_norm * q / t / G
+    qk_norm = 3 * b * w * T + 28 * min(w * T, max(c.head_dim * T, FP32_CHUNK))
+    freed = mlp_kept + (G == 1) * b * (2 * q + 2 * kv + 2 * h) / t
+    past_mlp = max(max(attention, norm) + max(0, rebuilt - mlp_kept) * T,
+                   qk_norm + (rebuilt - freed) * T) + back
     return max(at_mlp + rebuilt * T, past_mlp)
 
 
@@ -370,10 +393,12 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
         F = M
     lo, hi = pp_rank * c.n_layer // pp_size, (pp_rank + 1) * c.n_layer // pp_size
     first, last = pp_rank == 0, pp_rank == pp_size - 1
+    pairs = batch_size * sequence * c.experts_per_token  # (the experts' rows, their chunks)
     r = Rank(c, b, tp_size, sequence, batch_size * sequence, lo, hi - lo, first, last, F, M,
              *moe.memory_terms(c, batch_size, sequence, b, tp_size, ep_size,
-                               chunked.mlp_chunks(c, batch_size * sequence * c.experts_per_token),
-                               chunked.mlp_chunks(c, sequence)))
+                               chunked.mlp_chunks(c, pairs, c.moe_intermediate_size),
+                               chunked.mlp_chunks(c, sequence)),
+             sum(map(c.is_moe, range(lo, hi))))
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
     states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states, optimizer)
     kept = kept_per_token(r, batch_size, cp_size, dtype)
@@ -385,6 +410,8 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # micro-batch is alive at the optimizer's step, gc.collect() or not)
     graph = G * (10 * cp_size + 6) * r.L * r.T * M * (cp_size > ulysses)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
+    # k is an MoE layer's: a dense one keeps a plain MLP's (and under recompute, nothing else)
+    activations -= (r.L - r.moe_layers) * r.moe_kept * r.T * (c.recompute == 'none')
     # RoPE's fp32 cos and sin, per position (of every token, with doc_mask or pp)
     activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else sequence)
     W = 0
@@ -434,8 +461,9 @@ def fits(est, budget, overhead=0):
 # ----------------------------------------------------------------------------- the planner
 # What a knob costs, as a fraction of the step's compute (knobs.hardware_flops): recompute the
 # FLOPs it re-runs; mlp_chunks > 1 re-runs x W1ᵀ and x W3ᵀ in backward (4·h·I per token and layer,
-# nothing under 'full', which re-runs them anyway); loss_chunks nothing; offload
-# offload.extra_time. The machine: 40% of an H100's 989 TFLOP/s, PCIe at 25 GB/s each way.
+# an MoE layer's for each of its k experts; nothing under 'full', which re-runs them anyway);
+# loss_chunks nothing; offload offload.extra_time. The machine: 40% of an H100's 989 TFLOP/s,
+# PCIe at 25 GB/s each way.
 FLOPS, PCIE = 0.4 * 989e12, 25e9
 
 
@@ -446,7 +474,10 @@ def cost(c, base, batch_size, seq_len):
         mfu = flops_per_token(c, seq_len)
         time = (hardware_flops(c, seq_len) - mfu) / mfu  # recompute
         if chunked.mlp_chunks(c, seq_len) > 1 and c.recompute != 'full':
-            time += 4 * c.n_layer * c.n_embd * c.intermediate_size / mfu
+            # of a dense MLP's width, or an MoE layer's k experts'
+            widths = [c.moe_intermediate_size * c.experts_per_token if c.is_moe(i)
+                      else c.intermediate_size for i in range(c.n_layer)]
+            time += 4 * c.n_embd * sum(widths) / mfu
         # offload (none with α = 0)
         return time + offload.extra_time(c, batch_size, seq_len, FLOPS, PCIE)
     return extra(c) - extra(base)

@@ -223,8 +223,9 @@ def memory_terms(config, batch, sequence, b, t, ep, chunks, dense_chunks):
     # router's fp32 probabilities (its rank's tokens) and the pairs' three int64 indices
     kept = 3 * b * h * k + 4 * (E + k) / t + 24 * k
     if dense_chunks == 1:
-        # offload.py counts a plain MLP's four [S, I] tensors: a block with an MoE has none
-        kept -= 4 * b * I
+        # offload.py counts a plain MLP's four [S, I] tensors (its own width): a block with an MoE
+        # has none
+        kept -= 4 * b * config.intermediate_size / t
     # the experts' backward: one chunk's three [n, I] buffers and a fourth (grouped_mm's dz, copied
     # into one: chunked.py's _mm) and the fp32 dW1..3 of the rank's E/ep experts, or (unchunked,
     # keeping four) two more [n, I] at once, of all n rows (one grouped GEMM)

@@ -4,9 +4,12 @@ Keep, recompute or offload: what each transformer block saves for its backward, 
 Once chunked.py has removed the S×V and S×I peaks, what grows with S is what every block keeps for
 backward. Per token and block, recompute='none' keeps (`saved_per_token`, tensor by tensor):
 
-    qkv        q, k, v as attention gets them                 b·(h + 2kv)
-    attention  its output and logsumexp (fp32)                b·h + 4·H
+    qkv        q, k, v as attention gets them                 b·(q + 2kv)
+    attention  its output and logsumexp (fp32)                b·q + 4·H
     other      2 RMSNorms (input, output; no fp32 copy)       4·b·h     (+ 4·b·I unchunked MLP)
+               Qwen3's q and k norms (their inputs)           b·(q + kv)
+
+(q = H·hd, the query and attention-output width, h where head_dim is n_embd / n_head; kv = K·hd.)
 
 `recompute` says what stays on the device; `offload` = α (Memo's) what goes to host memory while
 the next blocks compute, with n = floor(α·S) host tokens:
@@ -18,11 +21,11 @@ the next blocks compute, with n = floor(α·S) host tokens:
     selective  input + attention  input + qkv + attention                all of other
     full       input              input                                  the whole block
 
-    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·h)
+    host bytes per block = B·(S-n)·b·h + B·S·(qkv + attention) + B·n·(other + b·q)
                                (none; selective: n = 0)
                            B·S·b·h  (full)
 
-plus B·S·b·h under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves).
+plus B·S·b·q under Ulysses when S - n > 0 (the all-to-all's output is not what attention saves).
 By head groups (chunked.py's attention_chunks) attention keeps the norm's output alone: no qkv or
 attention, nor wo's input; its groups can't run on two token ranges, so offload cuts no tokens
 there ('full', or 'none' with α = 1: parallel.check_layout says so).
@@ -76,17 +79,22 @@ MAX_IN_FLIGHT = 2
 def saved_per_token(config, dtype=torch.float32, seq_len=None):
     """Bytes per token of each tensor a block saves with recompute='none', by the header's kind:
     qkv: q, k, v as attention gets them; attention: its output (wo keeps a view) and logsumexp
-    (fp32); other: attention_norm's input and output, ffn_norm's input and output, and the plain
-    MLP's x W1ᵀ, x W3ᵀ, silu(x W1ᵀ) and their product (chunked.py's keeps only its input)."""
+    (fp32); other: attention_norm's input and output, ffn_norm's input and output, the plain
+    MLP's x W1ᵀ, x W3ᵀ, silu(x W1ᵀ) and their product (chunked.py's keeps only its input), and
+    Qwen3's q and k norms' inputs."""
     b, h = dtype.itemsize, config.n_embd
-    kv = config.n_kv_head * config.head_dim
-    saved = {'qkv': [b * h, b * kv, b * kv],
-             'attention': [b * h, 4 * config.n_head],
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    saved = {'qkv': [b * q, b * kv, b * kv],
+             'attention': [b * q, 4 * config.n_head],
              'other': [b * h] * 4}
     if config.attention_chunks != 1:
         # by head groups (chunked.py): attention keeps only its input, the norm's output (then
         # not 'other'), and rebuilds the rest one group at a time
         saved['qkv'], saved['attention'] = [], [saved['other'].pop()]
+    elif config.qk_norm:
+        # Qwen3's norms of q and k keep their inputs (the projections' outputs): norms' tensors,
+        # which recompute rebuilds and offload sends for the last n tokens alone
+        saved['other'] += [b * q, b * kv]
     if chunked.mlp_chunks(config, seq_len) == 1:
         saved['other'] += [b * config.intermediate_size] * 4
     return saved
@@ -119,17 +127,19 @@ def block_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
     cp_size > 1: Ulysses) and those it keeps on the device (its saved tensors under MIN_BYTES)."""
     if config.offload == 0:
         return 0, 0
-    # B·b·h: a token of the block's input, in every sequence of the batch
+    # B·b·h: a token of the block's input, in every sequence of the batch; B·b·q of attention's
+    # output
     bh, S = batch * dtype.itemsize * config.n_embd, seq_len
+    bq = batch * dtype.itemsize * config.n_head * config.head_dim
     if config.recompute == 'full':
         pieces = [bh * S]  # the block's input
     else:
         n = math.floor(config.offload * S) if config.recompute == 'none' else 0  # the last n tokens
         # the first S - n tokens' input (checkpoint's), wo's input for the last n (a view of their
         # attention output, packed apart from it; by head groups none), then every saved tensor
-        pieces = [bh * (S - n), bh * n * (config.attention_chunks == 1)]
+        pieces = [bh * (S - n), bq * n * (config.attention_chunks == 1)]
         if cp_size > 1 and n < S:
-            pieces.append(bh * S)  # Ulysses: the output the recompute replays
+            pieces.append(bq * S)  # Ulysses: the output the recompute replays
         for kind, sizes in saved_per_token(config, dtype, S).items():
             tokens = n if kind == 'other' else S
             pieces += [batch * per_token * tokens for per_token in sizes]
@@ -146,10 +156,11 @@ def host_bytes(config, batch, seq_len, dtype=torch.float32, cp_size=1):
 # ----------------------------------------------------------------------------- choosing α
 def block_forward_seconds(config, batch, seq_len, flops_per_s):
     """One block's forward at flops_per_s: 2 FLOPs per weight per token, and causal attention's
-    2·S·h."""
+    2·S·q (q = H·hd)."""
     h, kv, I = config.n_embd, config.n_kv_head * config.head_dim, config.intermediate_size
-    weights = 2 * h * h + 2 * h * kv + 3 * h * I
-    return batch * seq_len * (2 * weights + 2 * seq_len * h) / flops_per_s
+    q = config.n_head * config.head_dim
+    weights = 2 * h * q + 2 * h * kv + 3 * h * I
+    return batch * seq_len * (2 * weights + 2 * seq_len * q) / flops_per_s
 
 
 def choose_alpha(config, batch, seq_len, dtype, block_forward_s, bandwidth, host_bytes_free):

@@ -87,17 +87,19 @@ def muon_steps(name, x):
     return x.dim() == 2 and name.startswith('layers.') and not name.endswith('router.weight')
 
 
-def optimizer_bytes(config, name, b, N, L):
-    """memory.py's optimizer bytes of N parameters of b bytes each, L blocks among them: the state
-    of optimizer `name` (STATE_BYTES; under Muon AdamW's for all but the blocks' matrices) + a bf16
-    run's fp32 master weights."""
+def optimizer_bytes(config, name, b, N, layers):
+    """memory.py's optimizer bytes of N parameters of b bytes each, the blocks `layers` among them:
+    the state of optimizer `name` (STATE_BYTES; under Muon AdamW's for all but the blocks'
+    matrices) + a bf16 run's fp32 master weights."""
     h, kv = config.n_embd, config.n_kv_head * config.head_dim
+    q = config.n_head * config.head_dim
     # the parameters of a block Muon steps (muon_steps'): attention's four matrices, a dense MLP's
-    # three
-    matrices = 2 * h * h + 2 * h * kv + 3 * h * config.intermediate_size * (config.n_experts == 0)
+    # three (an MoE's experts are stacked [E, ...]: AdamW's; so are biases and norms)
+    I = config.intermediate_size
+    matrices = sum(2 * h * q + 2 * h * kv + 3 * h * I * (not config.is_moe(i)) for i in layers)
     # (under AdamW the difference of states is 0: no matrix term)
     adamw = STATE_BYTES['adamw']
-    return (adamw + 4 * (b == 2)) * N - (adamw - STATE_BYTES[name]) * L * matrices
+    return (adamw + 4 * (b == 2)) * N - (adamw - STATE_BYTES[name]) * matrices
 
 
 def new_state(optimizer, group, x):

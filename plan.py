@@ -45,7 +45,7 @@ micro-batch on a rank, M micro-batches, N the parameters, d = dp·c the ranks FS
     tp       4 collectives a block a pass (sp: all-gather before attention and the MLP,
              reduce-scatter after), each (t-1)/t · b·h·T (Korthikanti et al. 2022)
     Ulysses  4 all-to-alls a block a pass (q, k, v there, the output back), (c-1)/c ·
-             b·(2h + 2kv)/t · T
+             b·(2q + 2kv)/t · T, q = H·hd (h where head_dim is n_embd / n_head)
     ep       2 all-to-alls an MoE block a pass (dispatch, combine), (ep-1)/ep · b·h·k·T
              a pass: forward, backward, and forward again under recompute (attention's alone by
              head groups)
@@ -188,17 +188,19 @@ def step_seconds(c, layout, seq_len, target):
 
     # a block's bytes on a rank (b = 2), a pass each: forward, backward, forward again
     bT, h, kv = 2 * B * seq_len / cp, c.n_embd, c.n_kv_head * c.head_dim
+    q = c.n_head * c.head_dim  # the query width: attention's output too
     passes = 2 + (c.recompute != 'none')
     attention_passes = 2 + (c.recompute != 'none' or c.attention_chunks != 1)
     exposed = 4 * passes * (t - 1) / t * h * bT / link(t)
-    # (a dense model's ep is 1: no term)
-    exposed += 2 * passes * (ep - 1) / ep * h * c.experts_per_token * bT / link(target.gpus)
+    # (a dense model's ep is 1: no term), in the MoE layers alone
+    moe = sum(map(c.is_moe, range(c.n_layer))) / c.n_layer
+    exposed += 2 * passes * (ep - 1) / ep * h * c.experts_per_token * bT / link(target.gpus) * moe
     # Ulysses' all-to-alls wait; the ring's sends hide behind attention
     hidden = 0
     if layout['cp_impl'] == 'ring':
         hidden = (attention_passes + 1) * (cp - 1) * 2 * kv / t * bT / link(t * cp)
     else:
-        exposed += 4 * attention_passes * (cp - 1) / cp * (2 * h + 2 * kv) / t * bT / link(t * cp)
+        exposed += 4 * attention_passes * (cp - 1) / cp * (2 * q + 2 * kv) / t * bT / link(t * cp)
     # a micro-batch's FSDP2 gathers and reduce-scatter, or the step's all-reduce; the states' rows
     # over PCIe
     d, N = dp * cp, num_params(c) / (t * pp)

@@ -46,3 +46,19 @@ def test_hardware_flops_add_what_the_knobs_run_again():
     assert hardware_flops(replace(full, attention_chunks=0), 6) == 24480 + 1344 + 2 * N + 448 + 3072 + 448
     # the knobs change no model FLOP (MFU's count)
     assert flops_per_token(replace(full, attention_chunks=0), 6) == flops_per_token(c, 6)
+
+
+def test_hardware_flops_of_a_qwen3_shaped_model_by_hand():
+    """head_dim 8 of 4 heads, a query width of 32 = 2·n_embd, with q, k, v biases and q and k norms (issue 52):
+    a block's N is 2·16 (norms) + 2·16·32 (wq, wo) + 2·16·16 (wk, wv) + 32 + 2·16 (biases) + 2·8 (q, k norms)
+    = 1648 and 3·16·24 = 1152 (MLP); N = 2·(1648 + 1152) + 16 + 10·16 = 5776. Attention 12·H·hd = 384 FLOPs a
+    pair, 2 layers of 21 pairs at S = 6: 2688 a token. Head groups re-run the projections' matmuls,
+    2·L·h·(2·32 + 2·16) = 6144 (n_embd for the query width: 4608), and attention's forward (896)."""
+    c = Knobs(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=8, intermediate_size=24, vocab_size=10,
+              attention_bias=True, qk_norm=True)
+    N = num_params(c, active=True)
+    assert N == 5776 and flops_per_token(c, 6) == 6 * 5776 + 2688
+    full = replace(c, recompute='full')
+    assert hardware_flops(full, 6) == 6 * 5776 + 2688 + 2 * 5776 + 896
+    assert hardware_flops(replace(c, recompute='selective'), 6) == 6 * 5776 + 2688 + 2 * (5776 - 160)
+    assert hardware_flops(replace(full, attention_chunks=0), 6) == 6 * 5776 + 2688 + 2 * 5776 + 896 + 6144 + 896

@@ -382,8 +382,13 @@ def test_a_muon_dry_run_is_its_estimate(tmp_path, flags):
     (1, []),
     # expert parallelism over 4 fake ranks, one expert each on the 4 ranks' pairs routed to it, in mini-sequences,
     # every block's tensors kept; FSDP2 zero 3 shards each expert over the ranks holding it (here each alone)
-    (4, ['--ep_size=4', '--zero=3', '--recompute=none', '--mlp_chunks=0'])],
-    ids=['one-process', 'ep4-zero3'])
+    (4, ['--ep_size=4', '--zero=3', '--recompute=none', '--mlp_chunks=0']),
+    # Qwen3-MoE's shape (issue 52): 8 experts of width 128 (the dense MLP's 384), 4 a token, block 0's MLP dense, every
+    # block's tensors kept: each layer keeps what its kind keeps (2026-12-03: +2.8%; the dense MLP's [S, I] counted
+    # at the experts' width +14.1%, block 0 counted as an MoE block +14.5%)
+    (1, ['--n_experts=8', '--experts_per_token=4', '--moe_intermediate_size=128', '--dense_layers=[0]',
+         '--recompute=none'])],
+    ids=['one-process', 'ep4-zero3', 'dense-layer'])
 def test_dry_run_of_a_mixture_of_experts_is_its_estimate(tmp_path, monkeypatch, world, flags):
     """moe.memory_terms in the estimate: a rank's E/ep experts with their states, the MoE's [T·k, h] copies kept
     for backward (routed, the experts' outputs, weighted), the router's fp32 probabilities and the pairs' indices,
@@ -415,6 +420,24 @@ def test_a_windowed_dry_run_is_its_estimate(tmp_path, monkeypatch, world, flags)
     tokens than the full ring's, within the estimate's 10% still."""
     monkeypatch.setenv('WORLD_SIZE', str(world))
     dry_run(tmp_path, '--n_layer=3', '--sliding_window=256', *flags)
+    rank = json.loads((tmp_path / 'memory.json').read_text())['ranks'][0]
+    est, measured = rank['estimate'], rank['measured']
+    assert abs(est['total'] - measured['total']) < 0.10 * measured['total'], (est, measured)
+
+
+@pytest.mark.parametrize('world,flags', [(1, []), (2, ['--tp_size=2']), (2, ['--cp_size=2']),
+                                         (2, ['--cp_size=2', '--cp_impl=ring']), (1, ['--recompute=full'])],
+                         ids=['one', 'tp', 'ulysses', 'ring', 'full'])
+def test_a_qwen3_shaped_dry_run_is_its_estimate(tmp_path, monkeypatch, world, flags):
+    """Qwen3's attention (issue 52): 6 heads of head_dim 128, a query width of 768 = 6·n_embd, q, k, v biases and
+    the q and k norms (each keeping its input; its backward an RMSNorm's, 7 fp32 chunks of whole heads), every block's
+    tensors kept (and one process rebuilding them, 'full'): rank 0's dry run within 10% of the estimate on one
+    process, tp 2, Ulysses and the ring (2026-12-03: +1.5%, +1.4%, -3.4%, +0.4%; 'full' -0.2%). n_embd for the query
+    width in what a block keeps (offload.saved_per_token): -16.3%, -15.7%, -17.6%, -14.9%, -8.6%; in its backward's
+    working set (memory.block_backward): -20.2%, -19.5%, -20.7%, -18.3%, -34.7%."""
+    monkeypatch.setenv('WORLD_SIZE', str(world))
+    dry_run(tmp_path, '--n_layer=3', '--n_head=6', '--head_dim=128', '--attention_bias=True', '--qk_norm=True',
+            '--recompute=none', *flags)
     rank = json.loads((tmp_path / 'memory.json').read_text())['ranks'][0]
     est, measured = rank['estimate'], rank['measured']
     assert abs(est['total'] - measured['total']) < 0.10 * measured['total'], (est, measured)

@@ -213,6 +213,23 @@ def test_kept_bytes_formula_matches_measurement(mode, mlp_chunks, dtype):
     assert offload.stats()['host_in_use'] == 0
 
 
+@pytest.mark.parametrize('mode', ['none', 'selective', 'full'])
+def test_kept_bytes_of_a_qwen3_shaped_block(mode):
+    """head_dim 16 of 4 heads, a query width of 64 = 2·n_embd, q, k, v biases and q and k norms (issue 52): a block
+    keeps q and attention's output at that width and, with every tensor kept, the norms' inputs, b·(q + kv) a token
+    more: the formula's bytes exactly (n_embd for the query width: 2·b·32 a token fewer in every mode but 'full'),
+    and what goes to host at least its count."""
+    cfg = config(recompute=mode, head_dim=16, attention_bias=True, qk_norm=True)
+    kept, _ = kept_after_forward(cfg, torch.bfloat16, 1)
+    assert kept == offload.kept_bytes(cfg, B, S, torch.bfloat16)
+    cfg = dataclasses.replace(cfg, offload=0.5)
+    kept, y = kept_after_forward(cfg, torch.bfloat16, 1)
+    assert kept == 0
+    assert offload.stats()['host_in_use'] >= offload.block_bytes(cfg, B, S, torch.bfloat16)[0] > 0
+    y.float().sum().backward()
+    assert offload.stats()['host_in_use'] == 0
+
+
 def backward_peak(cfg, seq_len=256):
     """measure.Tracker over one forward + backward: the peak, and its activations + working set (the
     peak but parameters and gradients, which grow with depth whatever offload does)."""
