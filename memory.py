@@ -73,9 +73,9 @@ current one's "held" beside every moment (pipeline.py):
                                         28·model.FP32_CHUNK), + the block before's input back
                                         from host. Under sp + 2·b·h per token of all t
                                         (gathered inputs). Qwen3's q norm (qk_norm): its
-                                        backward, an RMSNorm's of width w = q/(t·G) in chunks
-                                        of whole heads, 3·b·w·T + 28·min(w·T, max(hd·T,
-                                        FP32_CHUNK)), once the MLP's backward freed what it
+                                        backward, an RMSNorm's of width w = q/(t·G) (rows of
+                                        hd), 3·b·w·T + 28·min(w·T, FP32_CHUNK), once the
+                                        MLP's backward freed what it
                                         kept and, without head groups, attention's its q, k,
                                         v, output and the ffn norm's two: R less the MLP's
                                         less b·(2q + 2kv + 2h)/t
@@ -310,11 +310,11 @@ def block_backward(r, rebuilt, back=0):
         per_token = 2 * h + 2 * (2 * q + 2 * kv) / G
     attention = (b * per_token / t + gathered) * T
     norm = 3 * u * T + 28 * min(h / t * T, FP32_CHUNK)
-    # Qwen3's q norm's backward, as an RMSNorm's, on a group's q [T, heads, hd] (fp32_chunks cuts
-    # dim -2: chunks of whole heads), once the MLP's backward freed what it kept, and without head
-    # groups attention's: q, k, v and the output, and the ffn norm's two
+    # Qwen3's q norm's backward, as an RMSNorm's, on a group's q (its rows of hd), once the MLP's
+    # backward freed what it kept, and without head groups attention's: q, k, v and the output,
+    # and the ffn norm's two
     w = c.qk_norm * q / t / G
-    qk_norm = 3 * b * w * T + 28 * min(w * T, max(c.head_dim * T, FP32_CHUNK))
+    qk_norm = 3 * b * w * T + 28 * min(w * T, FP32_CHUNK)
     freed = mlp_kept + (G == 1) * b * (2 * q + 2 * kv + 2 * h) / t
     past_mlp = max(max(attention, norm) + max(0, rebuilt - mlp_kept) * T,
                    qk_norm + (rebuilt - freed) * T) + back

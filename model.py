@@ -299,7 +299,9 @@ class Attention(nn.Module):
             if bias is not None:
                 bias = bias.chunk(groups)[g]
             y = F.linear(x, w.weight.chunk(groups)[g], bias).view(B, S, -1, self.head_dim)
-            return norm(y).transpose(1, 2)
+            # normed as rows of hd: the norm's fp32 chunks (rope.fp32_chunks) are then of tokens
+            # and heads, not each a whole head's tokens
+            return norm(y.flatten(0, -2)).view_as(y).transpose(1, 2)
 
         q, k = heads(self.wq, self.q_norm), heads(self.wk, self.k_norm)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), heads(self.wv, nn.Identity())
@@ -623,8 +625,7 @@ def read_config(hf_dir, **overrides):
         layer_types = hf.get('layer_types') if model_type in ('mistral', 'ministral') else None
         # HF's defaults for the keys it may leave out (Qwen3's head_dim: 128; Mixtral writes it
         # null: hidden_size / num_attention_heads)
-        hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, 'norm_topk_prob': False,
-              'decoder_sparse_step': 1, 'router_aux_loss_coef': 0.001,
+        hf = {'rms_norm_eps': 1e-6, 'tie_word_embeddings': False, 'decoder_sparse_step': 1,
               'head_dim': 128 if model_type == 'qwen3' else None,
               # (Qwen3-MoE's name, the hub's; transformers 5 writes Mixtral's)
               'num_experts': hf.get('num_local_experts'), **hf}
@@ -637,6 +638,7 @@ def read_config(hf_dir, **overrides):
         fields = {ours: hf[theirs] for ours, theirs in names.items()}
         rope_scaling = None if rope['rope_type'] == 'default' else rope
         # Qwen3-MoE's dense layers: mlp_only_layers, and those off every decoder_sparse_step-th
+        # (none elsewhere)
         step = hf['decoder_sparse_step']
         dense = [i for i in range(hf['num_hidden_layers'])
                  if i in (hf.get('mlp_only_layers') or []) or (i + 1) % step]
@@ -644,7 +646,7 @@ def read_config(hf_dir, **overrides):
                              sliding_window=window, layer_types=layer_types,
                              head_dim=hf['head_dim'] or 0, attention_bias=model_type == 'qwen2',
                              qk_norm=model_type in ('qwen3', 'qwen3_moe'),
-                             dense_layers=dense if model_type == 'qwen3_moe' and dense else None)
+                             dense_layers=dense or None)
     # checked again: a bad override is the user's, not the file's
     return replace(config, **overrides)
 

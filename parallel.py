@@ -689,10 +689,9 @@ def sync_grads(named_params, mesh, config):
     grads = [(n, local(p.grad)) for n, p in named_params]
     # the norms and MoE's router, whole on every tp rank (t = 1: all, and no group): under sp
     # each saw its tokens; Qwen3's q and k norms saw the rank's heads, sp or not
-    whole = [(n, g) for n, g in grads if shard_spec(n, config, mesh.tp) is None]
-    if not mesh.sequence_parallel:
-        whole = [(n, g) for n, g in whole if n.endswith(('q_norm.weight', 'k_norm.weight'))]
-    all_reduce_buckets([g for _, g in whole], mesh.tp_group)
+    heads = ('q_norm.weight', 'k_norm.weight')
+    all_reduce_buckets([g for n, g in grads if shard_spec(n, config, mesh.tp) is None
+                        and (mesh.sequence_parallel or n.endswith(heads))], mesh.tp_group)
     # replicated kv heads: over their copies (K >= t: no group)
     kv = ('wk.weight', 'wv.weight', 'wk.bias', 'wv.bias')
     all_reduce_buckets([g for n, g in grads if n.endswith(kv)], mesh.kv_group)
