@@ -908,6 +908,10 @@ CONFIG_ESTIMATES = {  # (config, WORLD_SIZE or None: tp x cp x pp, the last stag
         (960520192, 0, 0, 14403239936, 42547019776, 6804471808, 'backward: block 31', 217823322112),
     ('train_tiny', None, False):
         (1837312, 131584, 11023872, 84213760, 17825792, 2162688, 'backward: block 3', 0),
+    ('qwen3_8b_long', None, False):  # (6,356,992 tokens, q and k norms: issue 52)
+        (2875220480, 0, 0, 13832814592, 40936407040, 6534987776, 'backward: block 35', 237706504192),
+    ('qwen2_5_7b_long', None, False):  # (6,291,456 tokens around a ring of 8, q, k, v biases: issue 52)
+        (2646112256, 0, 0, 19654508544, 35701915648, 5659164672, 'backward: block 27', 161796992000),
 }
 BRANCH_ESTIMATES = [  # BRANCHES', at V 1000 then V 64: the LM head's peak, then a block's
     ((3846656, 0, 7693312, 19746816, 2048000, 0, 'forward and backward: LM head and loss', 0),

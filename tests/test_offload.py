@@ -230,6 +230,23 @@ def test_kept_bytes_of_a_qwen3_shaped_block(mode):
     assert offload.stats()['host_in_use'] == 0
 
 
+@pytest.mark.parametrize('mode,alpha', [('none', 0.5), ('selective', 1.0), ('full', 0.5)])
+def test_the_qwen_block_under_recompute_and_offload_has_its_gradients(mode, alpha):
+    """The Qwen block (head_dim decoupled, q, k, v biases off zero, q and k norms off one) under each policy,
+    the token split included (offload's first range recomputed, its core run once over both ranges' q, k, v): the
+    loss and every gradient of the plain block."""
+    from test_parallel import perturbed
+    qwen = dict(head_dim=16, attention_bias=True, qk_norm=True)
+    torch.manual_seed(0)
+    ref_loss, ref_grads = step(apply_techniques(perturbed(Llama(config(**qwen)))), *batch())
+    torch.manual_seed(0)
+    loss, grads = step(apply_techniques(perturbed(Llama(config(recompute=mode, offload=alpha, **qwen)))), *batch())
+    assert rel(loss, ref_loss) <= 1e-6
+    for name, g in grads.items():
+        assert rel(g, ref_grads[name]) <= 1e-6, name
+    assert offload.stats()['bytes_to_host'] > 0
+
+
 def backward_peak(cfg, seq_len=256):
     """measure.Tracker over one forward + backward: the peak, and its activations + working set (the
     peak but parameters and gradients, which grow with depth whatever offload does)."""
