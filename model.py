@@ -102,6 +102,8 @@ class LlamaConfig:
         for key, least in at_least.items():
             if not getattr(self, key) >= least:
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= {least}")
+        # a head's width
+        width = self.head_dim or self.n_embd // self.n_head
         rules = [
             ('rope_theta', type(self.rope_theta) in (int, float) and self.rope_theta > 0,
              'must be a number > 0'),
@@ -111,8 +113,9 @@ class LlamaConfig:
              f"must be divisible by n_head={self.n_head} (or give head_dim)"),
             ('n_head', self.n_head % self.n_kv_head == 0,
              f"must be divisible by n_kv_head={self.n_kv_head}"),
-            ('head_dim', (self.head_dim or self.n_embd // self.n_head) % 2 == 0,
-             "a head's width (n_embd / n_head where head_dim=0) must be even (RoPE)"),
+            # (named by the key that set it: head_dim, or n_embd where head_dim is 0)
+            ('head_dim' if self.head_dim else 'n_embd', width % 2 == 0,
+             "a head's width (head_dim, or n_embd / n_head) must be even (RoPE)"),
             ('dense_layers', set(self.dense_layers or []) <= set(range(self.n_layer)),
              f"must be None or layers of range(n_layer={self.n_layer})"),
             ('experts_per_token', self.n_experts == 0 or self.experts_per_token <= self.n_experts,
@@ -127,7 +130,7 @@ class LlamaConfig:
             if not ok:
                 raise ValueError(f"{key}={getattr(self, key)!r}: {allowed}")
         # the widths 0 stands for, stored: every formula reads head_dim, an expert's width
-        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.head_dim = width
         self.moe_intermediate_size = self.moe_intermediate_size or self.intermediate_size
 
     def is_moe(self, layer):

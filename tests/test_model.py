@@ -859,3 +859,17 @@ def test_an_export_no_family_says_is_refused_before_anything_is_written(tmp_path
     with pytest.raises(ValueError, match=message):
         Llama(LlamaConfig(**fields)).save_pretrained(tmp_path / 'out')
     assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('fields,message', [
+    (dict(head_dim=7), "head_dim=7: a head's width (head_dim, or n_embd / n_head) must be even (RoPE)"),
+    (dict(n_embd=20), "n_embd=20: a head's width (head_dim, or n_embd / n_head) must be even (RoPE)"),
+    (dict(n_embd=30), "n_embd=30: must be divisible by n_head=4 (or give head_dim)"),
+    (dict(head_dim=-1), "head_dim=-1: must be >= 0"),
+    (dict(n_experts=4, dense_layers=[4]), "dense_layers=[4]: must be None or layers of range(n_layer=4)")],
+    ids=['odd head_dim', 'odd n_embd / n_head', 'n_embd not divisible', 'negative head_dim', 'no such layer'])
+def test_a_bad_qwen_field_is_one_line_naming_it(fields, message):
+    with pytest.raises(ValueError) as e:
+        LlamaConfig(**fields)
+    assert str(e.value) == message
+    assert LlamaConfig(n_embd=30, head_dim=8).head_dim == 8  # a width of its own: n_embd need not divide
