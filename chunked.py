@@ -530,6 +530,8 @@ class HeadGroups(Attention):
     def __init__(self, attention, groups):
         adopt(self, attention)
         self.window, self.head_dim, self.groups = attention.window, attention.head_dim, groups
+        # (Qwen3's q and k norms are children, adopted; Llama's None)
+        self.q_norm, self.k_norm = attention.q_norm, attention.k_norm
 
     def forward(self, x, cos, sin, docs=None, kv_cache=None):
         if kv_cache is not None:

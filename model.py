@@ -262,9 +262,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(h, K * hd, bias=config.attention_bias)
         self.wo = nn.Linear(H * hd, h, bias=False)
         # Qwen3's norms of each head's q and k (one weight [hd] for all heads: replicated under
-        # tp); Llama's: none
-        self.q_norm = nn.Identity()
-        self.k_norm = nn.Identity()
+        # tp); None: Llama's (not nn.Identity: a module that returns its input confuses torch's
+        # module tracker, MemTracker, about which module's backward runs)
+        self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.norm_eps)
             self.k_norm = RMSNorm(hd, config.norm_eps)
@@ -295,19 +295,21 @@ class Attention(nn.Module):
         wq, wk, wv (a kv head's query heads are next to each other)."""
         B, S, _ = x.shape
 
-        def heads(w, norm):
-            """Group g's heads of x w [B, heads, S, hd], with w's bias (Qwen2's) where the layer
-            has one, normed (Qwen3's; else nn.Identity)."""
+        def heads(w, norm=None):
+            """Group g's heads of x w [B, heads, S, hd], with w's bias (Qwen2's) and norm
+            (Qwen3's) where the layer has them."""
             bias = w.bias
             if bias is not None:
                 bias = bias.chunk(groups)[g]
             y = F.linear(x, w.weight.chunk(groups)[g], bias).view(B, S, -1, self.head_dim)
-            # normed as rows of hd: the norm's fp32 chunks (rope.fp32_chunks) are then of tokens
-            # and heads, not each a whole head's tokens
-            return norm(y.flatten(0, -2)).view_as(y).transpose(1, 2)
+            if norm is not None:
+                # normed as rows of hd: the norm's fp32 chunks (rope.fp32_chunks) are then of
+                # tokens and heads, not each a whole head's tokens
+                y = norm(y.flatten(0, -2)).view_as(y)
+            return y.transpose(1, 2)
 
         q, k = heads(self.wq, self.q_norm), heads(self.wk, self.k_norm)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), heads(self.wv, nn.Identity())
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), heads(self.wv)
 
     def out(self, y, g=0, groups=1):
         """The output projection of head group g's attention output y [B, heads, S, hd]: its
