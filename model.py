@@ -518,7 +518,8 @@ class Llama(nn.Module):
         # config.json's dict first: a config HF can't say is refused before anything is written
         hf = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG.items()}
         hf.update(model_type='llama', hidden_act='silu', head_dim=c.head_dim,
-                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, attention_bias=False,
+                  rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                  attention_bias=c.attention_bias,
                   mlp_bias=False,
                   # the context scaled to: transformers checks that YaRN's factor is this over the
                   # original's
