@@ -429,27 +429,25 @@ def head_groups(group, groups, x, *args):
     return y
 
 
-def workspace(c, batch_size, seq_len, b=2, tp_size=1, cp_size=1, cp_impl='ulysses'):
+def workspace(c, batch_size, seq_len, b=2, tp_size=1, ulysses=1, ring=1):
     """What flash attention's backward allocates inside the kernel, for this rank's attention call
     (of one head group): memory.py's formula (its header), here beside what cuts it. Packed
     documents (varlen's kernel) take the same, plus 128 rows of dq's fp32 accumulator per document
     past the first of a row (flash_api.cpp's mha_varlen_bwd pads each): 4·a·hd·128 bytes each, not
     counted (a window's documents are known when it is drawn). Not counted either: its forward's
     split-KV accumulators (flash_api.cpp, set_params_splitkv), made only when B·a·Sa/64 can't fill
-    the SMs (short sequences); cuBLAS's workspace (in the overhead)."""
-    ring, G = cp_size > 1 and cp_impl == 'ring', c.attention_chunks  # (resolved: estimate)
-    # a rank's H/(t·G) heads; the ring keeps its S/c tokens of them, sp and Ulysses gather the
-    # whole sequence for H/(t·c·G) heads
-    a, Sa = c.n_head // tp_size // G, seq_len
-    if ring:
-        Sa = seq_len // cp_size
-    else:
-        a //= cp_size
+    the SMs (short sequences); cuBLAS's workspace (in the overhead). Context parallelism c = u × r
+    (parallel.py): `ulysses` u, `ring` r."""
+    G = c.attention_chunks  # (resolved: estimate)
+    # a rank's H/(t·u·G) heads of a group (sp and Ulysses gather every token of them) over the
+    # ring rank's S/r tokens (the ring keeps those)
+    a, Sa = c.n_head // tp_size // ulysses // G, seq_len // ring
     # then flash expands grouped kv heads itself (the ring repeats them before the kernel: a tensor)
-    grouped = not ring and max(1, c.n_kv_head // tp_size // cp_size // G) < a
+    grouped = ring == 1 and max(1, c.n_kv_head // tp_size // ulysses // G) < a
     Sa_tiles, hd_tiles = -(-Sa // 128) * 128, -(-c.head_dim // 32) * 32  # rounded up to its tiles
     accumulators = 4 * batch_size * Sa_tiles * a * (hd_tiles + 1)
-    return accumulators + 2 * (grouped + (cp_size > 1)) * b * batch_size * Sa * a * c.head_dim
+    per_tensor = b * batch_size * Sa * a * c.head_dim
+    return accumulators + 2 * (grouped + (ulysses * ring > 1)) * per_tensor
 
 
 # ----------------------------------------------------------------------------- applied to a model

@@ -484,7 +484,8 @@ class Report:
                            pp_rank=mesh.pp_rank)
         self.budget = device_bytes(device, cfg.get('memory_budget_gb', 0), self.dry)
         # NCCL's communicators: one per group of more than one rank
-        groups = [mesh.tp, mesh.cp, mesh.dp, mesh.pp, mesh.cp * mesh.dp, world]
+        groups = [mesh.tp, mesh.cp // mesh.cp_ring, mesh.cp_ring, mesh.dp, mesh.pp,
+                  mesh.cp * mesh.dp, world]
         self.overhead = overhead_bytes(self.layout['device_type'], sum(n > 1 for n in groups))
         self.host = host_bytes_per_rank(cfg.get('host_memory_budget_gb', 0), self.dry)
         where = f"rank {at} of {world}"

@@ -44,10 +44,11 @@ current one's "held" beside every moment (pipeline.py):
                device only what offload.py doesn't send (offload.block_bytes); the rest is host
                memory, reported apart, never in the total. Plus RoPE's fp32 cos and sin: 8·hd
                bytes per position (per token of B·S with doc_mask).
-               Under the ring (cp_impl='ring') also ring.ring_plan of each block and head group:
-               int32 indices of the tokens its c steps compute on and send, on rank 0 16 bytes per
-               token at step 0 and 10 at each other, 10·c + 6 (rank r: 2r more; a sliding window
-               or packed documents: fewer), G·(10·c + 6)·L·T·M in all. An attribute of the graph's
+               Under the ring (r > 1 of c = u × r, parallel.py) also ring.ring_plan of each block
+               and head group: int32 indices of the tokens its r steps compute on and send, on
+               rank 0 16 bytes per token at step 0 and 10 at each other, 10·r + 6 (rank j: 2j
+               more; a sliding window or packed documents: fewer), G·(10·r + 6)·L·u·T·M in all
+               (the ring's tokens are Ulysses' u ranks' T). An attribute of the graph's
                node (ctx.plan), not a saved tensor: recompute and offload leave it on the device,
                and the node outlives backward (the dry run holds every micro-batch's at the
                optimizer's step, gc.collect() or not): in every moment, the embedding's and the
@@ -375,12 +376,13 @@ def moments(r, states, kept, activations, workspace, graph):
 def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda', dp=1,
              tp_size=1, cp_size=1, cp_impl='ulysses', pp_size=1, pp_rank=0, pp_schedule='1f1b',
              gradient_accumulation_steps=1, zero=0, offload_states=False,
-             optimizer_in_backward=False, doc_mask=False, ep_size=1, optimizer='adamw'):
+             optimizer_in_backward=False, doc_mask=False, ep_size=1, optimizer='adamw', cp_ring=0):
     """Per-rank peak bytes of one training step of model.Llama(config) on pipeline stage pp_rank:
     the header's model states, and the step's largest moment of the rest. The keywords are
     train.py's settings of the same names, and the mesh's dp and pp_rank."""
     M = gradient_accumulation_steps
-    ulysses = cp_size if cp_impl == 'ulysses' else 1
+    ring = parallel.ring_size(cp_size, cp_impl, cp_ring)
+    ulysses = cp_size // ring  # (parallel.py's c = u × r)
     G = chunked.attention_chunks(config, config.n_head // tp_size, config.n_kv_head // tp_size or 1,
                                  ulysses)
     c = replace(config, attention_chunks=G)
@@ -402,13 +404,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     # (FSDP2 shards over the dp x cp ranks: d counts only under zero > 1)
     states = model_states(r, dp * cp_size, zero, optimizer_in_backward, offload_states, optimizer)
     kept = kept_per_token(r, batch_size, cp_size, dtype)
-    # the ring's (c > 1, not Ulysses') ring.ring_plan: each step's parts as int32 indices of our
-    # tokens and of the visiting ones they attend, and the tokens we send; on rank 0 16 bytes a
-    # token at step 0 and 10 at each of the c - 1 others (rank r: 2r more), per head group. It is
+    # the ring's (r > 1) ring.ring_plan: each step's parts as int32 indices of our tokens and of
+    # the visiting ones they attend, and the tokens we send; on rank 0 16 bytes a token at step 0
+    # and 10 at each of the r - 1 others (rank j: 2j more), per head group, of the ring's tokens:
+    # Ulysses' u ranks' T each (the same plan on each of them). It is
     # ctx.plan, an attribute of the graph's node, not a saved tensor: no recompute frees it and
     # offload never sees it; and the node outlives backward (the dry run: every block's of every
     # micro-batch is alive at the optimizer's step, gc.collect() or not)
-    graph = G * (10 * cp_size + 6) * r.L * r.T * M * (cp_size > ulysses)
+    graph = G * (10 * ring + 6) * r.L * r.T * ulysses * M * (ring > 1)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
     # k is an MoE layer's: a dense one keeps a plain MLP's (and under recompute, nothing else)
     activations -= (r.L - r.moe_layers) * r.moe_kept * r.T * (c.recompute == 'none')
@@ -416,7 +419,7 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     activations += 8 * c.head_dim * (r.T if doc_mask or pp_size > 1 else sequence)
     W = 0
     if device_type == 'cuda' and b == 2:
-        W = chunked.workspace(c, batch_size, seq_len, b, tp_size, cp_size, cp_impl)
+        W = chunked.workspace(c, batch_size, seq_len, b, tp_size, ulysses, ring)
     step = moments(r, states, kept, activations, W, graph)
     highest = max(step, key=lambda moment: sum(step[moment]))  # the step's peak
     host = kept.sent * kept.host + states.host
@@ -508,7 +511,8 @@ def variants(c, batch_size, seq_len, host, layout):
             for a in sorted({round(alpha, 3), 1.0} - {0.0}):
                 w = replace(v, offload=a)
                 sent = offload.host_bytes(w, batch_size, tokens, torch.bfloat16)
-                broken = parallel.check_layout(w, tp * cp, tp, cp, layout['cp_impl'], seq_len)
+                broken = parallel.check_layout(w, tp * cp, tp, cp, layout['cp_impl'], seq_len,
+                                               cp_ring=layout['cp_ring'])
                 if sent <= host and not broken:
                     yield w
 
@@ -575,7 +579,8 @@ def suggestions(config, budget, overhead, host, batch_size, seq_len, world=1, **
         for factor in (2, 4, 8):
             bigger = {**layout, key: layout[key] * factor}
             tp, cp = bigger['tp_size'], bigger['cp_size']
-            if parallel.check_layout(config, world * factor, tp, cp, layout['cp_impl'], seq_len):
+            if parallel.check_layout(config, world * factor, tp, cp, layout['cp_impl'], seq_len,
+                                     cp_ring=layout['cp_ring']):
                 continue
             if (p := plan(config, budget, overhead + comm, host, batch_size, seq_len, **bigger)):
                 change = f"--{key}={bigger[key]} {describe(p.changed)}".strip()

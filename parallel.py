@@ -17,6 +17,17 @@ vocabulary, N parameters, b bytes per element. What each dimension saves, per ra
   c   context parallel: every activation holds S/c tokens. Attention swaps sequence shards for head
       shards (DeepSpeed-Ulysses, Jacobs 2023: the model's own attention on the whole sequence, H/c
       heads) or passes k, v around a ring (ring attention, Liu 2023: ring.py, its own chapter).
+      Or both, c = u × r (cp_ring = r; USP, Fang & Zhao 2024; Megatron's hierarchical a2a+p2p):
+      Ulysses inside groups of u neighbouring ranks (a node's NVLink), the ring across r of those
+      groups (the network). Ulysses' all-to-all turns S/c tokens of all heads into its ring rank's
+      S/r tokens of H/u heads, and the ring runs on those, r steps. The order of the tokens
+      (shard_batch) makes the two agree: ring rank j holds zigzag chunks j and 2r-1-j of 2r, and
+      Ulysses rank i of it the i-th u-th of those 2·S/2r tokens, so that the all-to-all, which
+      puts its ranks' tokens one after the other, hands the ring exactly its two chunks:
+        r = 1       Ulysses alone: one chunk pair, the whole sequence, in u contiguous shards;
+        u = 1       the ring alone: each rank its two chunks whole;
+        1 < r < c   both: H/t heads must divide by u (Ulysses' rule), any count by r (the
+                    ring's); cp_rank = j·u + i, so a Ulysses group is u neighbours.
   p   pipeline parallel (GPipe, Huang 2019; 1F1B, Narayanan 2021): stage r keeps blocks
       [r·L/p, (r+1)·L/p) (the embedding on the first, the LM head on the last): states N -> N/p, no
       collective inside a layer. Not the activations: the first stage holds p micro-batches in
@@ -49,6 +60,8 @@ of the four functions below or ring.py's ring_shift (chunked.py's loss makes its
   c Ulysses       2 all-to-all (2): q, k, v packed in one, the output in the other (H/c heads move)
   c ring          c-1 sends of k, v (c-1 of k, v + c-1 of dk, dv), each of the tokens the receiving
                   rank attends (at most S/c; a window's far steps none); kv heads, never repeated
+  c = u × r       Ulysses' 2 (2) over u ranks, then the ring's r-1 (2·(r-1)) over r, of S/r tokens
+                  of K/u kv heads: as many bytes a send as the ring alone's
   recompute=full  the forward's again in backward but the last g (torch's checkpoint stops early)
   d, zero=2       1 all-gather of its rows in bf16 before its forward (2·N_block/t bytes), kept to
                   its backward, 1 reduce-scatter of its fp32 gradients after it (4·N_block/t);
@@ -94,7 +107,8 @@ class Mesh:
     """Where this rank sits: rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank (the sizes
     and the coordinates in the grid's order: make_mesh relies on it). A group is None when of size
     1 (one process: every group); dpcp_group: the ranks holding the same weights; kv_group: the tp
-    ranks sharing one kv head (K < t)."""
+    ranks sharing one kv head (K < t); ulysses_group, ring_group: cp's two dimensions (the header's
+    c = u × r, cp_ring r: its rank cp_rank // u in the ring, cp_rank % u in Ulysses)."""
     world: int = 1
     rank: int = 0
     dp: int = 1
@@ -105,10 +119,11 @@ class Mesh:
     pp_rank: int = 0
     cp_rank: int = 0
     tp_rank: int = 0
-    cp_impl: str = 'ulysses'
+    cp_ring: int = 1
     sequence_parallel: bool = True
     tp_group: object = None
-    cp_group: object = None
+    ulysses_group: object = None
+    ring_group: object = None
     pp_group: object = None
     dpcp_group: object = None
     kv_group: object = None
@@ -124,9 +139,17 @@ class Mesh:
     edp_mesh: object = None
 
 
+def ring_size(cp, cp_impl='ulysses', cp_ring=0):
+    """The ring's r of c = u × r: cp_ring, or cp_impl's end of the split ('ulysses': 1, 'ring':
+    c)."""
+    if cp_ring:
+        return cp_ring
+    return cp if cp_impl == 'ring' else 1
+
+
 def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0, device_type='cpu',
                  dtype=torch.float32, states_on_host=False, pp=1, microbatches=1, schedule='1f1b',
-                 ep=1):
+                 ep=1, cp_ring=0):
     """None, or the one-line reason this layout can't run config (a LlamaConfig or anything with its
     fields), asked on every rank before anything is allocated. The one owner of the layout rules:
     the first broken rule, in the order below, is the answer."""
@@ -145,6 +168,11 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
             return f"{key}={getattr(c, key)} is not divisible by tp_size={tp}"
     if cp_impl not in ('ulysses', 'ring'):
         return f"cp_impl must be 'ulysses' or 'ring', got {cp_impl!r}"
+    if cp_ring < 0 or cp % (cp_ring or 1):
+        return (f"cp_ring={cp_ring} must divide cp_size={cp} (the ring's ranks; Ulysses' are "
+                "cp_size / cp_ring)")
+    ring = ring_size(cp, cp_impl, cp_ring)
+    u = cp // ring  # Ulysses' ranks
     if zero == 1:
         return "zero must be 0, 2 or 3, got 1 (zero=1 became 2: FSDP2 shards the gradients too)"
     if zero not in (0, 2, 3):
@@ -180,20 +208,21 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         return (f"attention_chunks={c.attention_chunks} with offload={c.offload} and recompute="
                 f"{c.recompute!r}: offload.py cuts attention by tokens, not heads; use "
                 "recompute='full', or offload=1 with recompute='none'")
-    if cp_impl == 'ulysses':  # (each rule holds at cp_size 1)
-        kv_group = kv_heads // groups
-        if groups > 1 and (heads // groups % cp or kv_group % cp and cp % kv_group):
-            return (f"attention_chunks={groups}: Ulysses spreads each group's {heads // groups} "
-                    f"query and {kv_group} kv heads over cp_size={cp} ranks; make fewer groups")
-        if S % cp:
-            return f"seq_len={S} is not divisible by cp_size={cp}"
-        if heads % cp:
-            return (f"n_head / tp_size = {heads} heads per rank are not divisible by cp_size={cp} "
-                    "(Ulysses)")
-        if kv_heads % cp and cp % kv_heads:
-            return (f"{kv_heads} kv heads per rank and cp_size={cp}: one must divide the other "
-                    "(Ulysses)")
-    if cp > 1 and cp_impl == 'ring':
+    # Ulysses' rules over its u ranks (each holds at u = 1: the ring alone)
+    kv_group = kv_heads // groups
+    if groups > 1 and (heads // groups % u or kv_group % u and u % kv_group):
+        return (f"attention_chunks={groups}: Ulysses spreads each group's {heads // groups} "
+                f"query and {kv_group} kv heads over {u} ranks; make fewer groups")
+    if S % cp and ring == 1:
+        return f"seq_len={S} is not divisible by cp_size={cp}"
+    if heads % u or kv_heads % u and u % kv_heads:
+        # the splits c = u × r whose u takes our heads (r = c: the ring, any count)
+        rings = [r for r in range(1, cp + 1) if cp % r == 0 and not heads % (cp // r)
+                 and not (kv_heads % (cp // r) and cp // r % kv_heads)]
+        return (f"{heads} query and {kv_heads} kv heads per rank (n_head, n_kv_head / tp_size) "
+                f"don't split over Ulysses' {u} ranks (cp_size / cp_ring); cp_ring = "
+                f"{' or '.join(map(str, rings))} does")
+    if ring > 1:
         if S % (2 * cp):
             return f"seq_len={S} is not divisible by 2 * cp_size = {2 * cp} (ring's zigzag chunks)"
         # (None: the kernel runs here)
@@ -250,17 +279,18 @@ def init_distributed(device_type, fake=False, timeout_s=300, one=False):
 
 
 def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True, timeout_s=None,
-              device_type='cpu', pp=1, ep=1):
+              device_type='cpu', pp=1, ep=1, cp_ring=0):
     """The d × p × c × t mesh of the current process group; without one, Mesh(): one rank, no
     group."""
     if not dist.is_initialized():
-        return Mesh(cp_impl=cp_impl, sequence_parallel=sequence_parallel)
+        return Mesh(sequence_parallel=sequence_parallel)
     world, rank = dist.get_world_size(), dist.get_rank()
     # the ranks as a grid [dp, pp, cp, tp]; a group is a row of it along its dimensions
     grid = torch.arange(world).view(-1, pp, cp, tp)
     # Mesh's fields in the grid's order: its sizes (dp, pp, cp, tp), then where we sit in it
     where = (grid == rank).nonzero()[0].tolist()
-    mesh = Mesh(world, rank, *grid.shape, *where, cp_impl, sequence_parallel)
+    ring = ring_size(cp, cp_impl, cp_ring)
+    mesh = Mesh(world, rank, *grid.shape, *where, ring, sequence_parallel)
     # a group's own default timeout is 30 minutes, not the world's
     timeout = timeout_s and timedelta(seconds=timeout_s)
 
@@ -277,7 +307,10 @@ def make_mesh(tp, cp, cp_impl='ulysses', n_kv_head=None, sequence_parallel=True,
         return DeviceMesh.from_group(group or dist.new_subgroups(1)[0], device_type)
 
     mesh.tp_group = group(grid.reshape(-1, tp))
-    mesh.cp_group = group(grid.transpose(2, 3).reshape(-1, cp))
+    # a cp group's ranks in cp_rank order, j·u + i: Ulysses' u neighbours, the ring's every u-th
+    cp_rows = grid.transpose(2, 3).reshape(-1, ring, cp // ring)
+    mesh.ulysses_group = group(cp_rows.flatten(0, 1))
+    mesh.ring_group = group(cp_rows.transpose(1, 2).flatten(0, 1))
     mesh.pp_group = group(grid.movedim(1, 3).reshape(-1, pp))
     # the ranks holding the same weights: one pp stage, one tp shard
     dpcp = grid.permute(1, 3, 0, 2).reshape(pp * tp, -1)
@@ -462,9 +495,10 @@ def ulysses(attend, group, q, k, v, docs=None, window=0):
 
 def shard_batch(mesh, x, y, positions=None, docs=None):
     """A global micro-batch (the same on every rank) -> this rank's (x, y, positions, docs): our dp
-    rank's rows, our cp rank's tokens (contiguous for Ulysses; zigzag chunks r and 2c-1-r of 2c for
-    the ring) and their positions; docs (document starts in the flattened rows, model.attention) of
-    our rows' whole sequences. One process: the batch as it is."""
+    rank's rows, our cp rank's tokens (the header's c = u × r: contiguous for Ulysses alone, zigzag
+    chunks j and 2c-1-j of 2c for the ring alone) and their positions; docs (document starts in
+    the flattened rows, model.attention) of our rows' whole sequences. One process: the batch as
+    it is."""
     S, n = x.shape[1], len(x) // mesh.dp  # n rows per dp rank
     first = mesh.dp_rank * n
     rows = slice(first, first + n)
@@ -476,12 +510,12 @@ def shard_batch(mesh, x, y, positions=None, docs=None):
         docs = docs[(docs >= 0) & (docs < n * S)]
     if mesh.cp == 1:
         return x, y, positions, docs
-    c, r = mesh.cp, mesh.cp_rank
+    u = mesh.cp // mesh.cp_ring  # (the header's c = u × r)
+    ring_rank, ulysses_rank = divmod(mesh.cp_rank, u)
     tokens = torch.arange(S, device=x.device)
-    if mesh.cp_impl == 'ulysses':
-        ours = tokens.view(c, -1)[r]
-    else:
-        ours = tokens.view(2 * c, -1)[[r, -1 - r]].flatten()  # chunks r and 2c-1-r
+    if mesh.cp_ring > 1:  # our ring rank j's zigzag chunks j and 2r-1-j
+        tokens = tokens.view(2 * mesh.cp_ring, -1)[[ring_rank, -1 - ring_rank]].flatten()
+    ours = tokens.view(u, -1)[ulysses_rank]  # Ulysses': our contiguous u-th of them
     positions = ours if positions is None else positions[:, ours]
     return x[:, ours], y[:, ours], positions, docs
 
@@ -545,12 +579,13 @@ def parallelize(model, mesh):
 def apply_cores(model, mesh, varlen=None):
     """Every Attention's core for this layout: model.attention (one varlen kernel for packed
     documents on CUDA, varlen None; True for a dry run that stands in for CUDA), under context
-    parallelism Ulysses around it or the ring (ring.py) in its place."""
+    parallelism Ulysses around it, the ring (ring.py) in its place, or Ulysses around the ring."""
     attend = partial(attention, varlen=varlen)
-    if mesh.cp > 1 and mesh.cp_impl == 'ring':
-        attend = partial(RingAttention.apply, mesh.cp_group)
-    elif mesh.cp > 1:
-        attend = partial(ulysses, attend, mesh.cp_group)
+    # c = u × r: the ring in model.attention's place, and Ulysses' all-to-alls around it
+    if mesh.ring_group is not None:
+        attend = partial(RingAttention.apply, mesh.ring_group)
+    if mesh.ulysses_group is not None:
+        attend = partial(ulysses, attend, mesh.ulysses_group)
     for block in model.layers.values():
         block.attention.core = Core(attend)
 

@@ -13,7 +13,8 @@ The keys are read as train.py reads them (a config file, then --key=value), plus
 below: gpus, nodes, gpu_gb (a GPU's memory), host_gb (a node's; 0: 256 a GPU, a DGX's 2 TB over its
 8), step (the lengths tried are its multiples; 0: 8,192 a GPU), peak_tflops and svg.
 
-The search. A layout is train.py's keys tp_size, cp_size (cp_impl 'ulysses' or 'ring'), pp_size,
+The search. A layout is train.py's keys tp_size, cp_size (cp_impl 'ulysses' or 'ring', or
+cp_ring: Ulysses inside a node, the ring across), pp_size,
 zero (0, 2, 3), offload_states and ep_size, dp the rest of the GPUs (parallel.check_layout says
 which run). For each, memory.variants gives the memory knobs (recompute, mlp_chunks, loss_chunks,
 offload's α; here also attention_chunks 1 or 0) and memory.estimate prices each setting on the
@@ -44,13 +45,15 @@ micro-batch on a rank, M micro-batches, N the parameters, d = dp·c the ranks FS
   on the critical path, each over its group's link (NVLINK within a node, NETWORK across):
     tp       4 collectives a block a pass (sp: all-gather before attention and the MLP,
              reduce-scatter after), each (t-1)/t · b·h·T (Korthikanti et al. 2022)
-    Ulysses  4 all-to-alls a block a pass (q, k, v there, the output back), (c-1)/c ·
-             b·(2q + 2kv)/t · T, q = H·hd (h where head_dim is n_embd / n_head)
+    Ulysses  4 all-to-alls a block a pass (q, k, v there, the output back), (u-1)/u ·
+             b·(2q + 2kv)/t · T, q = H·hd (h where head_dim is n_embd / n_head); u = c, or
+             cp_size / cp_ring (its group: u neighbours, NVLink where t·u fits a node)
     ep       2 all-to-alls an MoE block a pass (dispatch, combine), (ep-1)/ep · b·h·k·T
              a pass: forward, backward, and forward again under recompute (attention's alone by
              head groups)
   hidden behind compute (prefetched or pipelined), counted where they exceed it:
-    ring     k, v sent c - 1 times a block forward, with dk, dv twice that backward: b·2kv/t · T
+    ring     k, v sent r - 1 times a block forward, with dk, dv twice that backward: b·2kv/t · T
+             (r = c, or cp_ring; its group spans t·c ranks: the network past a node)
     FSDP2    zero 2/3: all-gathers of b·N/(t·pp) (forward; again in backward for 3) and a
              reduce-scatter of 4·N/(t·pp), each (d-1)/d; zero 0, d > 1: an all-reduce, twice
              that; offload_states: the fp32 rows over PCIe, in twice and out once, 12·N/(t·pp·d)
@@ -124,7 +127,7 @@ def broken(c, gpus, layout, seq_len=None):
                                  layout['cp_impl'], seq_len, layout['zero'], 'cuda',
                                  torch.bfloat16, layout['offload_states'], layout['pp_size'],
                                  layout['gradient_accumulation_steps'], layout['pp_schedule'],
-                                 layout['ep_size'])
+                                 layout['ep_size'], layout['cp_ring'])
 
 
 def layouts(c, target):
@@ -134,14 +137,20 @@ def layouts(c, target):
     sizes = [k for k in POWERS if n % k == 0]
     # the layout's own rules, whatever knobs the config set (plans() checks each setting's)
     plain = Knobs(**architecture(c))
-    for tp, cp, pp, ep, impl, zero, on_host in itertools.product(
-            sizes, sizes, sizes[:4], sizes, ('ulysses', 'ring'), (0, 2, 3), (False, True)):
-        layout = dict(tp_size=tp, cp_size=cp, cp_impl=impl, pp_size=pp, dp=n // (tp * cp * pp),
-                      zero=zero, offload_states=on_host, ep_size=ep, pp_schedule=s['pp_schedule'],
+    for tp, cp, pp, ep, ring, zero, on_host in itertools.product(
+            sizes, sizes, sizes[:4], sizes, sizes, (0, 2, 3), (False, True)):
+        # the ring's r of cp's c = u × r (parallel.py): 1 is Ulysses alone, c the ring alone,
+        # between them Ulysses inside a node and the ring across (cp_ring)
+        impl = 'ulysses'
+        if ring == cp > 1:
+            impl = 'ring'
+        layout = dict(tp_size=tp, cp_size=cp, cp_impl=impl, cp_ring=ring * (1 < ring < cp),
+                      pp_size=pp, dp=n // (tp * cp * pp), zero=zero, offload_states=on_host,
+                      ep_size=ep, pp_schedule=s['pp_schedule'],
                       gradient_accumulation_steps=max(pp, s['gradient_accumulation_steps']))
-        # (a ring of one rank is no layout of its own; broken() says whether tp·cp·pp divides n)
+        # (broken() says whether tp·cp·pp divides n and r divides c)
         within_node = tp <= min(target.per_node, 8)
-        if within_node and (cp > 1 or impl == 'ulysses') and not broken(plain, n, layout):
+        if within_node and cp % ring == 0 and not broken(plain, n, layout):
             yield layout
 
 
@@ -152,8 +161,10 @@ def plans(c, layout, seq_len, target, least=False):
     pp = layout['pp_size']
     settings = {**target.settings, **layout}  # estimate's keywords
     tp, cp, dp = layout['tp_size'], layout['cp_size'], layout['dp']
+    ring = parallel.ring_size(cp, layout['cp_impl'], layout['cp_ring'])
     # measure.Report's overhead: the CUDA context, a communicator per group of more than one rank
-    overhead = overhead_bytes('cuda', sum(k > 1 for k in (tp, cp, dp, pp, cp * dp, target.gpus)))
+    groups = (tp, cp // ring, ring, dp, pp, cp * dp, target.gpus)
+    overhead = overhead_bytes('cuda', sum(k > 1 for k in groups))
     # the host a rank may fill; offload's α is chosen for it (memory.variants)
     host = target.host_bytes / target.per_node
     for groups in (0,) if least else (1, 0):
@@ -195,12 +206,13 @@ def step_seconds(c, layout, seq_len, target):
     # (a dense model's ep is 1: no term), in the MoE layers alone
     moe = sum(map(c.is_moe, range(c.n_layer))) / c.n_layer
     exposed += 2 * passes * (ep - 1) / ep * h * c.experts_per_token * bT / link(target.gpus) * moe
-    # Ulysses' all-to-alls wait; the ring's sends hide behind attention
-    hidden = 0
-    if layout['cp_impl'] == 'ring':
-        hidden = (attention_passes + 1) * (cp - 1) * 2 * kv / t * bT / link(t * cp)
-    else:
-        exposed += 4 * attention_passes * (cp - 1) / cp * (2 * q + 2 * kv) / t * bT / link(t * cp)
+    # c = u × r (parallel.py): Ulysses' all-to-alls over its u neighbours wait; the ring's sends,
+    # across the u-strided ranks (the whole cp span), hide behind attention: r - 1 a pass of the
+    # ring rank's S/r tokens of K/u kv heads, as many bytes as T tokens of all K
+    r = parallel.ring_size(cp, layout['cp_impl'], layout['cp_ring'])
+    u = cp // r
+    exposed += 4 * attention_passes * (u - 1) / u * (2 * q + 2 * kv) / t * bT / link(t * u)
+    hidden = (attention_passes + 1) * (r - 1) * 2 * kv / t * bT / link(t * cp)
     # a micro-batch's FSDP2 gathers and reduce-scatter, or the step's all-reduce; the states' rows
     # over PCIe
     d, N = dp * cp, num_params(c) / (t * pp)

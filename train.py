@@ -137,6 +137,9 @@ offload = 0.0
 tp_size = 1
 cp_size = 1
 cp_impl = 'ulysses'  # 'ulysses' | 'ring'
+# both: the ring's ranks of cp_size, Ulysses inside each node, the ring across (parallel.py's
+# c = u × r: cp_ring = r); 0: cp_impl's end of it ('ulysses' 1, 'ring' cp_size)
+cp_ring = 0
 pp_size = 1  # pipeline stages, each a run of blocks; its micro-batches: gradient_accumulation_steps
 # '1f1b' | 'gpipe' (every micro-batch's forward, then every backward: more in flight)
 pp_schedule = '1f1b'
@@ -189,8 +192,8 @@ auto_memory = False
 RULES = [
     ('batch_size seq_len gradient_accumulation_steps eval_interval log_interval eval_iters '
      'tp_size cp_size pp_size ep_size', 'must be >= 1', lambda v: v >= 1),
-    ('max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay grad_clip '
-     'memory_budget_gb host_memory_budget_gb dry_run_anatomy', 'must be >= 0',
+    ('cp_ring max_iters warmup_iters lr_decay_iters vocab_size learning_rate min_lr weight_decay '
+     'grad_clip memory_budget_gb host_memory_budget_gb dry_run_anatomy', 'must be >= 0',
      lambda v: 0 <= v < math.inf),
     # torch's generators take 64 bits; evaluate's is seeded with seed + 1
     ('seed', 'must be in [0, 2**63)', lambda v: 0 <= v < 2 ** 63),
@@ -649,7 +652,7 @@ def model_config(meta, cfg, world, dev, ptdtype):
     # this layout's rules (parallel.check_layout), on every rank, before anything is allocated
     why = parallel.check_layout(config, world, tp_size, cp_size, cp_impl, seq_len, zero, dev.type,
                                 ptdtype, offload_states, pp_size, gradient_accumulation_steps,
-                                pp_schedule, ep_size)
+                                pp_schedule, ep_size, cp_ring)
     if why:
         die(why)
     if meta['vocab_size'] > config.vocab_size:
@@ -687,9 +690,8 @@ def place_model(model, config, mesh, dev, ptdtype):
     varlen = True if dry_run else None
     parallel.apply_cores(model, mesh, varlen)
     # 3. the MLP's mini-sequences, the chunked loss (vocabulary parallel over tp), head groups
-    # (Ulysses spreads a head group's heads over its cp ranks)
-    ulysses = mesh.cp if mesh.cp_impl == 'ulysses' else 1
-    chunked.apply(model, config, ulysses, mesh.tp_group)
+    # (Ulysses spreads a head group's heads over its cp_size / cp_ring ranks)
+    chunked.apply(model, config, mesh.cp // mesh.cp_ring, mesh.tp_group)
     # 4. keep, recompute or offload each block's activations (every knob off: no block wrapped)
     offload_policy.apply(model, config)
     # zero=2, 3: fp32 rows are the masters, FSDP2 gathers them in ptdtype
@@ -767,7 +769,8 @@ def main():
     config, ckpt = model_config(meta, cfg, world, dev, ptdtype)  # (nothing is built from it yet)
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
     mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, config.n_kv_head,
-                              timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size)
+                              timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size,
+                              cp_ring=cp_ring)
     mem = measure.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())

@@ -115,7 +115,6 @@ def apply_techniques(model, mesh=None, knobs=None):
     if mesh.world > 1:
         parallel.parallelize(model, mesh)
     parallel.apply_cores(model, mesh)
-    ulysses = mesh.cp if mesh.cp_impl == 'ulysses' else 1
     knobs = knobs or model.config
-    chunked.apply(model, knobs, ulysses, mesh.tp_group)
+    chunked.apply(model, knobs, mesh.cp // mesh.cp_ring, mesh.tp_group)
     return offload.apply(model, knobs)

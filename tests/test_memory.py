@@ -553,8 +553,9 @@ def test_workspace_is_flash_attentions_backward_by_hand(layout, gqa, mha):
     S = 131072
     for c, want in ((LLAMA3_8B, gqa), (cfg(L=32, h=4096, H=32, K=32, I=11008, V=32000), mha)):
         c = replace(c, recompute='full', offload=1.0, mlp_chunks=0, loss_chunks=0)  # the peak: a block's backward
-        assert chunked.workspace(c, 1, S, 2, layout.get('tp_size', 1), layout.get('cp_size', 1),
-                                layout.get('cp_impl', 'ulysses')) == want
+        cp = layout.get('cp_size', 1)
+        ring = cp if layout.get('cp_impl') == 'ring' else 1
+        assert chunked.workspace(c, 1, S, 2, layout.get('tp_size', 1), cp // ring, ring) == want
         est = memory.estimate(c, 1, S, **SETUP, **layout)
         assert est.moment.startswith('backward: block') and est.workspace == want
         # on top of the same moment's tensors: a CPU runs no CUDA kernel; fp32 on CUDA takes another, not counted
@@ -857,10 +858,10 @@ CONFIG_CASES = [('llama2_7b_one_gpu', None, False), ('llama3_70b_4d', 64, False)
                 ('llama3_8b_node', None, False), ('llama3_8b_one_gpu', None, False), ('llama7b_long', None, False),
                 ('mistral_7b_long', None, False), ('train_tiny', None, False)]
 
-# chunked.workspace(config, batch, seq_len, b, tp, cp, cp_impl)
-WORKSPACE_CASES = [(small(), 1, 1000, 2, 1, 1, 'ulysses'), (small(K=8), 2, 4096, 2, 2, 1, 'ulysses'),
-                   (small(), 1, 4096, 2, 1, 2, 'ulysses'), (small(), 1, 4096, 2, 2, 4, 'ulysses'),
-                   (small(), 1, 4096, 2, 1, 2, 'ring'), (small(K=8), 1, 4096, 4, 2, 2, 'ring')]
+# chunked.workspace(config, batch, seq_len, b, tp, Ulysses' u, the ring's r)
+WORKSPACE_CASES = [(small(), 1, 1000, 2, 1, 1, 1), (small(K=8), 2, 4096, 2, 2, 1, 1),
+                   (small(), 1, 4096, 2, 1, 2, 1), (small(), 1, 4096, 2, 2, 4, 1),
+                   (small(), 1, 4096, 2, 1, 1, 2), (small(K=8), 1, 4096, 4, 2, 1, 2)]
 
 # (config, budget, host, batch, seq_len, layout) for memory.plan and memory.suggestions
 PLAN_CASES = [(cfg(L=16, h=2048, H=32, K=8, I=8192, V=32000), 80 * GiB, 1 << 40, 1, 32768, {}),

@@ -103,9 +103,20 @@ LAYOUTS = {
     'ring_qwen':     (2, 1, 2, 'ring', True, 0, dict(QWEN, sliding_window=5, recompute='full')),
     'zero3_qwen':    (2, 1, 1, 'ulysses', True, 3, dict(QWEN, attention_chunks=2, recompute='full', offload=1.0)),
     'tp_cp_qwen':    (4, 2, 2, 'ulysses', True, 0, dict(QWEN, n_head=8, n_kv_head=4, attention_chunks=0)),  # 2
+    # context parallelism in two dimensions, Ulysses 2 x the ring 2 (cp_ring, parallel.py's c = u x r): documents
+    # cut by both splits, a window (3) shorter than a ring chunk (S / 2r = 4), head groups, offload under
+    # recompute, and one kv head that Ulysses copies to its two ranks (Qwen's block)
+    'u2_ring2_docs':    (4, 1, 4, 'ulysses', True, 0, dict(cp_ring=2, docs=True, recompute='full')),
+    'u2_ring2_window':  (4, 1, 4, 'ulysses', True, 0, dict(cp_ring=2, sliding_window=3, docs=[[1] * 16, [16],
+                                                           [2, 13, 1], [1, 1, 14]], recompute='full')),
+    'u2_ring2_groups':  (4, 1, 4, 'ulysses', True, 0, dict(cp_ring=2, n_head=8, n_kv_head=4, attention_chunks=2,
+                                                           recompute='full')),
+    'u2_ring2_offload': (4, 1, 4, 'ring', True, 0, dict(cp_ring=2, recompute='full', offload=1.0)),
+    'u2_ring2_qwen':    (4, 1, 4, 'ulysses', True, 0, dict(QWEN, cp_ring=2, n_kv_head=1, recompute='full')),
 }
 # the head groups attention runs per block in the layouts above (attention_chunks; 0 resolved by chunked.py)
-GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2, 'tp_window': 2, 'tp_cp_qwen': 2}
+GROUPS = {'cp_groups': 4, 'ring_groups': 2, 'docs_groups': 2, 'tp_cp_groups': 2, 'tp_window': 2, 'tp_cp_qwen': 2,
+          'u2_ring2_groups': 2}
 DOC_LENS = [[5, 11], [16], [3, 3, 10], [9, 7]]  # the documents of global_batch's rows, for 'docs' layouts
 
 
@@ -117,7 +128,7 @@ LR = 0.1
 
 
 def model_config(overrides):
-    return Knobs(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('docs', 'host')}})
+    return Knobs(**{**MODEL, **{k: v for k, v in overrides.items() if k not in ('docs', 'host', 'cp_ring')}})
 
 
 def new_model(overrides, mesh=None):
@@ -281,7 +292,7 @@ def _worker(rank, world, port, names, out_dir):
     for name in names:
         _, tp, cp, cp_impl, sp, zero, overrides = LAYOUTS[name]
         config = model_config(overrides)
-        mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp)
+        mesh = parallel.make_mesh(tp, cp, cp_impl, config.n_kv_head, sp, cp_ring=overrides.get('cp_ring', 0))
         model = apply_techniques(new_model(overrides), mesh)
         if zero > 1:
             parallel.shard_states(model, mesh, zero, torch.float32, overrides.get('host', False))
@@ -389,6 +400,12 @@ EXPECTED_PER_BLOCK = {
     'ring_qwen': {'ring_shift': 4},
     'zero3_qwen': {},
     'tp_cp_qwen': {'all_gather': 4, 'reduce_scatter': 4, 'all_to_all': 2 * 6},
+    # Ulysses' all-to-alls around the ring's shifts (r = 2: 3·r - 2)
+    'u2_ring2_docs': {'all_to_all': 4, 'ring_shift': 4},
+    'u2_ring2_window': {'all_to_all': 4, 'ring_shift': 4},  # (r = 2: the one other step is step r - 1)
+    'u2_ring2_groups': {'all_to_all': 2 * 6, 'ring_shift': 2 * 5},
+    'u2_ring2_offload': {'all_to_all': 4, 'ring_shift': 4},
+    'u2_ring2_qwen': {'all_to_all': 4, 'ring_shift': 4},
 }
 # recompute='full' runs each block's forward again in backward, but torch's checkpoint stops once it has
 # every tensor backward needs: the block's last reduction (after w2), whose output nothing saves, is skipped.
@@ -400,7 +417,7 @@ FORWARD_PER_BLOCK = {'all_reduce': 1, 'all_gather': 2, 'reduce_scatter': 1, 'all
 def test_collectives_per_block(results, name):
     assert results[name]['block'] == EXPECTED_PER_BLOCK[name]
     groups = GROUPS.get(name, 1)  # cp's collectives run per head group
-    shifts = LAYOUTS[name][2] - 1  # the ring's, per forward (step 0 sends nothing)
+    shifts = parallel.ring_size(*LAYOUTS[name][2:4], LAYOUTS[name][-1].get('cp_ring', 0)) - 1  # a forward's
     again = {k: v + FORWARD_PER_BLOCK[k] * (groups if k in ('all_to_all', 'ring_shift') else 1)
              * (shifts if k == 'ring_shift' else 1) for k, v in EXPECTED_PER_BLOCK[name].items()}
     assert results[name]['block_recompute'] == again
@@ -727,7 +744,7 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=3, tp=3), 'n_head=4 is not divisible by tp_size=3'),
     (dict(world=4, tp=4, n_kv_head=1, n_head=8), None),  # kv heads replicated
     (dict(world=4, tp=4, n_kv_head=3, n_head=12, n_embd=48), 'n_kv_head=3 and tp_size=4: one must divide the other'),
-    (dict(world=3, cp=3, n_kv_head=2, n_head=6, n_embd=48, seq_len=18), '2 kv heads per rank and cp_size=3'),
+    (dict(world=3, cp=3, n_kv_head=2, n_head=6, n_embd=48, seq_len=18), "6 query and 2 kv heads per rank (n_head, n_kv_head / tp_size) don't split over Ulysses' 3 ranks (cp_size / cp_ring); cp_ring = 3 does"),
     (dict(world=4, tp=4, n_kv_head=2, n_head=8, n_embd=64), None),
     (dict(world=8, tp=8, n_kv_head=4, n_head=8, n_embd=64), None),
     (dict(world=2, tp=2, intermediate_size=63), 'intermediate_size=63 is not divisible by tp_size=2'),
@@ -737,8 +754,24 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
     (dict(world=2, tp=2, zero=3, states_on_host=True), None),  # FSDP2 over one rank: it streams the weights in
     (dict(world=2, zero=2, states_on_host=True), 'offload_states=True streams each block'),
     (dict(world=2, cp=2, seq_len=15), 'seq_len=15 is not divisible by cp_size=2'),
-    (dict(world=8, cp=8), 'n_head / tp_size = 4 heads per rank are not divisible by cp_size=8 (Ulysses)'),
-    (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), 'n_head / tp_size = 6 heads per rank'),
+    (dict(world=8, cp=8), "4 query and 2 kv heads per rank (n_head, n_kv_head / tp_size) don't split over Ulysses' 8 "
+                          "ranks (cp_size / cp_ring); cp_ring = 2 or 4 or 8 does"),
+    (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), "6 query and 3 kv heads per rank"),
+    (dict(world=4, cp=4, n_kv_head=3, n_head=6, n_embd=48), "cp_ring = 4 does"),  # the ring alone: any count
+    # two dimensions (c = u x r): Ulysses' rules over u = cp / cp_ring ranks, the ring's zigzag over all 2·cp chunks
+    (dict(world=8, cp=8, cp_ring=2), None),  # 4 heads over u = 4
+    (dict(world=4, cp=4, cp_ring=3), 'cp_ring=3 must divide cp_size=4'),
+    (dict(world=4, cp=4, cp_ring=-1), 'cp_ring=-1 must divide cp_size=4'),
+    (dict(world=8, cp=8, cp_ring=2, n_head=6, n_kv_head=2, n_embd=48, seq_len=32),
+     "6 query and 2 kv heads per rank (n_head, n_kv_head / tp_size) don't split over Ulysses' 4 ranks (cp_size / "
+     "cp_ring); cp_ring = 4 or 8 does"),
+    (dict(world=8, cp=8, cp_ring=4, n_head=6, n_kv_head=2, n_embd=48, seq_len=32), None),
+    (dict(world=4, cp=4, cp_ring=2, seq_len=12), 'seq_len=12 is not divisible by 2 * cp_size = 8'),
+    (dict(world=4, cp=4, cp_ring=2, cp_impl='ring'), None),  # cp_ring decides the split
+    (dict(world=4, cp=4, cp_ring=2, offload=0.5), "offload=0.5 with recompute='none' and cp_impl='ring'"),
+    (dict(world=4, cp=4, cp_ring=2, n_head=8, n_kv_head=4, attention_chunks=4), None),  # 2 heads over u = 2
+    (dict(world=8, cp=8, cp_ring=2, n_head=8, n_kv_head=4, attention_chunks=4),
+     "attention_chunks=4: Ulysses spreads each group's 2 query and 1 kv heads over 4 ranks"),
     (dict(world=2, cp=2, seq_len=18, cp_impl='ring'), 'not divisible by 2 * cp_size = 4'),
     (dict(world=4, tp=4, seq_len=18), 'seq_len / cp_size = 18 is not divisible by tp_size=4 (sequence parallelism)'),
     (dict(world=2, cp=2, cp_impl='ring', device_type='cuda'), "needs bfloat16 or float16, not torch.float32"),
@@ -754,7 +787,7 @@ def test_an_impossible_layout_is_one_line_for_the_job(tmp_path, layout, reason):
      'attention_chunks=4 does not divide the 2 kv heads per tp rank'),
     (dict(world=2, tp=2, n_head=8, n_kv_head=4, attention_chunks=2), None),
     (dict(world=4, cp=4, n_head=8, n_kv_head=4, attention_chunks=4),
-     "attention_chunks=4: Ulysses spreads each group's 2 query and 1 kv heads over cp_size=4 ranks"),
+     "attention_chunks=4: Ulysses spreads each group's 2 query and 1 kv heads over 4 ranks"),
     (dict(world=4, cp=4, n_head=8, n_kv_head=4, attention_chunks=2), None),  # 4 query heads, 2 kv heads copied
     (dict(world=4, cp=4, n_head=8, n_kv_head=4, attention_chunks=0), None),  # chunked.py picks 2
     (dict(world=2, cp=2, cp_impl='ring', n_head=8, n_kv_head=4, attention_chunks=4), None),  # the ring: any
@@ -788,7 +821,7 @@ def test_check_layout_owns_every_rule(layout, reason):
     """One line or None, before anything is allocated. Ring attention's flash kernel is refused here for
     fp32 or odd head dims on CUDA (it raised inside the kernel), and the wrapper refuses the same way."""
     run = dict(world=1, tp=1, cp=1, cp_impl='ulysses', seq_len=16, zero=0, device_type='cpu', dtype=torch.float32,
-               states_on_host=False, pp=1, microbatches=1, schedule='1f1b', ep=1)
+               states_on_host=False, pp=1, microbatches=1, schedule='1f1b', ep=1, cp_ring=0)
     run.update({k: layout.pop(k) for k in list(layout) if k in run})
     why = parallel.check_layout(model_config({'n_embd': 32, **layout}), **run)
     assert why is None if reason is None else (reason in why and '\n' not in why), why

@@ -23,7 +23,7 @@ SETTINGS = dict(batch_size=1, pp_schedule='1f1b', gradient_accumulation_steps=1,
 LLAMA3_8B = Knobs(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                         vocab_size=128256, rope_theta=500000.0)
 MIXTRAL = replace(LLAMA3_8B, vocab_size=32000, n_experts=8, experts_per_token=2)
-ONE = dict(tp_size=1, cp_size=1, cp_impl='ulysses', pp_size=1, zero=0, offload_states=False,
+ONE = dict(tp_size=1, cp_size=1, cp_impl='ulysses', cp_ring=0, pp_size=1, zero=0, offload_states=False,
            ep_size=1, dp=1, pp_schedule='1f1b', gradient_accumulation_steps=1)
 
 
@@ -43,12 +43,16 @@ def test_layouts_are_every_one_parallel_allows():
         assert layout['gradient_accumulation_steps'] == pp
         assert parallel.check_layout(LLAMA3_8B, 8, tp, cp, layout['cp_impl'], None, layout['zero'],
                                      'cuda', torch.bfloat16, layout['offload_states'], pp, pp,
-                                     '1f1b', layout['ep_size']) is None
+                                     '1f1b', layout['ep_size'], layout['cp_ring']) is None
         assert layout['cp_impl'] == 'ulysses' or cp > 1  # (the ring of one rank: no layout)
-    named = {(l['tp_size'], l['cp_size'], l['cp_impl'], l['pp_size'], l['zero'],
+        assert layout['cp_ring'] == 0 or 1 < layout['cp_ring'] < cp  # (the two ends: cp_impl's)
+    named = {(l['tp_size'], l['cp_size'], l['cp_impl'], l['cp_ring'], l['pp_size'], l['zero'],
               l['offload_states']) for l in found}
-    assert {(1, 8, 'ulysses', 1, 3, True), (1, 8, 'ring', 1, 3, True), (8, 1, 'ulysses', 1, 0, False),
-            (2, 4, 'ring', 1, 2, False), (2, 1, 'ulysses', 4, 0, False)} <= named
+    # every split of cp 8 (Ulysses 8, 4 x ring 2, 2 x ring 4, the ring 8); 8 kv heads over Ulysses' 8
+    assert {(1, 8, 'ulysses', 0, 1, 3, True), (1, 8, 'ring', 0, 1, 3, True), (8, 1, 'ulysses', 0, 1, 0, False),
+            (1, 8, 'ulysses', 2, 1, 3, True), (1, 8, 'ulysses', 4, 1, 3, True),
+            (2, 4, 'ring', 0, 1, 2, False), (2, 4, 'ulysses', 2, 1, 2, False),
+            (2, 1, 'ulysses', 0, 4, 0, False)} <= named
     # the layouts' own rules, whatever knobs the config set (offload refuses pp: its plans say so)
     configured = replace(LLAMA3_8B, recompute='full', offload=1.0, attention_chunks=0)
     assert list(plan.layouts(configured, t)) == found
@@ -176,6 +180,16 @@ def test_the_time_model_by_hand():
     expected = compute + 2 * tp + max(0, 2 * ring + fsdp - compute)
     ringed = dict(layout, cp_impl='ring')
     assert plan.step_seconds(c, ringed, S, t) == pytest.approx(expected, rel=1e-9)
+    # two nodes of 4: Ulysses 4 inside each (NVLink) x the ring 2 across (the network); FSDP2 over all 8
+    t8 = plan.Target(8, 4, 80 * GiB, 0, 1e12, SETTINGS)
+    T = S // 8
+    compute = flops / 8 / (1e12 * plan.EFFICIENCY)
+    ulysses = 4 * 2 * (3 / 4) * b * (2 * h + 2 * kv) * T / plan.NVLINK
+    ring = (1 + 2) * 1 * b * 2 * kv * T / plan.NETWORK
+    fsdp = (2 + 4) * n * (7 / 8) / plan.NETWORK
+    expected = compute + 2 * ulysses + max(0, 2 * ring + fsdp - compute)
+    both = dict(ONE, cp_size=8, cp_ring=2, zero=2)
+    assert plan.step_seconds(c, both, S, t8) == pytest.approx(expected, rel=1e-9)
     # pp 2 over 4 micro-batches: the bubble, (4 + 1) / 4
     piped = dict(ONE, pp_size=2, dp=2, gradient_accumulation_steps=4)
     compute = plan.flops_per_token(c, S) * S * 4 / 2 / (1e12 * plan.EFFICIENCY)
