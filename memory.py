@@ -44,12 +44,13 @@ current one's "held" beside every moment (pipeline.py):
                device only what offload.py doesn't send (offload.block_bytes); the rest is host
                memory, reported apart, never in the total. Plus RoPE's fp32 cos and sin: 8·hd
                bytes per position (per token of B·S with doc_mask).
-               Under the ring (r > 1 of c = u × r, parallel.py) also ring.ring_plan of each block
-               and head group: int32 indices of the tokens its r steps compute on and send, on
-               rank 0 16 bytes per token at step 0 and 10 at each other, 10·r + 6 (rank j: 2j
-               more; a sliding window or packed documents: fewer), G·(10·r + 6)·L·u·T·M in all
-               (the ring's tokens are Ulysses' u ranks' T). An attribute of the graph's
-               node (ctx.plan), not a saved tensor: recompute and offload leave it on the device,
+               Under the ring (r > 1 of c = u × r, parallel.py) also ring.ring_plan: int32
+               indices of the tokens its r steps compute on and send, on rank 0 16 bytes per
+               token at step 0 and 10 at each other, 10·r + 6 (rank j: 2j more; a sliding window
+               or packed documents: fewer) of the ring's u·T tokens (Ulysses' u ranks' T), one
+               plan shared by every block and head group of the same window (ring.py), per
+               micro-batch with doc_mask: P·(10·r + 6)·u·T, P = the stage's windows (× M). An
+               attribute of the graph's node (ctx.plan), not a saved tensor: recompute and offload leave it on the device,
                and the node outlives backward (the dry run holds every micro-batch's at the
                optimizer's step, gc.collect() or not): in every moment, the embedding's and the
                optimizer's too, the M micro-batches' (as the last one's moments have them).
@@ -406,12 +407,14 @@ def estimate(config, batch_size, seq_len, *, dtype='bfloat16', device_type='cuda
     kept = kept_per_token(r, batch_size, cp_size, dtype)
     # the ring's (r > 1) ring.ring_plan: each step's parts as int32 indices of our tokens and of
     # the visiting ones they attend, and the tokens we send; on rank 0 16 bytes a token at step 0
-    # and 10 at each of the r - 1 others (rank j: 2j more), per head group, of the ring's tokens:
-    # Ulysses' u ranks' T each (the same plan on each of them). It is
+    # and 10 at each of the r - 1 others (rank j: 2j more), of the ring's tokens: Ulysses' u
+    # ranks' T each. One plan for every block and head group of a micro-batch with the same
+    # window (ring.py shares them), and for every micro-batch without documents. It is
     # ctx.plan, an attribute of the graph's node, not a saved tensor: no recompute frees it and
     # offload never sees it; and the node outlives backward (the dry run: every block's of every
     # micro-batch is alive at the optimizer's step, gc.collect() or not)
-    graph = G * (10 * ring + 6) * r.L * r.T * ulysses * M * (ring > 1)
+    plans = len({c.window(layer) for layer in range(lo, hi)}) * (M if doc_mask else 1)
+    graph = plans * (10 * ring + 6) * r.T * ulysses * (ring > 1)
     activations = ((r.L - kept.sent) * kept.kept + kept.sent * kept.device) * r.T
     # k is an MoE layer's: a dense one keeps a plain MLP's (and under recompute, nothing else)
     activations -= (r.L - r.moe_layers) * r.moe_kept * r.T * (c.recompute == 'none')
