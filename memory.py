@@ -50,10 +50,10 @@ current one's "held" beside every moment (pipeline.py):
                or packed documents: fewer) of the ring's u·T tokens (Ulysses' u ranks' T), one
                plan shared by every block and head group of the same window (ring.py), per
                micro-batch with doc_mask: P·(10·r + 6)·u·T, P = the stage's windows (× M). An
-               attribute of the graph's node (ctx.plan), not a saved tensor: recompute and offload leave it on the device,
-               and the node outlives backward (the dry run holds every micro-batch's at the
-               optimizer's step, gc.collect() or not): in every moment, the embedding's and the
-               optimizer's too, the M micro-batches' (as the last one's moments have them).
+               attribute of the graph's node (ctx.plan), not a saved tensor: recompute and
+               offload leave it on the device, and the node outlives backward (the dry run holds
+               every micro-batch's at the optimizer's step, gc.collect() or not): in every
+               moment, the embedding's and the optimizer's too.
   transient    at the step's peak: the moment of a few whose params + grads + activations +
                transient + workspace is largest, each a working set per token × T plus
                weight-sized terms:

@@ -261,7 +261,7 @@ def ring_step(docs, B, n, window, step, rank, world):
 # the plans made so far, by their arguments: every block and head group of a micro-batch asks for
 # the same one (the same documents, shapes and window), and without documents every micro-batch
 # does. Shared, a plan's int32 indices (10·c + 6 bytes a token on rank 0) are held once, not once
-# per block, head group and micro-batch: at 10M tokens on 16 GPUs that was 18 GiB a rank of
+# per block, head group and micro-batch: at 10M tokens on 16 GPUs that was 15.5 GiB a rank of
 # Llama-3-8B's (memory.py). A graph's node keeps its own reference; the cache forgets the oldest.
 _PLANS = {}
 
