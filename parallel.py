@@ -172,7 +172,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         return (f"cp_ring={cp_ring} must divide cp_size={cp} (the ring's ranks; Ulysses' are "
                 "cp_size / cp_ring)")
     ring = ring_size(cp, cp_impl, cp_ring)
-    u = cp // ring  # Ulysses' ranks
     if zero == 1:
         return "zero must be 0, 2 or 3, got 1 (zero=1 became 2: FSDP2 shards the gradients too)"
     if zero not in (0, 2, 3):
@@ -208,6 +207,34 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
         return (f"attention_chunks={c.attention_chunks} with offload={c.offload} and recompute="
                 f"{c.recompute!r}: offload.py cuts attention by tokens, not heads; use "
                 "recompute='full', or offload=1 with recompute='none'")
+    if why := context_error(c, heads, kv_heads, S, cp, ring, replay, device_type, dtype):
+        return why
+    if tokens % tp:
+        return (f"seq_len / cp_size = {tokens} is not divisible by tp_size={tp} (sequence "
+                "parallelism)")
+    if schedule not in ('1f1b', 'gpipe'):
+        return f"pp_schedule must be '1f1b' or 'gpipe', got {schedule!r}"
+    if pp > c.n_layer:
+        return f"pp_size={pp} stages need a block each: n_layer={c.n_layer}"
+    if pp > 1:
+        if schedule == '1f1b' and microbatches < pp:
+            return (f"pp_schedule='1f1b' runs gradient_accumulation_steps={microbatches} "
+                    f"micro-batches through {pp} stages: it needs at least as many (or "
+                    "pp_schedule='gpipe')")
+        if c.tie_embeddings:
+            return "tie_embeddings=True with pp_size > 1: one weight on the first and last stage"
+        if c.offload > 0:
+            return (f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
+                    "micro-batch's blocks, a stage keeps up to pp_size; use recompute")
+    return None
+
+
+def context_error(c, heads, kv_heads, S, cp, ring, replay, device_type, dtype):
+    """check_layout's rules of context parallelism, c = u × r (the header): Ulysses' over its u
+    ranks, the ring's over its r, for `heads` query and `kv_heads` kv heads a tp rank; `replay`:
+    offload.py would replay attention's output in a recompute."""
+    u = cp // ring
+    groups = c.attention_chunks or 1
     # Ulysses' rules over its u ranks (each holds at u = 1: the ring alone)
     kv_group = kv_heads // groups
     if groups > 1 and (heads // groups % u or kv_group % u and u % kv_group):
@@ -235,23 +262,6 @@ def check_layout(config, world, tp, cp, cp_impl='ulysses', seq_len=None, zero=0,
             return (f"offload={c.offload} with recompute={c.recompute!r} and cp_impl='ring': ring "
                     "attention's output can't be replayed in a recompute (offload.py); use "
                     f"recompute='full'{instead}")
-    if tokens % tp:
-        return (f"seq_len / cp_size = {tokens} is not divisible by tp_size={tp} (sequence "
-                "parallelism)")
-    if schedule not in ('1f1b', 'gpipe'):
-        return f"pp_schedule must be '1f1b' or 'gpipe', got {schedule!r}"
-    if pp > c.n_layer:
-        return f"pp_size={pp} stages need a block each: n_layer={c.n_layer}"
-    if pp > 1:
-        if schedule == '1f1b' and microbatches < pp:
-            return (f"pp_schedule='1f1b' runs gradient_accumulation_steps={microbatches} "
-                    f"micro-batches through {pp} stages: it needs at least as many (or "
-                    "pp_schedule='gpipe')")
-        if c.tie_embeddings:
-            return "tie_embeddings=True with pp_size > 1: one weight on the first and last stage"
-        if c.offload > 0:
-            return (f"offload={c.offload} with pp_size > 1: offload.py's host pool holds one "
-                    "micro-batch's blocks, a stage keeps up to pp_size; use recompute")
     return None
 
 

@@ -768,9 +768,8 @@ def main():
     meta = read_dataset(world, rank)
     config, ckpt = model_config(meta, cfg, world, dev, ptdtype)  # (nothing is built from it yet)
     # the ranks' grid; one process: Mesh(), every size 1 (a dry run's: on the CPU)
-    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, config.n_kv_head,
-                              timeout_s=timeout_s, device_type=dev.type, pp=pp_size, ep=ep_size,
-                              cp_ring=cp_ring)
+    mesh = parallel.make_mesh(tp_size, cp_size, cp_impl, config.n_kv_head, timeout_s=timeout_s,
+                              device_type=dev.type, pp=pp_size, ep=ep_size, cp_ring=cp_ring)
     mem = measure.Report(config, cfg, world, rank, mesh, dev, ptdtype)  # (it changes nothing)
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
