@@ -43,6 +43,10 @@
 # 64.42 GiB; the estimate 59.86).
 # Host memory: 150.69 GiB per rank (the dry run, equal to the estimate), 1.18 TiB for the node's 8 ranks (pinned
 # memory can be rounded up per tensor: keep headroom).
+# Since issue 53 ring.py holds one ring plan for every block and head group (they were one each): the dry run at
+# this length is 54.74 GiB (estimate 52.30), and the longest that fits is now 7,143,424 tokens (61.45 + 2.10 GiB;
+# 7,208,960: 61.96 + 2.10 does not). The figures above are the issue 52 run's. Ulysses 4 x the ring 2 (cp_ring=2:
+# 7 of the 28 heads a rank, no head groups) reaches 3,145,728 (60.27 + 2.60 GiB; 3,211,264: 61.41 + 2.60 does not).
 out_dir = 'out-qwen2.5-7b-long'
 dataset = 'stdlib'  # byte-level; bring your own corpus with data/hf/prepare.py (Qwen's tokenizer.json)
 eval_interval = 50
@@ -61,7 +65,7 @@ vocab_size = 152064
 rope_theta = 1000000.0
 norm_eps = 1e-6
 
-seq_len = 6291456  # the longest that fits by dry run in steps of 65,536 (6,356,992: 62.32 + 2.10 GiB)
+seq_len = 6291456  # issue 52's longest by dry run in steps of 65,536 (7,143,424 fits now: the header's end)
 batch_size = 1
 gradient_accumulation_steps = 1
 
