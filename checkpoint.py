@@ -99,7 +99,8 @@ def state_dict(model, optimizer, mesh, data_gen):
         if p.dtype != x.dtype:
             sd['master.' + n] = place(x[mine])
         # exp_avg, exp_avg_sq: placed as the weight; step: one scalar
-        for k, v in optimizer.state[x].items():
+        # (none: eval.py loads the weights alone)
+        for k, v in optimizer.state.get(x, {}).items():
             if k != 'step':
                 v = place(v[mine])
             sd[f'optim.{n}.{k}'] = v

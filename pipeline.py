@@ -133,19 +133,29 @@ class Pipeline(nn.Module):
                            dtype=self.dtype)
 
     @torch.no_grad()
-    def evaluate(self, x, y, positions=None, docs=None):
-        """The loss of one batch, on every stage: forward only, the stages in turn (a schedule of
-        one micro-batch)."""
+    def hidden(self, x, positions=None, docs=None, fake=False):
+        """One batch forward only, the stages in turn (a schedule of one micro-batch): the last
+        stage's output, the LM head's input; None on the stages before it. fake (eval.py's dry
+        run): the stage alone, as fake_step runs it."""
         rank, group = self.mesh.pp_rank, self.mesh.pp_group
         h = x
         if not self.first:  # the stage before's output
             h = self.received(x)
-            dist.recv(h, group_src=rank - 1, group=group)
+            if not fake:
+                dist.recv(h, group_src=rank - 1, group=group)
         out = self(h, _positions(x, positions), starts=_starts(x, docs, self.mesh.cp))
+        if self.last:
+            return out
+        if not fake:
+            dist.send(out, group_dst=rank + 1, group=group)
+        return None
+
+    @torch.no_grad()
+    def evaluate(self, x, y, positions=None, docs=None):
+        """The loss of one batch, on every stage (hidden's forward)."""
+        out = self.hidden(x, positions, docs)
         loss = torch.zeros((), device=x.device)
         if self.last:
             with self.autocast:
                 loss = self.model.output(out, y)[1].float()
-        else:
-            dist.send(out, group_dst=rank + 1, group=group)
-        return parallel.all_reduce(loss, group)  # the last stage's, on every stage
+        return parallel.all_reduce(loss, self.mesh.pp_group)  # the last stage's, on every stage

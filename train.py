@@ -754,11 +754,11 @@ def catch_signals():
     return received
 
 
-# -----------------------------------------------------------------------------
-def main():
-    """Setup, in the order it happens, then the loop: evaluate, set the lr, step, log."""
-    cfg = configure(globals())  # a config file, then --key=value, over the defaults above
-    check(cfg, RULES)
+def setup(cfg):
+    """What a run and an evaluation (eval.py) set up alike, in this order: the device and dtype,
+    the ranks, the data, the model's config and this layout's mesh, the memory report, the model
+    built on one device (place_model then applies the techniques). Returns (device, dtype,
+    autocast, rank, meta, config, checkpoint or None, mesh, report, model)."""
     dev, ptdtype, autocast = device_and_dtype()
     torch.manual_seed(seed)  # on every rank: each builds the same full model, then shards it
     world, rank, local_rank = parallel.init_distributed(dev.type, dry_run, timeout_s,
@@ -774,6 +774,16 @@ def main():
     if auto_memory:  # the cheapest memory knobs that fit (the layout's rules allow them)
         config = replace(config, **mem.auto_memory())
     model = build_model(config)  # (a bad HF file: stopped before out_dir)
+    return dev, ptdtype, autocast, rank, meta, config, ckpt, mesh, mem, model
+
+
+# -----------------------------------------------------------------------------
+def main():
+    """Setup, in the order it happens, then the loop: evaluate, set the lr, step, log."""
+    cfg = configure(globals())  # a config file, then --key=value, over the defaults above
+    check(cfg, RULES)
+    dev, ptdtype, autocast, rank, meta, config, ckpt, mesh, mem, model = setup(cfg)
+    world = mesh.world
     lock = make_out_dir(rank)  # (held while main runs)
     mem.check(config)  # the estimate, before anything is on the device: can it fit? (80% rule)
     place_model(model, config, mesh, dev, ptdtype)

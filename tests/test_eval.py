@@ -5,6 +5,7 @@ parsed as SVG), measure.write_curves on a torn log, and data/passkey/prepare.py'
 import importlib.util
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from data.passkey.prompt import FILLER, NEEDLE, QUESTION, passkey_prompt
 from data.tokenizer import get_tokenizer, read_docs, read_meta
 from knobs import Knobs
 from model import Llama
+from sample import generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ['--n_layer=2', '--n_embd=32', '--n_head=4', '--n_kv_head=2', '--intermediate_size=64',
@@ -124,23 +126,31 @@ def test_the_passkey_prompt_loads_no_core_module():
     assert not loaded & (core | {'torch'}), loaded & (core | {'torch'})
 
 
-def test_passkey_scores_the_first_number_of_the_answer(monkeypatch):
-    """A stand-in for sample.generate that answers from the prompt's needle: right, off by one,
-    or right after a letter; the accuracy counts the first number of the answer only."""
-    encode, decode = get_tokenizer({'tokenizer': 'bytes'})
-
-    def answer(say):
-        def generate(model, idx, max_new_tokens, temperature):
-            key = int(re.search(r'pass key is (\d+)', decode(idx[0].tolist())).group(1))
-            new = encode(say(key))[:max_new_tokens]
-            return torch.cat([idx, torch.tensor([new])], 1)
-        return generate
-
-    cases = {' {}.\n': 1.0, ' {}1.': 0.0, ' x{}.': 1.0, ' 1{}': 0.0, ' no': 0.0}
-    for say, expected in cases.items():
-        monkeypatch.setattr(ev, 'generate', answer(say.format))
-        accuracy = ev.passkey(None, encode, decode, [100, 150], [0.0, 1.0], 3, 'cpu')
-        assert accuracy.tolist() == [[expected] * 2] * 2, say
+def test_teacher_forced_verdicts_are_greedy_decodings_trial_by_trial(train_globals):
+    """verdicts' teacher-forced verdict on (prompt, answer) is sample.generate's greedy one: right
+    where greedy writes the answer, wrong where it writes anything else. A random model writes
+    some 7 tokens; those are right, and wrong with any one of them changed; the passkey's own
+    answers (which it does not write) are wrong. Rows of 2 a forward: 3 trials, a spare row."""
+    vars(train)['batch_size'] = 2
+    encode, _ = get_tokenizer({'tokenizer': 'bytes'})
+    torch.manual_seed(0)
+    model = Llama(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
+                        vocab_size=256)).eval()
+    rng = random.Random(0)
+    for length in (110, 160):
+        trials, expected = [], []
+        for depth in (0.0, 0.5, 1.0):
+            prompt, ids = ev.passkey_trial(encode, length + 1 - ev.ANSWER_ROOM, depth, rng)
+            greedy = generate(model, torch.tensor([prompt]), 7, temperature=0)[0, len(prompt):]
+            greedy = greedy.tolist()
+            for i in (0, 3, 6):  # a token changed: the first, one between, the last
+                changed = list(greedy)
+                changed[i] = (changed[i] + 1) % 256
+                trials.append((prompt, changed))
+                expected.append(False)
+            trials += [(prompt, greedy), (prompt, ids)]
+            expected += [True, greedy == ids]
+        assert ev.verdicts(model, None, parallel.Mesh(), nullcontext(), trials, length) == expected
 
 
 def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
@@ -157,6 +167,7 @@ def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
     ('--passkey_depths=[]', 'passkey_depths=[]: at least one depth'),
     ('--passkey_depths=[1.5]', 'passkey_depths=[1.5]: at least one depth, each in [0, 1]'),
     ('--passkey_trials=-3', 'passkey_trials=-3: must be >= 0'),
+    ('--multikey_needles=[0]', 'multikey_needles=[0]: each a number of needles >= 1'),
 ])
 def test_a_bad_eval_key_is_one_line_before_any_work(arg, says, capsys, train_globals):
     with pytest.raises(SystemExit) as e:
@@ -179,7 +190,7 @@ def test_position_buckets_average_to_evaluates_val_loss(doc_mask, loss_chunks, t
     model = Llama(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
                               vocab_size=256, loss_chunks=cfg['loss_chunks'])).eval()
     dev = torch.device('cpu')
-    sums, counts = ev.loss_by_position(model, meta, nullcontext(), dev)
+    sums, counts = ev.loss_by_position(model, None, parallel.Mesh(), meta, nullcontext(), dev)
     expected = train.evaluate(model, meta, parallel.Mesh(), nullcontext(), dev)
     assert (sums.sum() / counts.sum()).item() == pytest.approx(expected, rel=1e-5)
     # each bucket against the whole [B, S, V] logits' losses, bucketed by hand
@@ -228,9 +239,10 @@ def test_loss_by_position_runs_the_lm_head_once_a_token(loss_chunks, tmp_path, t
     meta = train.read_dataset(1, 0)
     # (no other product in the model has 256 columns: n_embd 32, intermediate 64, 128 tokens)
     model = Llama(Knobs(n_layer=2, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=64,
-                        vocab_size=256)).eval()
+                        vocab_size=256, loss_chunks=loss_chunks)).eval()
     with HeadRows(256) as head:
-        ev.loss_by_position(model, meta, nullcontext(), torch.device('cpu'))
+        ev.loss_by_position(model, None, parallel.Mesh(), meta, nullcontext(),
+                            torch.device('cpu'))
     # 2 batches of 3 x 128 tokens, each token's row of logits once
     assert sum(head.rows) == 2 * 3 * 128, head.rows
     assert max(head.rows) <= min(256, -(-3 * 128 // loss_chunks)), head.rows
@@ -242,11 +254,11 @@ def test_eval_end_to_end_on_a_checkpoint_trained_on_the_passkey_corpus(passkey_d
     run('train.py', *TINY, f'--dataset={passkey_data}', '--seq_len=128', '--doc_mask=True',
         '--max_iters=3', '--eval_interval=2', f'--out_dir={out}')
     # the run's keys (dataset, seq_len, doc_mask) come from its checkpoint
-    text = run('eval.py', f'--out_dir={out}', '--passkey_lengths=[100,128]',
-               '--passkey_depths=[0.0,1.0]', '--passkey_trials=2')
+    text = run('eval.py', f'--out_dir={out}', '--passkey_lengths=[112,128]',
+               '--passkey_depths=[0.0,1.0]', '--passkey_trials=2', '--multikey_needles=[]')
     log = [json.loads(line) for line in open(os.path.join(out, 'log.jsonl'))]
     assert 'val loss' in text and re.search(r'64 to\s+127', text)
-    assert re.search(r'passkey accuracy\tdepth \\ length\t100\t128', text)
+    assert re.search(r'passkey accuracy\tdepth \\ length\t112\t128', text)
     assert len(re.findall(r'\n\t(0|1)\.0(\t\d+%){2}', text)) == 2
     cells = svg(os.path.join(out, 'passkey.svg')).findall('{http://www.w3.org/2000/svg}rect')
     assert len(cells) == 4
@@ -259,20 +271,22 @@ def test_eval_end_to_end_on_a_checkpoint_trained_on_the_passkey_corpus(passkey_d
 
 def test_eval_end_to_end_on_a_hugging_face_directory(tiny_hf, tmp_path):
     text = run('eval.py', f'--init_from={tiny_hf.hf}', f'--dataset={tiny_hf.data}',
-               '--seq_len=16', '--batch_size=2', '--device=cpu', '--passkey_lengths=[100]',
-               '--passkey_depths=[0.5]', '--passkey_trials=1', f'--out_dir={tmp_path}')
+               '--seq_len=16', '--batch_size=2', '--device=cpu', '--passkey_lengths=[112]',
+               '--passkey_depths=[0.5]', '--passkey_trials=1', '--multikey_needles=[]',
+               f'--out_dir={tmp_path}')
     assert 'val loss' in text and 'passkey accuracy' in text
     svg(tmp_path / 'positions.svg')
     svg(tmp_path / 'passkey.svg')
 
 
-def test_eval_refuses_data_of_another_tokenizer(tiny_hf, tmp_path, train_globals):
+def test_eval_refuses_data_of_another_tokenizer(tiny_hf, tmp_path, capsys, train_globals):
+    """train.setup's check (eval.py sets up as train.py does), one line."""
     cfg = ev.read_config([f'--init_from={tiny_hf.hf}', '--dataset=stdlib', '--device=cpu',
                           f'--out_dir={tmp_path}'])
-    meta = train.read_dataset(1, 0)
-    # (eval.py's main says it in one line)
-    with pytest.raises(ValueError, match="made by the 'bytes' tokenizer"):
-        ev.load_model(cfg, meta)
+    with pytest.raises(SystemExit):
+        train.setup(cfg)
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and "made by the 'bytes' tokenizer" in err, err
 
 
 def test_write_curves_takes_rows_missing_keys_and_a_torn_line(tmp_path):

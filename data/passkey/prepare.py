@@ -23,6 +23,12 @@ prompt's do in eval.py.
     python data/passkey/prepare.py --seq_len=256                  # 10.8M tokens in 5 seconds
     python train.py --dataset=passkey --seq_len=256 --doc_mask=True ...
     python eval.py --out_dir=... --passkey_lengths=[256,512,1024]
+    python data/passkey/prepare.py --seq_len=512 --needles=4      # multi-key: 1 to 4 needles
+
+With --needles=K > 1 each document is prompt.py's multi-key prompt instead (RULER's
+niah_multikey): k needles uniform in 1..K, each "The pass key of <name> is NNNNN. ...", the
+question asking for one name's, the answer its key. Passkey's corpus teaches copying the one
+number; this one teaches finding the needle the question names.
 """
 
 import argparse
@@ -34,32 +40,42 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from data.passkey.prompt import NEEDLE, QUESTION, passkey_prompt  # noqa: E402
+from data.passkey.prompt import (NAMES, NEEDLE, NEEDLE_OF, QUESTION,  # noqa: E402
+                                 QUESTION_OF, multikey_prompt, passkey_prompt)
 from data.tokenizer import (dtype_for, get_encoding, get_tokenizer, write_docs,  # noqa: E402
                             write_meta, write_split)
 
 
-def documents(encode, n, seq_len, rng):
-    """n documents (lists of token ids), each a passkey prompt and its answer, at most seq_len
-    tokens."""
+def documents(encode, n, seq_len, rng, needles=1):
+    """n documents (lists of token ids), each a prompt and its answer, at most seq_len tokens: a
+    passkey prompt (needles=1), else a multi-key one of k needles, k uniform in 1..needles."""
     bos = encode('')
     # the shortest prompt (no filler) and the longest answer: a document needs room for both
     shortest = len(encode(NEEDLE.format(99999) + QUESTION))
+    if needles > 1:  # the most needles, their longest name each
+        name = max(NAMES, key=len)
+        shortest = len(encode(NEEDLE_OF.format(name=name, key=99999) * needles
+                              + QUESTION_OF.format(name=name)))
     answer_room = len(encode(' 99999.\n')) - len(bos)
     if seq_len < shortest + answer_room + 1:
-        sys.exit(f"error: --seq_len={seq_len}: a passkey document needs at least "
+        sys.exit(f"error: --seq_len={seq_len}: a document of {needles} needles needs at least "
                  f"{shortest + answer_room + 1} tokens")
     docs = []
     for _ in range(n):
-        key = rng.randint(10000, 99999)
-        length = rng.randint(shortest + 1, seq_len - answer_room)
-        prompt = passkey_prompt(encode, length, rng.random(), key)
+        if needles == 1:  # (the draws of a passkey corpus before --needles: the same corpus)
+            key = rng.randint(10000, 99999)
+            length = rng.randint(shortest + 1, seq_len - answer_room)
+            prompt = passkey_prompt(encode, length, rng.random(), key)
+        else:
+            k = rng.randint(1, needles)
+            length = rng.randint(shortest + 1, seq_len - answer_room)
+            prompt, key = multikey_prompt(encode, length, rng.random(), k, rng)
         docs.append(prompt + encode(f' {key}.\n')[len(bos):])
     return docs
 
 
 def prepare(out_dir=None, seq_len=256, train_docs=60000, val_docs=500, tokenizer='bytes',
-            seed=0):
+            seed=0, needles=1):
     out_dir = out_dir or os.path.dirname(os.path.abspath(__file__))
     meta = dict(tokenizer='bytes', vocab_size=256)
     if tokenizer != 'bytes':
@@ -71,7 +87,7 @@ def prepare(out_dir=None, seq_len=256, train_docs=60000, val_docs=500, tokenizer
     encode, _ = get_tokenizer(meta)
     rng = random.Random(seed)
     for split, n in (('train', train_docs), ('val', val_docs)):
-        docs = documents(encode, n, seq_len, rng)
+        docs = documents(encode, n, seq_len, rng, needles)
         os.makedirs(out_dir, exist_ok=True)  # (after documents() checked seq_len: a mistake makes no folder)
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         ids = np.concatenate([np.array(d, dtype=np.int64) for d in docs])
@@ -81,6 +97,8 @@ def prepare(out_dir=None, seq_len=256, train_docs=60000, val_docs=500, tokenizer
     meta.update(dtype=dtype_for(meta['vocab_size']), docs=True,
                 source=f'passkey prompts and answers up to {seq_len} tokens, seed {seed} '
                        f'(data/passkey/prepare.py)')
+    if needles > 1:  # (a passkey corpus's meta.json as it was)
+        meta['source'] += f', multi-key: 1 to {needles} needles'
     write_meta(out_dir, meta)
     print(f"passkey: {train_docs:,} + {val_docs:,} documents up to {seq_len} tokens -> "
           f"{meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens in {out_dir}")
@@ -103,5 +121,7 @@ if __name__ == '__main__':
     p.add_argument('--val_docs', type=positive, default=500)
     p.add_argument('--tokenizer', default='bytes', help="'bytes' or a tiktoken encoding name")
     p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--needles', type=positive, default=1,
+                   help='1: passkey; K > 1: multi-key prompts of 1..K needles')
     a = p.parse_args()
-    prepare(a.out_dir, a.seq_len, a.train_docs, a.val_docs, a.tokenizer, a.seed)
+    prepare(a.out_dir, a.seq_len, a.train_docs, a.val_docs, a.tokenizer, a.seed, a.needles)
