@@ -219,13 +219,14 @@ def multikey_trial(encode, length, depth, rng, k):
 
 
 @torch.no_grad()
-def verdicts(model, pipe, mesh, autocast, trials, length):
-    """A bool per trial (prompt ids, answer ids): the model's argmax at every answer token is that
-    token, teacher-forced. batch_size rows a dp rank a forward: x = prompt + answer, then zeros
-    to `length` tokens; targets only the answer's (spare rows repeat the last trial)."""
+def wrong_tokens(model, pipe, mesh, autocast, trials, length):
+    """For each trial (prompt ids, answer ids), teacher-forced: how many of its answer tokens are
+    not the model's argmax there (0: right). batch_size rows a dp rank a forward: x = prompt +
+    answer, then zeros to `length` tokens; targets only the answer's (spare rows repeat the last
+    trial)."""
     dev = next(model.parameters()).device
     n = train.batch_size * mesh.dp  # rows a forward
-    right = []
+    wrong = []
     for first in range(0, len(trials), n):
         batch = trials[first:first + n]
         count = len(batch)
@@ -238,26 +239,26 @@ def verdicts(model, pipe, mesh, autocast, trials, length):
             # the targets of the inputs before each answer token
             y[i, len(prompt) - 1:len(seq) - 1] = torch.tensor(ids)
         x, y, positions, _ = parallel.shard_batch(mesh, x[:, :-1].to(dev), y.to(dev))
-        # answer tokens the model got wrong, a row each: ours in our dp rank's rows
-        wrong = torch.zeros(n, dtype=torch.float64)
+        # a row each, ours in our dp rank's rows: summed over the ranks, every row's
+        rows = torch.zeros(n, dtype=torch.float64)
         hit = score(model, pipe, mesh, autocast, x, y, positions)[1]
         if hit is not None:
             mine = len(y) * mesh.dp_rank
-            wrong[mine:mine + len(y)] = ((y != -100) & ~hit).sum(1).cpu().double()
-        right += (total(wrong, mesh) == 0)[:count].tolist()
-    return right
+            rows[mine:mine + len(y)] = ((y != -100) & ~hit).sum(1).cpu().double()
+        wrong += total(rows, mesh)[:count].int().tolist()
+    return wrong
 
 
 def retrieval(model, pipe, mesh, autocast, make, lengths, depths, trials, what):
-    """The verdicts [depths][lengths][trials] of `trials` prompts a cell, made by
+    """wrong_tokens [depths][lengths][trials] of `trials` prompts a cell, made by
     make(length, depth, rng), each with its own key."""
     rng = random.Random(train.seed)
-    right = [[] for _ in depths]
+    wrong = [[] for _ in depths]
     for length in tqdm(lengths, f'{what}, by length', disable=mesh.rank > 0):
         for i, depth in enumerate(depths):
             made = [make(length + 1 - ANSWER_ROOM, depth, rng) for _ in range(trials)]
-            right[i].append(verdicts(model, pipe, mesh, autocast, made, length))
-    return right
+            wrong[i].append(wrong_tokens(model, pipe, mesh, autocast, made, length))
+    return wrong
 
 
 # ----------------------------------------------------------------------------- the heatmap
@@ -338,7 +339,7 @@ def main():
     sums, counts = loss_by_position(model, pipe, mesh, meta, autocast, dev)
     # the buckets up to the last one holding a target (past it: none)
     means = (sums / counts)[:int(counts.nonzero().max()) + 1].tolist()
-    # eval.json: every figure, each verdict (the tests compare layouts by it)
+    # eval.json: every figure, each trial's wrong tokens (the tests compare layouts by it)
     report = {'val_loss': (sums.sum() / counts.sum()).item(), 'positions': means}
     if rank == 0:
         print(f"val loss {report['val_loss']:.4f} (evaluate()'s), by position:")
@@ -349,11 +350,12 @@ def main():
                             [('val loss by bit length of the position', [list(enumerate(means))])])
     depths = cfg['passkey_depths']
     for what, make in tests:
-        right = retrieval(model, pipe, mesh, autocast, make, lengths, depths,
+        wrong = retrieval(model, pipe, mesh, autocast, make, lengths, depths,
                           cfg['passkey_trials'], what)
-        accuracy = torch.tensor(right, dtype=torch.float64).mean(-1)
+        # a trial is right when none of its answer tokens is wrong
+        accuracy = (torch.tensor(wrong) == 0).double().mean(-1)
         report[what] = {'lengths': lengths, 'depths': depths, 'accuracy': accuracy.tolist(),
-                        'right': right}
+                        'wrong_tokens': wrong}
         if rank == 0:
             print(f'{what} accuracy', 'depth \\ length', *lengths, sep='\t')
             for depth, row in zip(depths, accuracy.tolist()):

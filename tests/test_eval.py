@@ -127,10 +127,10 @@ def test_the_passkey_prompt_loads_no_core_module():
 
 
 def test_teacher_forced_verdicts_are_greedy_decodings_trial_by_trial(train_globals):
-    """verdicts' teacher-forced verdict on (prompt, answer) is sample.generate's greedy one: right
-    where greedy writes the answer, wrong where it writes anything else. A random model writes
-    some 7 tokens; those are right, and wrong with any one of them changed; the passkey's own
-    answers (which it does not write) are wrong. Rows of 2 a forward: 3 trials, a spare row."""
+    """wrong_tokens' teacher-forced verdict on (prompt, answer) is sample.generate's greedy one:
+    right (0 wrong) where greedy writes the answer, else not. A random model writes some 7
+    tokens: those are right, and wrong with any one of them changed; the passkey's own
+    answers (which it does not write) are not right. Rows of 2 a forward: spare rows too."""
     vars(train)['batch_size'] = 2
     encode, _ = get_tokenizer({'tokenizer': 'bytes'})
     torch.manual_seed(0)
@@ -138,19 +138,26 @@ def test_teacher_forced_verdicts_are_greedy_decodings_trial_by_trial(train_globa
                         vocab_size=256)).eval()
     rng = random.Random(0)
     for length in (110, 160):
-        trials, expected = [], []
+        trials, keys = [], []
         for depth in (0.0, 0.5, 1.0):
             prompt, ids = ev.passkey_trial(encode, length + 1 - ev.ANSWER_ROOM, depth, rng)
             greedy = generate(model, torch.tensor([prompt]), 7, temperature=0)[0, len(prompt):]
             greedy = greedy.tolist()
-            for i in (0, 3, 6):  # a token changed: the first, one between, the last
+            # a token changed: the first, one between (the tokens after it see another context:
+            # 1 wrong at least), the last (exactly 1)
+            for i in (0, 3, 6):
                 changed = list(greedy)
                 changed[i] = (changed[i] + 1) % 256
                 trials.append((prompt, changed))
-                expected.append(False)
-            trials += [(prompt, greedy), (prompt, ids)]
-            expected += [True, greedy == ids]
-        assert ev.verdicts(model, None, parallel.Mesh(), nullcontext(), trials, length) == expected
+            trials.append((prompt, greedy))
+            keys.append((prompt, ids))
+        wrong = ev.wrong_tokens(model, None, parallel.Mesh(), nullcontext(), trials + keys, length)
+        for k in range(3):
+            first, between, last, right = wrong[4 * k:4 * k + 4]
+            assert first >= 1 and between >= 1 and last == 1 and right == 0, wrong
+        for (prompt, ids), n in zip(keys, wrong[len(trials):]):
+            greedy = generate(model, torch.tensor([prompt]), len(ids), temperature=0)
+            assert (n == 0) == (greedy[0, len(prompt):].tolist() == ids)
 
 
 def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
