@@ -169,7 +169,7 @@ SCRIPT_CASES = [
     ('eval: no depth', [*EVAL, '--passkey_depths=[]'], 'passkey_depths=[]'),
     ('eval: a depth past 1', [*EVAL, '--passkey_depths=[0.5, 2]'], 'passkey_depths=[0.5, 2.0]'),
     ('eval: a passkey length shorter than its question', [*EVAL, '--passkey_lengths=[5]'],
-     'passkey length 5'),
+     'passkey at length 5'),
     ('eval: negative trials', [*EVAL, '--passkey_trials=-3'], 'passkey_trials=-3'),
     ('eval: a window of True', [*EVAL, '--sliding_window=True'], '--sliding_window'),
     ('eval: no checkpoint', ['eval.py', '--device=cpu'], 'no checkpoint'),
