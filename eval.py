@@ -339,7 +339,8 @@ def main():
                                   config)
     pipe = None
     if mesh.pp > 1:
-        pipe = pipeline.Pipeline(model, mesh, train.pp_schedule, 1, autocast, dev)
+        # forward only, the stages in turn (Pipeline.hidden): no schedule runs, any takes one batch
+        pipe = pipeline.Pipeline(model, mesh, 'gpipe', 1, autocast, dev)
     if train.dry_run:
         return dry_run_forward(mem, config, model, pipe, weights, mesh, autocast)
     if ckpt:  # a bf16 run's fp32 masters into our weights (checkpoint.load)
@@ -382,3 +383,5 @@ if __name__ == '__main__':
     # tokenizer, a prompt too short or a length the layout can't split: the user's, one line
     except (checkpoint.Error, ValueError) as e:
         die(e)
+    if torch.distributed.is_initialized():  # (as train.py ends: else gloo may abort at exit)
+        torch.distributed.destroy_process_group()
