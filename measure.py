@@ -603,6 +603,8 @@ class Report:
                   f"  peak at: {self.est.moment}"]
         if self.est.host:
             lines[-1] += f"; {gib(self.est.host)} offloaded to host"
+        if measured.get('moment'):  # (an eval's forward peaks elsewhere than training's step)
+            lines.append(f"  {label} peak at: {measured['moment']}")
         return '\n'.join(lines)
 
     def write(self, **extra):

@@ -380,6 +380,33 @@ def test_eval_under_a_layout_equals_one_process(trained, nproc, args):
     assert len({n for cell in one['passkey']['wrong_tokens'] for row in cell for n in row}) > 1
 
 
+@pytest.mark.parametrize('world, layout', [(1, []), (4, ['--tp_size=2', '--cp_size=2']),
+                                            (2, ['--zero=3'])],
+                         ids=['one GPU', 'tp 2 x cp 2', 'zero 3, dp 2'])
+def test_eval_dry_run_peaks_in_a_forward_below_the_training_step(world, layout, tmp_path):
+    """eval.py --dry_run=True at train.py's layout (WORLD_SIZE ranks, as the dry run takes
+    them): the same estimate printed (the training step's), and a measured peak that is a
+    forward's, below the training step's measured one."""
+    env = {**os.environ, 'WORLD_SIZE': str(world), 'OMP_NUM_THREADS': '1'}
+    reports = {}
+    for script, name in (('train.py', 'memory.json'), ('eval.py', 'eval.memory.json')):
+        out = tmp_path / script
+        p = subprocess.run([sys.executable, os.path.join(ROOT, script), 'config/train_tiny.py',
+                            '--dry_run=True', *layout, f'--out_dir={out}'],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and 'verdict: fits' in p.stdout, p.stderr[-3000:]
+        with open(out / name) as f:
+            reports[script] = json.load(f)['ranks'][0]
+    train_rank, eval_rank = reports['train.py'], reports['eval.py']
+    assert eval_rank['world_size'] == train_rank['world_size'] == world
+    assert eval_rank['estimate'] == train_rank['estimate']
+    moment = eval_rank['measured']['moment']
+    assert moment.startswith('forward') and 'backward' not in moment, moment
+    assert 0 < eval_rank['measured']['total'] < train_rank['measured']['total']
+    # no gradients, no optimizer state: a forward holds the weights and activations only
+    assert eval_rank['measured']['grads'] == eval_rank['measured']['optimizer'] == 0
+
+
 def test_eval_end_to_end_on_a_hugging_face_directory(tiny_hf, tmp_path):
     text = run('eval.py', f'--init_from={tiny_hf.hf}', f'--dataset={tiny_hf.data}',
                '--seq_len=16', '--batch_size=2', '--device=cpu', '--passkey_lengths=[112]',
