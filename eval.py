@@ -251,11 +251,12 @@ def wrong_tokens(model, pipe, mesh, autocast, trials, length):
 
 def retrieval(model, pipe, mesh, autocast, make, lengths, depths, trials, what):
     """wrong_tokens [depths][lengths][trials] of `trials` prompts a cell, made by
-    make(length, depth, rng), each with its own key."""
-    rng = random.Random(train.seed)
+    make(length, depth, rng), each with its own key. Each cell draws from its own seed: its keys
+    are the same whatever other lengths and depths a run asks for."""
     wrong = [[] for _ in depths]
     for length in tqdm(lengths, f'{what}, by length', disable=mesh.rank > 0):
         for i, depth in enumerate(depths):
+            rng = random.Random(f'{train.seed} {length} {depth}')
             made = [make(length + 1 - ANSWER_ROOM, depth, rng) for _ in range(trials)]
             wrong[i].append(wrong_tokens(model, pipe, mesh, autocast, made, length))
     return wrong

@@ -2,6 +2,7 @@
 the position buckets against train.evaluate's val loss and the LM head run once a token, eval.py
 end to end on a trained checkpoint and on a Hugging Face directory (its pictures
 parsed as SVG), measure.write_curves on a torn log, and data/passkey/prepare.py's format."""
+import functools
 import importlib.util
 import json
 import os
@@ -212,6 +213,23 @@ def test_teacher_forced_verdicts_are_greedy_decodings_trial_by_trial(train_globa
         for (prompt, ids), n in zip(keys, wrong[len(trials):]):
             greedy = generate(model, torch.tensor([prompt]), len(ids), temperature=0)
             assert (n == 0) == (greedy[0, len(prompt):].tolist() == ids)
+
+
+def test_a_cells_keys_are_the_same_whatever_else_a_run_asks_for(monkeypatch, train_globals):
+    """retrieval seeds each (length, depth) cell alone: the keys of length 200 at depth 0.5 are
+    the same asked alone or after other lengths and depths, and differ from cell to cell."""
+    encode, _ = get_tokenizer({'tokenizer': 'bytes'})
+
+    def keys(model, pipe, mesh, autocast, made, length):  # (in place of a forward: the answers)
+        return [ids for _, ids in made]
+
+    monkeypatch.setattr(ev, 'wrong_tokens', keys)
+    make = functools.partial(ev.passkey_trial, encode)
+    alone = ev.retrieval(None, None, parallel.Mesh(), None, make, [200], [0.5], 3, 'passkey')
+    many = ev.retrieval(None, None, parallel.Mesh(), None, make, [150, 200], [0.0, 0.5], 3,
+                        'passkey')
+    assert many[1][1] == alone[0][0]
+    assert many[0][1] != alone[0][0] and many[1][0] != alone[0][0]
 
 
 def test_no_checkpoint_is_one_line(tmp_path, capsys, train_globals):
